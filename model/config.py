@@ -1,0 +1,163 @@
+"""Model configuration: a frozen dataclass with an explicit per-layer plan.
+
+`layer_kinds` names what each layer is. The forward pass looks each kind up in
+`model.transformer.LAYER_KINDS`, so a new kind (compressed, sparse, cross-layer
+reuse attention) is a new entry there, not a rewrite of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# Layer kinds the Llama/Qwen2/Mistral family uses.
+ATTENTION = "attention"  # full causal self-attention
+SLIDING_ATTENTION = "sliding_attention"  # causal, keys within `sliding_window`
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling, as Hugging Face's `rope_scaling` describes it.
+
+    `rope_type`: "default" (none), "linear" (positions / factor), "llama3"
+    (Llama 3.1 band-wise), or "yarn" (NTK-by-parts plus attention temperature).
+    """
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; None -> from factor (and mscale)
+    mscale: float | None = None  # yarn (DeepSeek style): attention factor numerator
+    mscale_all_dim: float | None = None  # yarn: attention factor denominator
+    truncate: bool = True  # yarn: floor/ceil the correction range (HF default)
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}; supported: {ROPE_TYPES}")
+        if self.factor <= 0:
+            raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer of the Llama family."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_kinds: tuple[str, ...]
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # for SLIDING_ATTENTION layers
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    name: str = "llama"
+
+    def __post_init__(self):
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_heads",
+                      "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"ModelConfig.{field} must be > 0, got {getattr(self, field)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.layer_kinds:
+            raise ValueError("layer_kinds must name at least one layer")
+        if SLIDING_ATTENTION in self.layer_kinds and not self.sliding_window:
+            raise ValueError("sliding_attention layers need sliding_window > 0")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes per token at 2 bytes per element (bf16), all layers."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 2
+
+
+def rope_scaling_from_hf(rope_scaling: dict[str, Any] | None) -> RopeScaling:
+    """Translate Hugging Face's `rope_scaling` / `rope_parameters` dict (or None)."""
+    if not rope_scaling:
+        return RopeScaling()
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    kwargs: dict[str, Any] = {"rope_type": rope_type, "factor": float(rope_scaling.get("factor") or 1.0)}
+    for key in ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
+                "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim",
+                "truncate"):
+        if rope_scaling.get(key) is not None:
+            kwargs[key] = rope_scaling[key]
+    return RopeScaling(**kwargs)
+
+
+# Hugging Face architectures this model implements, and how each differs.
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Build a ModelConfig from a Hugging Face `config.json` dict."""
+    archs = hf.get("architectures") or []
+    supported = [a for a in archs if a in HF_ARCHITECTURES]
+    if not supported:
+        raise ValueError(f"unsupported architecture {archs or hf.get('model_type')!r}; "
+                         f"supported: {sorted(HF_ARCHITECTURES)}")
+    family = HF_ARCHITECTURES[supported[0]]
+    num_heads = hf["num_attention_heads"]
+    hidden = hf["hidden_size"]
+    num_layers = hf["num_hidden_layers"]
+    window = hf.get("sliding_window")
+    if family == "qwen2":
+        # Qwen2 only slides when use_sliding_window is set, and then only on the
+        # layers from max_window_layers on.
+        if hf.get("use_sliding_window") and window:
+            first = hf.get("max_window_layers", num_layers)
+            kinds = tuple(ATTENTION if i < first else SLIDING_ATTENTION for i in range(num_layers))
+        else:
+            kinds, window = (ATTENTION,) * num_layers, None
+    elif family == "mistral" and window:
+        kinds = (SLIDING_ATTENTION,) * num_layers
+    else:
+        kinds, window = (ATTENTION,) * num_layers, None
+    # transformers >= 5 writes `rope_parameters` (theta inside) instead of rope_theta/rope_scaling.
+    rope = hf.get("rope_parameters") or {}
+    eos = hf.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0]
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=hf["intermediate_size"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hidden // num_heads,
+        layer_kinds=kinds,
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rope_scaling=rope_scaling_from_hf(hf.get("rope_scaling") or rope),
+        attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        sliding_window=window,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=eos,
+        name=family,
+    )

@@ -1,0 +1,119 @@
+"""Read a GGUF file: architecture metadata -> ModelConfig, tensors -> params.
+
+llama.cpp stores the q/k projection rows of `llama` models permuted for its
+interleaved RoPE; we undo that so the halves (HF) RoPE layout applies everywhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from model.config import ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeScaling
+
+GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+def open_gguf(path: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises bare ValueError/struct errors on garbage
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def config_from_gguf(reader) -> ModelConfig:
+    arch = field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {GGUF_ARCHITECTURES}")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError("GGUF files with a rope_freqs tensor (Llama 3.1 scaling) are not supported; "
+                         "load the Hugging Face checkpoint directory instead")
+    hidden = int(field(reader, f"{arch}.embedding_length"))
+    heads = int(field(reader, f"{arch}.attention.head_count"))
+    layers = int(field(reader, f"{arch}.block_count"))
+    scaling_type = field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling_type in ("none", None):
+        scaling = RopeScaling()
+    elif scaling_type in ("linear", "yarn"):
+        scaling = RopeScaling(
+            rope_type=scaling_type, factor=float(field(reader, f"{arch}.rope.scaling.factor")),
+            original_max_position_embeddings=field(
+                reader, f"{arch}.rope.scaling.original_context_length"))
+    else:
+        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: linear, yarn")
+    window = field(reader, f"{arch}.attention.sliding_window")
+    kinds = (SLIDING_ATTENTION if window else ATTENTION,) * layers
+    vocab = field(reader, f"{arch}.vocab_size") or len(field(reader, "tokenizer.ggml.tokens"))
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(field(reader, f"{arch}.feed_forward_length")),
+        num_heads=heads,
+        num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        layer_kinds=kinds,
+        max_position_embeddings=int(field(reader, f"{arch}.context_length")),
+        rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        attention_bias="blk.0.attn_q.bias" in names,
+        tie_word_embeddings="output.weight" not in names,
+        sliding_window=int(window) if window else None,
+        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=field(reader, "tokenizer.ggml.eos_token_id"),
+        name=arch,
+    )
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's convert-time permute of q/k rows ([out, in] or [out])."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+_LAYER_TENSORS = {
+    "attn_norm.weight": "attn_norm", "ffn_norm.weight": "mlp_norm",
+    "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv",
+    "attn_output.weight": "wo", "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up",
+    "ffn_down.weight": "w_down", "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
+}
+
+
+def params_from_gguf(reader, config: ModelConfig, dtype=np.float32) -> dict:
+    """Dequantize every tensor to `dtype` and arrange them as model params."""
+    from gguf.quants import dequantize
+
+    permuted = config.name == "llama"  # llama.cpp only permutes for its NORM RoPE
+    params: dict = {"layers": [{} for _ in range(config.num_layers)]}
+    for t in reader.tensors:
+        w = dequantize(t.data, t.tensor_type)  # numpy [out, in] (GGUF lists [in, out])
+        name = t.name
+        if name == "token_embd.weight":
+            params["embed"] = w.astype(dtype)
+        elif name == "output.weight":
+            params["lm_head"] = np.ascontiguousarray(w.T).astype(dtype)
+        elif name == "output_norm.weight":
+            params["final_norm"] = w.astype(dtype)
+        elif name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            if rest not in _LAYER_TENSORS:
+                raise ValueError(f"unexpected GGUF tensor {name!r}")
+            key = _LAYER_TENSORS[rest]
+            if permuted and key in ("wq", "bq"):
+                w = _unpermute_rope_rows(w, config.num_heads)
+            elif permuted and key in ("wk", "bk"):
+                w = _unpermute_rope_rows(w, config.num_kv_heads)
+            if w.ndim == 2:
+                w = np.ascontiguousarray(w.T)
+            params["layers"][int(idx)][key] = w.astype(dtype)
+        elif name != "rope_freqs.weight":
+            raise ValueError(f"unexpected GGUF tensor {name!r}")
+    return params

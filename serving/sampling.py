@@ -1,0 +1,34 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p — one jittable function.
+
+Per-row parameters are arrays so one compiled step serves a batch of requests with
+different settings. A row with temperature 0 is greedy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sample(logits: jnp.ndarray, key: jax.Array, temperature: jnp.ndarray, top_k: jnp.ndarray,
+           top_p: jnp.ndarray, min_p: jnp.ndarray | None = None) -> jnp.ndarray:
+    """Next tokens int32 [B] from logits [B, V].
+
+    temperature: float [B] (0 = greedy); top_k: int [B] (<= 0 = off); top_p: float [B]
+    in (0, 1] (1 = off); min_p: float [B] in [0, 1] (0 = off).
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    ranks = jnp.arange(logits.shape[-1])[None, :]
+    keep = (top_k[:, None] <= 0) | (ranks < top_k[:, None])
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+    if min_p is not None:
+        keep &= probs >= min_p[:, None] * probs[:, :1]
+    choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)

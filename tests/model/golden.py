@@ -1,0 +1,159 @@
+"""Golden fixtures from Hugging Face transformers, the oracle nobody here wrote.
+
+    python -m tests.model.golden            # regenerate tests/model/fixtures/
+
+Needs the `oracle` extra (torch==2.13.0, transformers). The default suite compares
+against the committed fixtures; `pytest -m oracle` recomputes them live.
+
+What is stored:
+- tiny_<name>/: tiny random checkpoints (bf16 safetensors + config.json) saved with
+  `save_pretrained`, one per architecture / RoPE variant, and `logits.npz` with
+  transformers' float32 logits for a fixed random batch.
+- smollm2.npz: for the default GGUF model, read by transformers' own GGUF loader:
+  prompt token ids (one > 512 tokens), logits at a few positions on a fixed vocab
+  subset plus transformers' top tokens, and transformers' greedy continuation.
+- tokenizer.json: transformers' token ids for a set of tricky strings and its
+  rendered chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+TINY_SEQ = 48
+TINY_BATCH = 2
+
+# name -> (transformers config class, kwargs)
+TINY_MODELS = {
+    "llama": ("LlamaConfig", {}),
+    "llama_linear": ("LlamaConfig", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                         "rope_theta": 10000.0}}),
+    "llama3": ("LlamaConfig", {"rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32, "rope_theta": 500000.0}}),
+    "llama_yarn": ("LlamaConfig", {"rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+        "rope_theta": 10000.0}}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "mistral_swa": ("MistralConfig", {"sliding_window": 8}),
+}
+_TINY_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                    rms_norm_eps=1e-5)
+
+TOKENIZER_TEXTS = [
+    "What is the capital of France?",
+    "  leading spaces, trailing spaces   ",
+    "Numbers 1234567 and 3.14159 and 1,000,000",
+    "Unicode: naïve café, 日本語のテキスト, emoji 🤗🚀, Ελληνικά",
+    "code:\n\tdef f(x):\n\t\treturn x**2  # square\n",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "don't won't I'm you're they've we'll she'd",
+]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+VOCAB_SUBSET = 2048  # logits compared on this many fixed vocab ids plus the oracle's top 32
+
+
+def tiny_tokens() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, _TINY_COMMON["vocab_size"], (TINY_BATCH, TINY_SEQ))
+
+
+def long_text() -> str:
+    """Several hundred tokens of text every Python has: the stdlib's own docs."""
+    import collections
+
+    return (collections.__doc__ or "") + "\n" + (collections.OrderedDict.__doc__ or "") + "\n" + \
+        (json.__doc__ or "")
+
+
+def smollm2_prompts(tokenizer) -> list[list[int]]:
+    chat = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    texts = [chat, "The quick brown fox jumps over the lazy dog. " * 3, long_text()]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def make_tiny(name: str, out_dir: str) -> None:
+    import torch
+    import transformers
+
+    cls_name, extra = TINY_MODELS[name]
+    config = getattr(transformers, cls_name)(**_TINY_COMMON, **extra)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    path = os.path.join(out_dir, f"tiny_{name}")
+    hf.save_pretrained(path, safe_serialization=True)
+    np.savez(os.path.join(path, "logits.npz"), tokens=tiny_tokens(),
+             logits=tiny_logits(path))
+
+
+def tiny_logits(path: str) -> np.ndarray:
+    """transformers' float32 logits [batch, seq, vocab] of a tiny checkpoint."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor(tiny_tokens())).logits.numpy()
+
+
+def smollm2_reference(gguf_path: str, greedy_tokens: int = 24) -> dict:
+    """transformers' view of the default model, read from the same GGUF file."""
+    import torch
+    import transformers
+
+    folder, name = os.path.split(gguf_path)
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                           dtype=torch.float32).eval()
+    prompts = smollm2_prompts(tok)
+    rng = np.random.default_rng(0)
+    vocab_ids = np.sort(rng.choice(hf.config.vocab_size, VOCAB_SUBSET, replace=False))
+    out: dict = {"vocab_ids": vocab_ids}
+    with torch.no_grad():
+        for i, ids in enumerate(prompts):
+            logits = hf(torch.tensor([ids])).logits[0].numpy()
+            n = len(ids)
+            positions = np.unique(np.array([0, n // 3, n // 2, n - 2, n - 1]))
+            top = np.argsort(-logits[positions], axis=-1)[:, :32]
+            out[f"prompt{i}"] = np.array(ids)
+            out[f"positions{i}"] = positions
+            out[f"subset_logits{i}"] = logits[positions][:, vocab_ids]
+            out[f"top_ids{i}"] = top
+            out[f"top_logits{i}"] = np.take_along_axis(logits[positions], top, axis=-1)
+        gen = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=greedy_tokens, do_sample=False)
+    out["greedy0"] = gen[0, len(prompts[0]):].numpy()
+    return out
+
+
+def tokenizer_reference(gguf_path: str) -> dict:
+    import transformers
+
+    folder, name = os.path.split(gguf_path)
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return {"texts": TOKENIZER_TEXTS,
+            "ids": [tok(t, add_special_tokens=True)["input_ids"] for t in TOKENIZER_TEXTS],
+            "chat": tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)}
+
+
+def main() -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+    from model import default_model_path
+
+    os.makedirs(FIXTURES, exist_ok=True)
+    for name in TINY_MODELS:
+        make_tiny(name, FIXTURES)
+        print("wrote", f"tiny_{name}")
+    path = default_model_path()
+    np.savez_compressed(os.path.join(FIXTURES, "smollm2.npz"), **smollm2_reference(path))
+    with open(os.path.join(FIXTURES, "tokenizer.json"), "w") as f:
+        json.dump(tokenizer_reference(path), f, ensure_ascii=False, indent=1)
+    print("wrote smollm2.npz, tokenizer.json")
+
+
+if __name__ == "__main__":
+    main()
