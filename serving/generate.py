@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from typing import Iterator, Sequence
 
@@ -19,6 +20,10 @@ import numpy as np
 
 import model
 from serving.sampling import sample
+
+
+# Compiled steps persist across runs: a second `generate` skips XLA compilation.
+COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "kvfold", "jax")
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
@@ -54,10 +59,15 @@ def validate_sampling(max_tokens: int, temperature: float, top_k: int, top_p: fl
 class Generator:
     """A loaded model plus its tokenizer, generating for a batch of prompts."""
 
-    def __init__(self, source: str = "default", dtype=jnp.float32):
-        self.config, self.params = model.load(source, dtype)
-        self.tokenizer = model.load_tokenizer(source)
-        self.dtype = dtype
+    def __init__(self, config: model.ModelConfig, params: dict, tokenizer: model.Tokenizer,
+                 dtype=jnp.float32):
+        self.config, self.params, self.tokenizer, self.dtype = config, params, tokenizer, dtype
+
+    @classmethod
+    def load(cls, source: str = "default", dtype=jnp.float32) -> "Generator":
+        """Load `source` ('default', a .gguf file or a HF directory) and its tokenizer."""
+        config, params = model.load(source, dtype)
+        return cls(config, params, model.load_tokenizer(source), dtype)
 
     def prompt_ids(self, prompt: str, raw: bool = False) -> list[int]:
         """Token ids of `prompt`, through the chat template unless `raw`."""
@@ -162,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         validate_sampling(args.max_tokens, args.temperature, args.top_k, args.top_p)
-        generator = Generator(args.model)
+        jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
+        generator = Generator.load(args.model)
         ids = generator.prompt_ids(args.prompt, raw=args.raw)
         pieces = stream_text(generator, ids, max_tokens=args.max_tokens,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -19,6 +19,13 @@ def sample(logits: jnp.ndarray, key: jax.Array, temperature: jnp.ndarray, top_k:
     """
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # Sorting the vocabulary dominates a CPU decode step: skip it for all-greedy batches.
+    return jax.lax.cond(jnp.any(temperature > 0),
+                        lambda: _sample_sorted(logits, greedy, key, temperature, top_k, top_p, min_p),
+                        lambda: greedy)
+
+
+def _sample_sorted(logits, greedy, key, temperature, top_k, top_p, min_p):
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)

@@ -87,9 +87,7 @@ def test_default_model_logits_match_transformers(default_model, smollm2_golden):
 def test_default_model_greedy_matches_transformers(default_model, default_tokenizer, smollm2_golden):
     from serving.generate import Generator
 
-    gen = Generator.__new__(Generator)  # reuse the session's loaded model
-    gen.config, gen.params = default_model
-    gen.tokenizer, gen.dtype = default_tokenizer, jnp.float32
+    gen = Generator(*default_model, default_tokenizer)
     want = smollm2_golden["greedy0"].tolist()
     got = gen.generate(smollm2_golden["prompt0"].tolist(), max_tokens=len(want), ignore_eos=True)
     assert got == want

