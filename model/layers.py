@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
+from quant import linear  # float [in, out] weights or quantized containers alike
 from model.rope import apply_rope
 
 
@@ -14,12 +15,6 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
-
-
-def linear(x: jnp.ndarray, w: jnp.ndarray, b: jnp.ndarray | None = None) -> jnp.ndarray:
-    """x [..., in] @ w [in, out] (+ b [out])."""
-    y = x @ w
-    return y if b is None else y + b
 
 
 def mlp(params: dict, x: jnp.ndarray) -> jnp.ndarray:

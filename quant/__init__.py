@@ -1,0 +1,122 @@
+"""Number formats and quantizers for kvfold, independent of any model.
+
+- Element codecs and bit packing: e2m1 (FP4), e4m3 (FP8), ue8m0 scales; pack_bits/nibbles.
+- Block-scaled formats along the last axis: NVFP4, MXFP4, FP8 E4M3 + UE8M0 (blockscaled).
+- LLM.int8() weights and matmul (int8), and the model-facing linear / quantize_params.
+- KIVI 2/4-bit KV cache (kivi) and TurboQuant vector quantization (turboquant).
+
+quant imports nothing from model/, serving/ or pallas_kernels/ (they import it).
+"""
+
+from typing import TYPE_CHECKING
+
+from quant.blockscaled import (
+    FORMATS,
+    FP8Block,
+    MXFP4,
+    NVFP4,
+    bytes_per_row,
+    fp8_block_dequantize,
+    fp8_block_quantize,
+    mxfp4_dequantize,
+    mxfp4_quantize,
+    nvfp4_dequantize,
+    nvfp4_quantize,
+    stored_bytes_per_row,
+)
+from quant.formats import (
+    E2M1_MAGNITUDES,
+    E2M1_MAX,
+    E4M3_MAX,
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_decode,
+    e4m3_encode,
+    ue8m0_decode,
+    ue8m0_encode,
+)
+from quant.int8 import DEFAULT_THRESHOLD, Int8Weight, int8_matmul, quantize_weight
+from quant.kivi import (
+    KIVI_BITS,
+    KiviKeys,
+    KiviKV,
+    KiviValues,
+    kivi_compress,
+    kivi_decompress,
+    kivi_dequantize_keys,
+    kivi_dequantize_values,
+    kivi_num_quantized,
+    kivi_quantize_keys,
+    kivi_quantize_values,
+)
+from quant.linear import DEFAULT_LINEAR_NAMES, METHODS, default_linear_predicate, linear, quantize_params
+from quant.lloyd_max import sphere_codebook, sphere_codebook_mse
+from quant.packing import pack_bits, pack_nibbles, unpack_bits, unpack_nibbles
+
+if TYPE_CHECKING:
+    from quant.turboquant import TurboCodes, TurboQuant
+
+# quant.turboquant is imported on first use: eagerly importing it here would make
+# `python -m quant.turboquant --table` find its own module already loaded (runpy warns).
+_LAZY = {"TurboCodes": "quant.turboquant", "TurboQuant": "quant.turboquant"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'quant' has no attribute {name!r}")
+
+
+__all__ = [
+    "DEFAULT_LINEAR_NAMES",
+    "DEFAULT_THRESHOLD",
+    "E2M1_MAGNITUDES",
+    "E2M1_MAX",
+    "E4M3_MAX",
+    "FORMATS",
+    "FP8Block",
+    "Int8Weight",
+    "KIVI_BITS",
+    "KiviKV",
+    "KiviKeys",
+    "KiviValues",
+    "METHODS",
+    "MXFP4",
+    "NVFP4",
+    "TurboCodes",
+    "TurboQuant",
+    "bytes_per_row",
+    "default_linear_predicate",
+    "e2m1_decode",
+    "e2m1_encode",
+    "e4m3_decode",
+    "e4m3_encode",
+    "fp8_block_dequantize",
+    "fp8_block_quantize",
+    "int8_matmul",
+    "kivi_compress",
+    "kivi_decompress",
+    "kivi_dequantize_keys",
+    "kivi_dequantize_values",
+    "kivi_num_quantized",
+    "kivi_quantize_keys",
+    "kivi_quantize_values",
+    "linear",
+    "mxfp4_dequantize",
+    "mxfp4_quantize",
+    "nvfp4_dequantize",
+    "nvfp4_quantize",
+    "pack_bits",
+    "pack_nibbles",
+    "quantize_params",
+    "quantize_weight",
+    "sphere_codebook",
+    "sphere_codebook_mse",
+    "stored_bytes_per_row",
+    "ue8m0_decode",
+    "ue8m0_encode",
+    "unpack_bits",
+    "unpack_nibbles",
+]

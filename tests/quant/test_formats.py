@@ -1,0 +1,119 @@
+"""Bit packing and element codecs (E2M1, E4M3, UE8M0) against ml_dtypes / numpy oracles."""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from quant import formats
+from quant.packing import pack_bits, pack_nibbles, unpack_bits, unpack_nibbles
+
+
+def _np_pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Independent oracle: explicit LSB-first bit stream through numpy.packbits."""
+    stream = ((codes[..., None].astype(np.uint16) >> np.arange(bits)) & 1).astype(np.uint8)
+    stream = stream.reshape(*codes.shape[:-1], -1)
+    return np.packbits(stream, axis=-1, bitorder="little")
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_pack_bits_round_trip_and_layout(bits):
+    rng = np.random.default_rng(bits)
+    codes = rng.integers(0, 1 << bits, size=(3, 5, 64), dtype=np.uint8)
+    packed = pack_bits(jnp.asarray(codes), bits)
+    assert packed.dtype == jnp.uint8 and packed.shape == (3, 5, 64 * bits // 8)
+    np.testing.assert_array_equal(np.asarray(packed), _np_pack(codes, bits))
+    np.testing.assert_array_equal(np.asarray(unpack_bits(packed, bits)), codes)
+
+
+def test_pack_nibbles_low_nibble_first():
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 16, size=(4, 34), dtype=np.uint8)
+    packed = np.asarray(pack_nibbles(jnp.asarray(codes)))
+    np.testing.assert_array_equal(packed, codes[:, 0::2] | (codes[:, 1::2] << 4))
+    np.testing.assert_array_equal(np.asarray(unpack_nibbles(jnp.asarray(packed))), codes)
+
+
+def test_pack_rejects_misaligned_and_bad_width():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_bits(jnp.zeros((5,), jnp.uint8), 3)
+    with pytest.raises(ValueError, match="1..8"):
+        pack_bits(jnp.zeros((8,), jnp.uint8), 9)
+    with pytest.raises(ValueError, match="even"):
+        pack_nibbles(jnp.zeros((3,), jnp.uint8))
+
+
+def test_e2m1_all_codes_round_trip_and_match_ml_dtypes():
+    codes = np.arange(16, dtype=np.uint8)
+    values = np.asarray(formats.e2m1_decode(jnp.asarray(codes)))
+    np.testing.assert_array_equal(values, codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32))
+    np.testing.assert_array_equal(np.signbit(values), codes >= 8)  # -0.0 keeps its sign
+    np.testing.assert_array_equal(np.asarray(formats.e2m1_encode(jnp.asarray(values))), codes)
+
+
+def test_e2m1_round_to_nearest_even_saturating():
+    rng = np.random.default_rng(1)
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    x = np.concatenate(
+        [
+            rng.standard_normal(20000) * 3,
+            rng.uniform(-8, 8, 20000),
+            mids,
+            -mids,  # exact ties
+            np.nextafter(mids, 0),
+            np.nextafter(mids, 10),
+            [7.0, -100.0, 6.5, 1e30],  # saturation
+        ]
+    ).astype(np.float32)
+    got = np.asarray(formats.e2m1_encode(jnp.asarray(x)))
+    want = x.astype(np.float64).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
+    np.testing.assert_array_equal(got, want)
+    # Ties go to the even code: 0.25 -> 0, 0.75 -> 1.0, 2.5 -> 2.0, 5.0 -> 4.0.
+    ties = np.asarray(formats.e2m1_decode(formats.e2m1_encode(jnp.asarray(mids, jnp.float32))))
+    np.testing.assert_array_equal(ties, [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0])
+
+
+def test_e4m3_every_finite_value_round_trips_bit_exactly():
+    bits = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)  # 0x7F/0xFF are NaN
+    values = bits.view(ml_dtypes.float8_e4m3fn)
+    decoded = formats.e4m3_decode(jnp.asarray(values))
+    np.testing.assert_array_equal(np.asarray(decoded), values.astype(np.float32))
+    again = np.asarray(formats.e4m3_encode(decoded)).view(np.uint8)
+    np.testing.assert_array_equal(again, bits)
+
+
+def test_e4m3_random_matches_float64_oracle_and_saturates():
+    rng = np.random.default_rng(2)
+    x = np.concatenate(
+        [
+            rng.standard_normal(20000) * 100,
+            rng.standard_normal(5000) * 2.0**-8,  # subnormal range
+            [448.0, 449.0, 500.0, -1e6, 1e-12],
+        ]
+    ).astype(np.float32)
+    got = np.asarray(formats.e4m3_encode(jnp.asarray(x))).view(np.uint8)
+    want = np.clip(x.astype(np.float64), -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    np.testing.assert_array_equal(got, want)
+    assert not np.isnan(np.asarray(formats.e4m3_decode(formats.e4m3_encode(jnp.asarray(x))))).any()
+
+
+def test_ue8m0_matches_float8_e8m0fnu():
+    codes = np.arange(256, dtype=np.uint8)
+    got = np.asarray(formats.ue8m0_decode(jnp.asarray(codes)))
+    want = codes.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    np.testing.assert_array_equal(got[:255], want[:255])
+    assert np.isnan(got[255]) and np.isnan(want[255])
+    exps = np.arange(-127, 128)
+    np.testing.assert_array_equal(np.asarray(formats.ue8m0_encode(jnp.asarray(exps))), exps + 127)
+
+
+def test_pow2_exponent_floor_and_ceil():
+    rng = np.random.default_rng(3)
+    x = np.concatenate([np.exp(rng.uniform(-60, 60, 5000)), 2.0 ** np.arange(-100, 100)]).astype(np.float32)
+    x64 = x.astype(np.float64)
+    floor = np.asarray(formats.pow2_exponent(jnp.asarray(x), round_up=False))
+    ceil = np.asarray(formats.pow2_exponent(jnp.asarray(x), round_up=True))
+    np.testing.assert_array_equal(floor, np.floor(np.log2(x64)))
+    np.testing.assert_array_equal(ceil, np.ceil(np.log2(x64)))
+    e = np.arange(-126, 128)
+    np.testing.assert_array_equal(np.asarray(formats.pow2(jnp.asarray(e))), 2.0**e)

@@ -1,0 +1,123 @@
+"""TurboQuant: Lloyd-Max codebooks equal the paper's, measured distortion equals the exact
+Lloyd-Max value, prod mode is unbiased and within its bound, 1-bit MSE shrinks by 2/pi."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import quant
+from quant.lloyd_max import sphere_codebook, sphere_codebook_mse
+from quant.turboquant import main, measure, prod_distortion_bound
+
+D = 128
+PAPER_CENTROIDS = {  # positive centroids * sqrt(d) at d = 128 (REFERENCES section 10)
+    1: [0.7994],
+    2: [0.4525, 1.5052],
+    3: [0.2444, 0.7533, 1.3366, 2.1315],
+    4: [0.1279, 0.3864, 0.6536, 0.9371, 1.2478, 1.6043, 2.0459, 2.6889],
+}
+PAPER_MSE = {1: 0.3609, 2: 0.1160, 3: 0.0340, 4: 0.0093}
+GAUSSIAN_LLOYD_MAX = {1: [0.7979], 2: [0.4528, 1.5104], 3: [0.2451, 0.7560, 1.3439, 2.1520]}
+
+
+@functools.cache
+def _measured(bits, mode):
+    return measure(D, bits, mode, n=10_000, seed=0)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_codebook_matches_paper(bits):
+    c = sphere_codebook(D, bits)
+    assert len(c) == 2**bits and np.all(np.diff(c) > 0)
+    np.testing.assert_allclose(c, -c[::-1], atol=1e-15)
+    np.testing.assert_allclose(c[2 ** (bits - 1) :] * math.sqrt(D), PAPER_CENTROIDS[bits], atol=2e-4)
+    assert abs(sphere_codebook_mse(D, bits) - PAPER_MSE[bits]) < 1e-4
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3])
+def test_codebook_tends_to_gaussian_lloyd_max(bits):
+    # For large d the coordinate density tends to N(0, 1/d): classic Lloyd-Max (Max, 1960).
+    c = sphere_codebook(8192, bits) * math.sqrt(8192)
+    np.testing.assert_allclose(c[2 ** (bits - 1) :], GAUSSIAN_LLOYD_MAX[bits], atol=1e-3)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_measured_mse_matches_lloyd_max(bits):
+    assert abs(_measured(bits, "mse")["mse"] / PAPER_MSE[bits] - 1) < 0.05
+    assert 4.0**-bits < _measured(bits, "mse")["mse"] < math.sqrt(3) * math.pi / 2 * 4.0**-bits
+
+
+def test_one_bit_mse_shrinks_inner_products_by_two_over_pi():
+    assert abs(_measured(1, "mse")["slope"] - 2 / math.pi) < 0.01
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_prod_mode_unbiased_and_within_bound(bits):
+    m = _measured(bits, "prod")
+    assert abs(m["slope"] - 1) < 0.05
+    assert m["ip_distortion"] <= prod_distortion_bound(D, bits)
+    # QJL on the residual of the (b-1)-bit MSE stage: about pi/2 * mse(b-1) / d.
+    expected = math.pi / 2 * (1.0 if bits == 1 else PAPER_MSE[bits - 1]) / D
+    assert abs(m["ip_distortion"] / expected - 1) < 0.15
+
+
+@pytest.mark.parametrize("bits, hi, lo", [(2.5, 3, 2), (3.5, 4, 3)])
+def test_fractional_rates_split_channels(bits, hi, lo):
+    tq = quant.TurboQuant(D, bits)
+    x = np.random.default_rng(7).standard_normal((4096, D)).astype(np.float32)
+    codes = tq.quantize(jnp.asarray(x))
+    assert codes.idx.shape == (4096, (64 * hi + 64 * lo) // 8)
+    assert codes.nbytes == 4096 * ((64 * hi + 64 * lo) // 8 + 4)
+    u = x / np.linalg.norm(x, axis=-1, keepdims=True)
+    x_hat = np.asarray(tq.dequantize(codes)) / np.linalg.norm(x, axis=-1, keepdims=True)
+    mse = np.mean(np.sum((u - x_hat) ** 2, -1))
+    # Half the rotated coordinates at each rate: the average of the two distortions.
+    assert abs(mse / ((PAPER_MSE[hi] + PAPER_MSE[lo]) / 2) - 1) < 0.05
+
+
+@pytest.mark.parametrize("mode", ["mse", "prod"])
+def test_score_equals_inner_product_with_dequantized_keys(mode):
+    tq = quant.TurboQuant(64, 3, mode=mode, seed=3)
+    rng = np.random.default_rng(8)
+    keys = jnp.asarray(rng.standard_normal((2, 4, 10, 64)) * 3, jnp.float32)  # [B, H, N, d], not unit
+    q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
+    codes = tq.quantize(keys)
+    assert codes.norm.shape == (2, 4, 10) and codes.idx.dtype == jnp.uint8
+    if mode == "prod":
+        assert codes.qjl.shape == (2, 4, 10, 8) and codes.rnorm.shape == (2, 4, 10)
+    want = np.einsum("bhd,bhnd->bhn", np.asarray(q), np.asarray(tq.dequantize(codes)))
+    np.testing.assert_allclose(np.asarray(tq.score(q, codes)), want, rtol=1e-4, atol=1e-4)
+    # [M, d] queries against [N] keys broadcast to [M, N]; works inside jit.
+    flat = jax.tree.map(lambda a: a[0, 0], codes)
+    got = jax.jit(tq.score)(q[0], flat)
+    want = np.asarray(q[0]) @ np.asarray(tq.dequantize(flat)).T
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_rotation_is_orthogonal_and_seeded():
+    a, b = quant.TurboQuant(D, 2, seed=1), quant.TurboQuant(D, 2, seed=1)
+    pi = np.asarray(a.rotation, np.float64)
+    np.testing.assert_allclose(pi @ pi.T, np.eye(D), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(a.rotation), np.asarray(b.rotation))
+    assert not np.allclose(np.asarray(a.rotation), np.asarray(quant.TurboQuant(D, 2, seed=2).rotation))
+
+
+def test_turboquant_validation():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        quant.TurboQuant(D, 2, mode="fast")
+    with pytest.raises(ValueError, match="multiple of 0.5"):
+        quant.TurboQuant(D, 2.25)
+    with pytest.raises(ValueError, match="prod mode needs bits"):
+        quant.TurboQuant(D, 1.5, mode="prod")
+    with pytest.raises(ValueError, match="whole number of bytes"):
+        quant.TurboQuant(100, 3)
+    with pytest.raises(ValueError, match=r"float \[\.\.\., 128\]"):
+        quant.TurboQuant(D, 2).quantize(jnp.zeros((3, 64)))
+    with pytest.raises(ValueError, match="prod-mode"):
+        quant.TurboQuant(D, 2, mode="prod").dequantize(quant.TurboQuant(D, 2).quantize(jnp.ones((1, D))))
+    with pytest.raises(SystemExit):
+        main([])  # the CLI needs --table
