@@ -1,12 +1,16 @@
 """What the network computes: configs, layers, the pure forward pass, loaders."""
 
 from model.config import ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeScaling
+from model.context import ForwardContext
+from model.kv_cache import CacheLayout, KVCache
 from model.loader import default_model_path, load, load_tokenizer
 from model.tokenizer import Tokenizer
-from model.transformer import LAYER_KINDS, LayerKind, forward, forward_hidden, init_cache, init_params, lm_head
+from model.transformer import (LAYER_KINDS, LayerKind, forward, forward_hidden, init_cache, init_paged_cache,
+                               init_params, lm_head)
 
 __all__ = [
-    "ATTENTION", "SLIDING_ATTENTION", "LAYER_KINDS", "LayerKind", "ModelConfig", "RopeScaling",
-    "Tokenizer", "default_model_path", "forward", "forward_hidden", "init_cache", "init_params",
+    "ATTENTION", "SLIDING_ATTENTION", "LAYER_KINDS", "CacheLayout", "ForwardContext", "KVCache",
+    "LayerKind", "ModelConfig", "RopeScaling", "Tokenizer", "default_model_path", "forward",
+    "forward_hidden", "init_cache", "init_paged_cache", "init_params",
     "lm_head", "load", "load_tokenizer",
 ]

@@ -1,4 +1,4 @@
-"""Building blocks of the Llama-family decoder: norm, attention over a KV cache, MLP."""
+"""Building blocks of the Llama-family decoder: norm, attention over the paged KV cache, MLP."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
+from model.context import ForwardContext
+from model.kv_cache import gather_pages, write_pages
+from pallas_kernels import paged_attention
 from quant import linear  # float [in, out] weights or quantized containers alike
 from model.rope import apply_rope
 
@@ -23,20 +26,11 @@ def mlp(params: dict, x: jnp.ndarray) -> jnp.ndarray:
     return linear(jax.nn.silu(gate) * linear(x, params["w_up"]), params["w_down"])
 
 
-def write_kv(cache: jnp.ndarray, new: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
-    """Scatter new [B, T, Hkv, D] into cache [B, S, Hkv, D] at slot = position.
-
-    Positions >= S (padding) are dropped, so callers pad with `max_len`.
-    """
-    batch = jnp.arange(cache.shape[0])[:, None]
-    return cache.at[batch, positions].set(new.astype(cache.dtype), mode="drop")
-
-
 def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, q_positions: jnp.ndarray,
            sliding_window: int | None, sm_scale: float) -> jnp.ndarray:
-    """Causal GQA attention of q [B, T, Hq, D] over a slot-indexed cache k, v [B, S, Hkv, D].
+    """Causal GQA attention of q [B, T, Hq, D] over position-ordered k, v [B, S, Hkv, D].
 
-    Cache slot s holds position s; a query at position p sees slots s <= p (and
+    Row s of k/v holds position s; a query at position p sees rows s <= p (and
     s > p - window for sliding layers). Returns [B, T, Hq, D].
     """
     b, t, hq, d = q.shape
@@ -55,17 +49,28 @@ def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, q_positions: jnp.ndar
     return out.reshape(b, t, hq, d)
 
 
-def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, positions: jnp.ndarray,
-                    rope: tuple[jnp.ndarray, jnp.ndarray], cache: dict,
-                    sliding_window: int | None) -> tuple[jnp.ndarray, dict]:
-    """Self-attention sublayer: project, rotate, write the cache, attend, project back."""
+def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: dict,
+                    ctx: ForwardContext, sliding_window: int | None) -> tuple[jnp.ndarray, dict]:
+    """Self-attention sublayer: project, rotate, write K/V into the pages, attend, project back.
+
+    Decode steps (one token per sequence) go through pallas_kernels.paged_attention;
+    longer chunks gather each sequence's pages and attend densely.
+    """
     b, t, _ = x.shape
     hd = config.head_dim
     q = linear(x, params["wq"], params.get("bq")).reshape(b, t, config.num_heads, hd)
     k = linear(x, params["wk"], params.get("bk")).reshape(b, t, config.num_kv_heads, hd)
     v = linear(x, params["wv"], params.get("bv")).reshape(b, t, config.num_kv_heads, hd)
-    cos, sin = rope
+    cos, sin = ctx.rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    cache = {"k": write_kv(cache["k"], k, positions), "v": write_kv(cache["v"], v, positions)}
-    out = attend(q, cache["k"], cache["v"], positions, sliding_window, hd ** -0.5)
+    cache = {"k": write_pages(cache["k"], k, ctx.slots), "v": write_pages(cache["v"], v, ctx.slots)}
+    if t == 1:
+        kv_lens = jnp.maximum(ctx.positions[:, 0] + 1, 0).astype(jnp.int32)
+        out, _ = paged_attention(q[:, 0], cache["k"], cache["v"], ctx.block_tables, kv_lens,
+                                 sm_scale=hd ** -0.5, sliding_window=sliding_window)
+        out = out[:, None]
+    else:
+        out = attend(q, gather_pages(cache["k"], ctx.block_tables),
+                     gather_pages(cache["v"], ctx.block_tables), ctx.positions, sliding_window,
+                     hd ** -0.5)
     return linear(out.reshape(b, t, -1), params["wo"]), cache

@@ -7,8 +7,9 @@ copies them on CPU). Weights are stored [in_features, out_features].
               "layers": [{"attn_norm", "wq", "wk", "wv", "wo", ("bq", "bk", "bv"),
                           "mlp_norm", "w_gate", "w_up", "w_down"}, ...]}
 
-The cache is a list with one pytree per layer; for attention layers {"k", "v"} of
-shape [batch, max_len, num_kv_heads, head_dim] where slot s holds position s.
+The cache is a `KVCache` (model/kv_cache.py): one page pool per layer, for attention
+layers {"k", "v"} of shape [num_pages, page_size, num_kv_heads, head_dim], and the
+block tables mapping each sequence's positions to pages.
 """
 
 from __future__ import annotations
@@ -21,17 +22,22 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ATTENTION, SLIDING_ATTENTION, ModelConfig
+from model.context import ForwardContext
+from model.kv_cache import DEFAULT_PAGE_SIZE, CacheLayout, KVCache, contiguous_block_tables, slot_mapping
 from model.layers import attention_block, mlp, rms_norm
 from model.rope import rope_tables
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerKind:
-    """How one kind of layer is initialised, cached and applied."""
+    """How one kind of layer is initialised, cached and applied.
+
+    apply(layer_params, config, x [B, T, H], layer_cache, ctx) -> (x, layer_cache, ctx)
+    """
 
     init_params: Callable[[ModelConfig, jax.Array, jnp.dtype], dict]
-    init_cache: Callable[[ModelConfig, int, int, jnp.dtype], dict]
-    apply: Callable[..., tuple[jnp.ndarray, dict]]
+    init_cache: Callable[[ModelConfig, CacheLayout, jnp.dtype], dict]
+    apply: Callable[..., tuple[jnp.ndarray, dict, ForwardContext]]
 
 
 def _init_decoder_layer(config: ModelConfig, key: jax.Array, dtype) -> dict:
@@ -52,24 +58,24 @@ def _init_decoder_layer(config: ModelConfig, key: jax.Array, dtype) -> dict:
     return layer
 
 
-def _init_kv_cache(config: ModelConfig, batch_size: int, max_len: int, dtype) -> dict:
-    shape = (batch_size, max_len, config.num_kv_heads, config.head_dim)
+def _init_kv_pages(config: ModelConfig, layout: CacheLayout, dtype) -> dict:
+    shape = (layout.num_pages, layout.page_size, config.num_kv_heads, config.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
 def _decoder_layer(window_of: Callable[[ModelConfig], int | None]):
-    def apply(params, config, x, positions, rope, cache):
+    def apply(params, config, x, cache, ctx):
         h = rms_norm(x, params["attn_norm"], config.rms_norm_eps)
-        attn, cache = attention_block(params, config, h, positions, rope, cache, window_of(config))
+        attn, cache = attention_block(params, config, h, cache, ctx, window_of(config))
         x = x + attn
         x = x + mlp(params, rms_norm(x, params["mlp_norm"], config.rms_norm_eps))
-        return x, cache
+        return x, cache, ctx
     return apply
 
 
 LAYER_KINDS: dict[str, LayerKind] = {
-    ATTENTION: LayerKind(_init_decoder_layer, _init_kv_cache, _decoder_layer(lambda c: None)),
-    SLIDING_ATTENTION: LayerKind(_init_decoder_layer, _init_kv_cache,
+    ATTENTION: LayerKind(_init_decoder_layer, _init_kv_pages, _decoder_layer(lambda c: None)),
+    SLIDING_ATTENTION: LayerKind(_init_decoder_layer, _init_kv_pages,
                                  _decoder_layer(lambda c: c.sliding_window)),
 }
 
@@ -96,45 +102,64 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
     return params
 
 
-def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> list:
-    """An empty KV cache for `batch_size` sequences of up to `max_len` positions."""
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32,
+               page_size: int = DEFAULT_PAGE_SIZE) -> KVCache:
+    """An empty KV cache for `batch_size` sequences of up to `max_len` positions each."""
     if batch_size <= 0:
         raise ValueError(f"batch_size must be > 0, got {batch_size}")
     if not 0 < max_len <= config.max_position_embeddings:
         raise ValueError(f"max_len must be in [1, {config.max_position_embeddings}] (the model's "
                          f"context), got {max_len}")
-    return [_kind(kind).init_cache(config, batch_size, max_len, dtype) for kind in config.layer_kinds]
+    if page_size <= 0:
+        raise ValueError(f"page_size must be > 0, got {page_size}")
+    pages_per_seq = -(-max_len // page_size)
+    return init_paged_cache(config, batch_size * pages_per_seq, page_size, dtype,
+                            contiguous_block_tables(batch_size, pages_per_seq))
 
 
-def cache_max_len(cache: list) -> int:
-    """Positions the cache holds per sequence."""
-    return jax.tree.leaves(cache[0])[0].shape[1]
+def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int, dtype,
+                     block_tables: jax.Array) -> KVCache:
+    """A cache over a pool of `num_pages` pages, addressed through `block_tables`."""
+    layout = CacheLayout(block_tables.shape[0], num_pages, page_size)
+    layers = [_kind(kind).init_cache(config, layout, dtype) for kind in config.layer_kinds]
+    return KVCache(layers, block_tables, page_size)
 
 
-def _check_inputs(config: ModelConfig, tokens, positions, cache) -> None:
+def _num_pages(cache: KVCache) -> int:
+    return jax.tree.leaves(cache.layers[0])[0].shape[0]
+
+
+def _check_inputs(config: ModelConfig, tokens, positions, cache: KVCache) -> None:
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
     if positions.shape != tokens.shape:
         raise ValueError(f"positions {positions.shape} must match tokens {tokens.shape}")
-    if len(cache) != config.num_layers:
-        raise ValueError(f"cache has {len(cache)} layers, config has {config.num_layers}")
-    max_len = cache_max_len(cache)
-    if tokens.shape[1] > max_len:
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a KVCache from model.init_cache, got {type(cache).__name__}")
+    if len(cache.layers) != config.num_layers:
+        raise ValueError(f"cache has {len(cache.layers)} layers, config has {config.num_layers}")
+    if cache.batch_size != tokens.shape[0]:
+        raise ValueError(f"cache holds {cache.batch_size} sequences, tokens have {tokens.shape[0]}")
+    if tokens.shape[1] > cache.capacity:
         raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than the cache "
-                         f"({max_len}); the model's context is {config.max_position_embeddings}")
+                         f"({cache.capacity}); the model's context is {config.max_position_embeddings}")
 
 
 def forward_hidden(params: dict, config: ModelConfig, tokens: jnp.ndarray,
-                   positions: jnp.ndarray, cache: list) -> tuple[jnp.ndarray, list]:
+                   positions: jnp.ndarray, cache: KVCache) -> tuple[jnp.ndarray, KVCache]:
     """Final-norm hidden states [B, T, H] and the updated cache (not jitted)."""
     _check_inputs(config, tokens, positions, cache)
     x = params["embed"][tokens]
-    rope = rope_tables(config, positions)
-    new_cache = []
-    for kind, layer, layer_cache in zip(config.layer_kinds, params["layers"], cache):
-        x, layer_cache = LAYER_KINDS[kind].apply(layer, config, x, positions, rope, layer_cache)
-        new_cache.append(layer_cache)
-    return rms_norm(x, params["final_norm"], config.rms_norm_eps), new_cache
+    ctx = ForwardContext(
+        positions=positions, rope=rope_tables(config, positions), block_tables=cache.block_tables,
+        slots=slot_mapping(positions, cache.block_tables, cache.page_size, _num_pages(cache)),
+        page_size=cache.page_size)
+    new_layers = []
+    for kind, layer, layer_cache in zip(config.layer_kinds, params["layers"], cache.layers):
+        x, layer_cache, ctx = LAYER_KINDS[kind].apply(layer, config, x, layer_cache, ctx)
+        new_layers.append(layer_cache)
+    hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    return hidden, KVCache(new_layers, cache.block_tables, cache.page_size)
 
 
 def lm_head(params: dict, config: ModelConfig, hidden: jnp.ndarray) -> jnp.ndarray:
@@ -145,11 +170,12 @@ def lm_head(params: dict, config: ModelConfig, hidden: jnp.ndarray) -> jnp.ndarr
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
 def forward(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: jnp.ndarray,
-            cache: list, logits_indices: jnp.ndarray | None = None) -> tuple[jnp.ndarray, list]:
+            cache: KVCache, logits_indices: jnp.ndarray | None = None) -> tuple[jnp.ndarray, KVCache]:
     """Run the model over tokens and write their K/V into the cache.
 
-    tokens, positions: int32 [batch, seq]. A position >= the cache length marks a
-    padding token: its K/V is not written. cache: from `init_cache` (donated).
+    tokens, positions: int32 [batch, seq]. A negative position marks a padding
+    token: its K/V is not written and it attends to nothing. cache: a KVCache from
+    `init_cache` / `init_paged_cache` (donated).
     logits_indices: optional int32 [batch]; if given, logits only at those sequence
     indices ([batch, V]) instead of every token ([batch, seq, V]).
     """

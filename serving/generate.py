@@ -101,7 +101,7 @@ class Generator:
         max_len = min(_bucket(int(lens.max()) + max_tokens), context)
         width = min(_bucket(int(lens.max())), max_len)
         tokens = np.zeros((batch, width), np.int32)
-        positions = np.full((batch, width), max_len, np.int32)  # >= max_len: padding, not written
+        positions = np.full((batch, width), -1, np.int32)  # negative: padding, not written
         for i, p in enumerate(prompts):
             tokens[i, :len(p)] = p
             positions[i, :len(p)] = np.arange(len(p))
@@ -126,7 +126,7 @@ class Generator:
             if done.all() or step == max_tokens - 1:
                 return
             key, sub = jax.random.split(key)
-            write_pos = np.where(done, max_len, pos).astype(np.int32)
+            write_pos = np.where(done, -1, pos).astype(np.int32)
             nxt, cache = _decode_and_sample(self.params, self.config, jnp.asarray(out),
                                             jnp.asarray(write_pos), cache, sub, temp, k, p)
             pos += 1

@@ -68,10 +68,10 @@ def test_cache_longer_than_context():
 def test_sequence_longer_than_cache_names_context():
     config = tiny_config()
     params = model.init_params(config, jax.random.key(0))
-    cache = model.init_cache(config, 1, 8)
-    tokens = jnp.ones((1, 9), jnp.int32)
+    cache = model.init_cache(config, 1, 16, page_size=8)
+    tokens = jnp.ones((1, 17), jnp.int32)
     with pytest.raises(ValueError, match="longer than the cache"):
-        model.forward(params, config, tokens, jnp.arange(9)[None], cache)
+        model.forward(params, config, tokens, jnp.arange(17)[None], cache)
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -1,0 +1,82 @@
+"""The KV cache: per-layer page pools plus the block tables that map sequences to pages.
+
+Every attention layer stores K and V in pages of `page_size` positions:
+k_pages, v_pages [num_pages, page_size, num_kv_heads, head_dim]. Sequence b's logical
+page i is physical page block_tables[b, i], so position p lives in slot
+block_tables[b, p // page_size] * page_size + p % page_size. A plain batch cache is
+the special case of consecutive pages per sequence; the serving engine hands in its
+own pool and block tables. One layout, one attention path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_PAGE_SIZE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """What a layer kind needs to size its cache."""
+
+    batch_size: int
+    num_pages: int
+    page_size: int
+
+
+@dataclasses.dataclass
+class KVCache:
+    """layers: one pytree per layer (page pools); block_tables: int32 [batch, pages_per_seq]."""
+
+    layers: list
+    block_tables: jax.Array
+    page_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """Positions each sequence can hold."""
+        return self.block_tables.shape[1] * self.page_size
+
+
+jax.tree_util.register_dataclass(KVCache, data_fields=["layers", "block_tables"],
+                                 meta_fields=["page_size"])
+
+
+def contiguous_block_tables(batch_size: int, pages_per_seq: int) -> jax.Array:
+    """Sequence b owns pages [b * pages_per_seq, (b + 1) * pages_per_seq)."""
+    return jnp.arange(batch_size * pages_per_seq, dtype=jnp.int32).reshape(batch_size, pages_per_seq)
+
+
+def slot_mapping(positions: jax.Array, block_tables: jax.Array, page_size: int,
+                 num_pages: int) -> jax.Array:
+    """Flat slot of each token's K/V, int32 [B, T]; padding (position < 0) maps past the pool."""
+    pages_per_seq = block_tables.shape[1]
+    valid = (positions >= 0) & (positions < pages_per_seq * page_size)
+    logical = jnp.clip(positions // page_size, 0, pages_per_seq - 1)
+    page = jnp.take_along_axis(block_tables, logical, axis=1)
+    return jnp.where(valid, page * page_size + positions % page_size, num_pages * page_size)
+
+
+def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """Scatter new [B, T, H, D] into pages [N, page_size, H, D] at flat slots [B, T].
+
+    Slots past the pool (padding) are dropped.
+    """
+    n, page_size, h, d = pages.shape
+    flat = pages.reshape(n * page_size, h, d)
+    flat = flat.at[slots.reshape(-1)].set(new.reshape(-1, h, d).astype(pages.dtype), mode="drop")
+    return flat.reshape(pages.shape)
+
+
+def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """Each sequence's pages in order: [B, pages_per_seq * page_size, H, D]."""
+    b, p = block_tables.shape
+    _, page_size, h, d = pages.shape
+    return pages[block_tables].reshape(b, p * page_size, h, d)
