@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
 
 from serving.generate import Generator
 
@@ -32,12 +31,12 @@ def time_ours(gen: Generator, batch: int, new_tokens: int) -> float:
 
 
 def time_transformers(source_path: str, ids: list[int], batch: int, new_tokens: int) -> float | None:
-    try:
-        import torch
-        import transformers
-    except ImportError:
-        return None
+    import importlib.util
     import os
+
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    import torch
 
     folder, name = os.path.split(source_path)
     hf = _hf_model(folder, name)
@@ -79,8 +78,8 @@ def bench_decode(args) -> None:
         rows.append((batch, ours, peer))
     print(f"\ndecode: {args.model}, prompt {len(gen.prompt_ids(PROMPT))} tokens, "
           f"{args.new_tokens} new tokens, greedy, float32, {_device()}")
-    print(f"| batch | kvfold tok/s | transformers tok/s | ratio |")
-    print(f"|------:|-------------:|-------------------:|------:|")
+    print("| batch | kvfold tok/s | transformers tok/s | ratio |")
+    print("|------:|-------------:|-------------------:|------:|")
     for batch, ours, peer in rows:
         peer_s = f"{peer:.1f}" if peer else "not installed"
         ratio = f"{ours / peer:.2f}x" if peer else "-"

@@ -1,0 +1,23 @@
+"""Attention kernels for kvfold: one folder per op, each with ref.py (the jnp truth),
+its Pallas kernel(s) and one entry function, the only thing the model calls."""
+
+from pallas_kernels.block_sparse_attention import block_sparse_attention
+from pallas_kernels.indexer import indexer_topk
+from pallas_kernels.merge_states import merge_states
+from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.sparse_attention import sparse_attention
+from pallas_kernels.variant import AttentionVariant, alibi, sigmoid, soft_cap
+
+__all__ = [
+    "paged_attention",
+    "ragged_paged_attention",
+    "sparse_attention",
+    "block_sparse_attention",
+    "indexer_topk",
+    "merge_states",
+    "AttentionVariant",
+    "alibi",
+    "sigmoid",
+    "soft_cap",
+]

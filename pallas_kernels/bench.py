@@ -1,0 +1,285 @@
+"""Benchmark: `python -m pallas_kernels.bench` prints one table of kernel timings.
+
+Each kernel is timed against the XLA reference and, for paged decode attention,
+against JAX's bundled Pallas kernel for the platform. Attention here is bandwidth
+bound, so the table reports achieved GB/s (KV bytes actually read or written + q + out;
+for the indexer, the index keys + q + scores) and the fraction of the device's peak
+HBM bandwidth. The ragged, block-sparse and indexer ops have no GPU kernel: on GPU
+their "platform default" row is the XLA reference. On CPU there is no Pallas compiler: the
+kernels run in interpret mode on tiny sizes, so the numbers only show that it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import (
+    block_sparse_attention,
+    indexer_topk,
+    paged_attention,
+    ragged_paged_attention,
+    sparse_attention,
+)
+
+# Peak HBM bandwidth, bytes/s, by jax device_kind (vendor datasheets).
+PEAK_BANDWIDTH = {
+    "NVIDIA H200": 4.8e12,
+    "NVIDIA H100 80GB HBM3": 3.35e12,
+    "NVIDIA H100": 3.35e12,
+    "NVIDIA A100-SXM4-80GB": 2.04e12,
+    "NVIDIA A100-SXM4-40GB": 1.56e12,
+    "TPU v4": 1.2e12,
+    "TPU v5 lite": 8.19e11,
+    "TPU v5e": 8.19e11,
+    "TPU v5p": 2.765e12,
+    "TPU v6 lite": 1.64e12,
+    "TPU v6e": 1.64e12,
+}
+
+
+def _time(fn, *args, iters):
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def _paged_problem(batch, num_q_heads, num_kv_heads, head_dim, page_size, kv_len, dtype):
+    rng = np.random.default_rng(0)
+    max_pages = -(-kv_len // page_size)
+    num_pages = batch * max_pages
+    q = jnp.asarray(rng.standard_normal((batch, num_q_heads, head_dim)), dtype)
+    k = jnp.asarray(rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim)), dtype)
+    v = jnp.asarray(rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim)), dtype)
+    bt = jnp.asarray(rng.permutation(num_pages).reshape(batch, max_pages), jnp.int32)
+    kl = jnp.full((batch,), kv_len, jnp.int32)
+    itemsize = jnp.dtype(dtype).itemsize
+    nbytes = (2 * batch * kv_len * num_kv_heads * head_dim + 2 * q.size) * itemsize
+    return (q, k, v, bt, kl), nbytes
+
+
+def _bundled_paged(platform, interpret):
+    """JAX's own paged attention for the platform (layout [kv_heads, pages, page, dim])."""
+    if platform == "tpu":
+        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_pa
+
+        def run(q, k, v, bt, kl):
+            k, v = (x.transpose(2, 0, 1, 3) for x in (k, v))
+            return tpu_pa(q, k, v, kl, bt, pages_per_compute_block=min(8, bt.shape[1]))
+
+        return run
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as gpu_pa
+
+    def run(q, k, v, bt, kl):
+        k, v = (x.transpose(2, 0, 1, 3) for x in (k, v))
+        ppcb = min(8, bt.shape[1])
+        return gpu_pa(
+            q,
+            k,
+            v,
+            bt,
+            kl,
+            pages_per_compute_block=ppcb,
+            k_splits=max(1, bt.shape[1] // ppcb),
+            interpret=interpret,
+        )
+
+    return run
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--iters", type=int, default=None)
+    args = parser.parse_args(argv)
+    device = jax.devices()[0]
+    platform = device.platform
+    on_cpu = platform == "cpu"
+    iters = args.iters or (3 if on_cpu else 20)
+    peak = PEAK_BANDWIDTH.get(device.device_kind)
+    if on_cpu:
+        print("CPU: no Pallas compiler here; Pallas kernels run in INTERPRET mode on tiny sizes.")
+        print("The times below are interpreter overhead, not kernel performance.")
+        shape = dict(
+            batch=2,
+            num_q_heads=8,
+            num_kv_heads=2,
+            head_dim=128,
+            page_size=16,
+            kv_len=64,
+            dtype=jnp.float32,
+        )
+    else:
+        shape = dict(
+            batch=64,  # the issue's target point: batch 64, context 4096
+            num_q_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            page_size=16,
+            kv_len=4096,
+            dtype=jnp.bfloat16,
+        )
+    print(
+        f"device: {device.device_kind} ({platform}); peak HBM "
+        f"{'unknown' if peak is None else f'{peak / 1e9:.0f} GB/s'}; shape: {shape}"
+    )
+    problem, nbytes = _paged_problem(**shape)
+    rows = []
+
+    entry = jax.jit(paged_attention)  # CPU: the XLA reference; TPU/GPU: the Pallas kernel
+    if on_cpu:
+        rows.append(
+            ("paged_attention", "XLA reference", _time(entry, *problem, iters=iters), nbytes)
+        )
+        kernel = jax.jit(functools.partial(paged_attention, interpret=True))
+        rows.append(
+            (
+                "paged_attention",
+                "kvfold Pallas (interpret)",
+                _time(kernel, *problem, iters=iters),
+                nbytes,
+            )
+        )
+    else:
+        from pallas_kernels.paged_attention.ref import paged_attention_ref
+
+        d = shape["head_dim"]
+        xla = jax.jit(functools.partial(paged_attention_ref, sm_scale=d**-0.5))
+        rows.append(("paged_attention", "XLA reference", _time(xla, *problem, iters=iters), nbytes))
+        rows.append(
+            ("paged_attention", "kvfold Pallas", _time(entry, *problem, iters=iters), nbytes)
+        )
+    bundled = jax.jit(_bundled_paged(platform, interpret=on_cpu))
+    name = "jax ops." + ("tpu" if platform == "tpu" else "gpu") + ".paged_attention"
+    rows.append(
+        (
+            "paged_attention",
+            name + (" (interpret)" if on_cpu else ""),
+            _time(bundled, *problem, iters=iters),
+            nbytes,
+        )
+    )
+
+    # CSA2-shaped sparse attention: MQA, 512-d, selected rows + window + sinks.
+    rng = np.random.default_rng(1)
+    tokens, hq, d, nsel, win, nrows = (
+        (2, 8, 512, 16, 8, 64) if on_cpu else (64, 64, 512, 512, 128, 65536)
+    )
+    dtype = shape["dtype"]
+    q = jnp.asarray(rng.standard_normal((tokens, hq, d)), dtype)
+    kv = jnp.asarray(rng.standard_normal((nrows, 1, d)), dtype)
+    idx = jnp.asarray(rng.integers(0, nrows, (tokens, nsel)), jnp.int32)
+    wkv = jnp.asarray(rng.standard_normal((tokens * win, 1, d)), dtype)
+    widx = jnp.asarray(np.arange(tokens * win).reshape(tokens, win), jnp.int32)
+    sinks = jnp.asarray(rng.standard_normal(hq), jnp.float32)
+    sparse_bytes = (tokens * (nsel + win) * d + 2 * q.size) * jnp.dtype(dtype).itemsize
+    sparse_args = (q, kv, idx, wkv, widx, sinks)
+    run = lambda interp: jax.jit(
+        lambda q, kv, idx, wkv, widx, s: sparse_attention(
+            q, kv, kv, idx, window=(wkv, wkv, widx), sinks=s, interpret=interp
+        )
+    )
+    rows += _both(on_cpu, platform, "sparse_attention", run, sparse_args, sparse_bytes, iters)
+    rows += _ragged_rows(on_cpu, platform, dtype, iters)
+    rows += _block_sparse_rows(on_cpu, platform, dtype, iters)
+    rows += _indexer_rows(on_cpu, platform, dtype, iters)
+
+    print(f"{'op':<24} {'implementation':<40} {'time_ms':>10} {'GB/s':>9} {'of peak':>8}")
+    for op, impl, seconds, moved in rows:
+        gbps = moved / seconds / 1e9
+        frac = "n/a" if peak is None else f"{moved / seconds / peak:.1%}"
+        print(f"{op:<24} {impl:<40} {seconds * 1e3:>10.3f} {gbps:>9.3f} {frac:>8}")
+
+
+def _both(on_cpu, platform, op, run, args, nbytes, iters):
+    """Rows for an op with a TPU kernel only: the platform default (the XLA reference on
+    CPU and GPU) and, on CPU (TPU interpret mode) or TPU, the Pallas kernel."""
+    rows = [
+        (
+            op,
+            "XLA reference" if on_cpu else "platform default",
+            _time(run(None), *args, iters=iters),
+            nbytes,
+        )
+    ]
+    if on_cpu or platform == "tpu":
+        rows.append(
+            (
+                op,
+                "kvfold Pallas" + (" (interpret)" if on_cpu else ""),
+                _time(run(True if on_cpu else None), *args, iters=iters),
+                nbytes,
+            )
+        )
+    return rows
+
+
+def _ragged_rows(on_cpu, platform, dtype, iters):
+    """A mixed step: decode rows plus one prefill chunk continuing a cached prefix."""
+    rng = np.random.default_rng(2)
+    hq, hkv, d, ps = (8, 2, 128, 16) if on_cpu else (32, 8, 128, 16)
+    decodes, ctx, chunk = (3, 40, 16) if on_cpu else (64, 2048, 512)
+    q_lens = [1] * decodes + [chunk]
+    kv_lens = [ctx] * decodes + [ctx + chunk]
+    max_pages = -(-(ctx + chunk) // ps)
+    num_seqs, tokens = len(q_lens), sum(q_lens)
+    num_pages = num_seqs * max_pages
+    bt = jnp.asarray(rng.permutation(num_pages).reshape(num_seqs, max_pages), jnp.int32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    kl = jnp.asarray(kv_lens, jnp.int32)
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    args = (
+        f(tokens, hq, d),
+        f(tokens, hkv, d),
+        f(tokens, hkv, d),
+        f(num_pages, ps, hkv, d),
+        f(num_pages, ps, hkv, d),
+        bt,
+        cu,
+        kl,
+    )
+    itemsize = jnp.dtype(dtype).itemsize
+    nbytes = (2 * sum(kv_lens) * hkv * d + 2 * tokens * hkv * d + 2 * tokens * hq * d) * itemsize
+    run = lambda interp: jax.jit(functools.partial(ragged_paged_attention, interpret=interp))
+    return _both(on_cpu, platform, "ragged_paged_attention", run, args, nbytes, iters)
+
+
+def _block_sparse_rows(on_cpu, platform, dtype, iters):
+    """A random BSR pattern at ~25% block density."""
+    rng = np.random.default_rng(3)
+    hq, hkv, d, br, bc = (4, 2, 128, 8, 8) if on_cpu else (32, 8, 128, 128, 128)
+    nq, nk = (32, 64) if on_cpu else (4096, 8192)
+    mask = rng.random((nq // br, nk // bc)) < 0.25
+    indptr = jnp.asarray(np.concatenate([[0], np.cumsum(mask.sum(1))]), jnp.int32)
+    indices = jnp.asarray(np.concatenate([np.flatnonzero(r) for r in mask]), jnp.int32)
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    args = (f(nq, hq, d), f(nk, hkv, d), f(nk, hkv, d), indptr, indices)
+    nbytes = (2 * int(mask.sum()) * bc * hkv * d + 2 * nq * hq * d) * jnp.dtype(dtype).itemsize
+    run = lambda interp: jax.jit(
+        functools.partial(block_sparse_attention, block_r=br, block_c=bc, interpret=interp)
+    )
+    return _both(on_cpu, platform, "block_sparse_attention", run, args, nbytes, iters)
+
+
+def _indexer_rows(on_cpu, platform, dtype, iters):
+    """CSA2's indexer shape (32 heads x 128) over a compressed context, top-512 (top-8 on CPU)."""
+    rng = np.random.default_rng(4)
+    tokens, heads, dk, rows, top_k = (8, 4, 128, 256, 8) if on_cpu else (64, 32, 128, 32768, 512)
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    pos = jnp.asarray(rows - tokens + np.arange(tokens), jnp.int32)
+    args = (f(tokens, heads, dk), f(tokens, heads).astype(jnp.float32), f(rows, dk), pos)
+    nbytes = (rows * dk + tokens * heads * dk) * jnp.dtype(dtype).itemsize + tokens * rows * 4
+    run = lambda interp: jax.jit(functools.partial(indexer_topk, top_k=top_k, interpret=interp))
+    return _both(on_cpu, platform, "indexer_topk", run, args, nbytes, iters)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""pallas_kernels.paged_attention: the one entry for paged decode attention."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+
+from pallas_kernels import validate as v
+from pallas_kernels.dispatch import dispatch
+from pallas_kernels.paged_attention.kernel_gpu import gpu_supported, paged_attention_gpu
+from pallas_kernels.paged_attention.kernel_tpu import paged_attention_tpu
+from pallas_kernels.paged_attention.ref import paged_attention_ref
+from pallas_kernels.variant import AttentionVariant, default_scale, resolve
+
+
+def paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    kv_lens,
+    *,
+    sm_scale=None,
+    sliding_window=None,
+    soft_cap=None,
+    sinks=None,
+    variant: AttentionVariant | None = None,
+    interpret=None,
+):
+    """Decode attention of one query token per sequence over a paged KV cache.
+
+    Args:
+      q: [batch, num_q_heads, head_dim], float.
+      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim], q's dtype.
+        num_q_heads must be a multiple of num_kv_heads (GQA; MQA when num_kv_heads = 1).
+      block_tables: int32 [batch, max_pages_per_seq]; page ids of each sequence in order.
+        Entries past a sequence's last page are never read (any value is safe).
+      kv_lens: int32 [batch], 0 <= kv_len <= max_pages_per_seq * page_size. The query
+        sits at position kv_len - 1 and attends to KV positions [0, kv_len).
+      sm_scale: logit scale, default head_dim ** -0.5.
+      sliding_window: attend only to the last `sliding_window` positions.
+      soft_cap: soft_cap * tanh(logits / soft_cap), applied before variant.logits_fn.
+      sinks: f32 [num_q_heads] attention-sink logits added to the softmax denominator.
+      variant: an AttentionVariant (logits transform and/or weighting), traced into the kernel.
+      interpret: True or a pltpu.InterpretParams runs the Pallas TPU kernel in interpret
+        mode (any backend); None runs Mosaic on TPU, Triton on GPU, the XLA reference on CPU.
+
+    Returns:
+      out: [batch, num_q_heads, head_dim] in q.dtype.
+      lse: f32 [batch, num_q_heads], natural log of the softmax denominator (including the
+        sink). A sequence with kv_len = 0 gets out = 0 and lse = -inf (lse = sink with sinks).
+    """
+    v.check_ndim("q", q, 3, "[batch, num_q_heads, head_dim]")
+    v.check_ndim("k_pages", k_pages, 4, "[num_pages, page_size, num_kv_heads, head_dim]")
+    v.check_float("q", q)
+    batch, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    if k_pages.shape[-1] != head_dim:
+        raise ValueError(f"k_pages head_dim {k_pages.shape[-1]} != q head_dim {head_dim}")
+    v.check_shape("v_pages", v_pages, k_pages.shape)
+    v.check_dtype("k_pages", k_pages, [q.dtype])
+    v.check_dtype("v_pages", v_pages, [q.dtype])
+    v.check_heads(num_q_heads, num_kv_heads)
+    v.check_ndim("block_tables", block_tables, 2, "[batch, max_pages_per_seq]")
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables batch {block_tables.shape[0]} != q batch {batch}")
+    v.check_dtype("block_tables", block_tables, [jnp.int32])
+    v.check_shape("kv_lens", kv_lens, (batch,))
+    v.check_dtype("kv_lens", kv_lens, [jnp.int32])
+    v.check_positive("sliding_window", sliding_window)
+    v.check_positive("soft_cap", soft_cap)
+    var = resolve(variant, soft_cap)
+    if sinks is not None:
+        v.check_shape("sinks", sinks, (num_q_heads,))
+        if not var.uses_softmax:
+            raise ValueError("sinks need softmax attention; this variant has a weight_fn")
+    static = dict(
+        sm_scale=default_scale(head_dim, sm_scale),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        variant=var,
+    )
+    gpu = (
+        functools.partial(paged_attention_gpu, **static)
+        if gpu_supported(page_size, head_dim)
+        else None
+    )
+    return dispatch(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        kv_lens,
+        sinks,
+        ref=functools.partial(paged_attention_ref, **static),
+        tpu=functools.partial(paged_attention_tpu, **static),
+        gpu=gpu,
+        interpret=interpret,
+    )

@@ -1,0 +1,113 @@
+"""Shared test helpers: random paged KV, a float64 numpy oracle, lowering checks."""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import export
+
+
+def assert_close(actual, expected, rtol=1e-5, atol=1e-5):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    np.testing.assert_array_equal(np.isneginf(actual), np.isneginf(expected))
+    finite = ~np.isneginf(expected)
+    np.testing.assert_allclose(actual[finite], expected[finite], rtol=rtol, atol=atol)
+
+
+def paged_inputs(
+    rng,
+    *,
+    kv_lens,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    max_pages,
+    num_pages=None,
+    dtype=jnp.float32,
+):
+    """Random q and page pools; each sequence gets distinct random pages (shuffled).
+
+    Block-table slots past a sequence's last page hold garbage (-7 or a huge id) to show
+    they are never read.
+    """
+    batch = len(kv_lens)
+    used = [-(-n // page_size) for n in kv_lens]
+    num_pages = num_pages or max(sum(used), 1) + 1
+    perm = rng.permutation(num_pages)
+    table = np.where(rng.random((batch, max_pages)) < 0.5, -7, 10**6).astype(np.int32)
+    start = 0
+    for b, n in enumerate(used):
+        table[b, :n] = perm[start : start + n]
+        start += n
+    q = rng.standard_normal((batch, num_q_heads, head_dim))
+    k = rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim))
+    v = rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim))
+    as_dtype = lambda x: jnp.asarray(x, dtype)
+    return (
+        as_dtype(q),
+        as_dtype(k),
+        as_dtype(v),
+        jnp.asarray(table),
+        jnp.asarray(np.asarray(kv_lens, np.int32)),
+    )
+
+
+def dense_attention_f64(q, k, v, mask, sm_scale, sinks=None, logits_fn=None):
+    """Independent float64 numpy softmax attention. q [Hq, D]; k, v [S, Hkv, D]; mask [S]."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    if not mask.any() and sinks is None:
+        return np.zeros(q.shape), np.full(q.shape[0], -np.inf)
+    num_q_heads, num_kv_heads = q.shape[0], k.shape[1]
+    kh = np.repeat(k, num_q_heads // num_kv_heads, axis=1)  # [S, Hq, D]
+    vh = np.repeat(v, num_q_heads // num_kv_heads, axis=1)
+    s = np.einsum("hd,shd->hs", q, kh) * sm_scale
+    if logits_fn is not None:
+        s = logits_fn(s)
+    s = np.where(mask[None, :], s, -np.inf)
+    if sinks is not None:
+        s = np.concatenate([s, np.asarray(sinks, np.float64)[:, None]], axis=1)
+    m = s.max(axis=1, keepdims=True)
+    e = np.exp(s - m)
+    denom = e.sum(axis=1, keepdims=True)
+    if sinks is not None:
+        e = e[:, :-1]
+    return np.einsum("hs,shd->hd", e / denom, vh), (m + np.log(denom))[:, 0]
+
+
+TPU_DEVICE_KIND = "TPU v5 lite"
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def abstract_tpu_mesh():
+    fields = inspect.signature(jax.sharding.AbstractDevice).parameters
+    kwargs = dict(device_kind=TPU_DEVICE_KIND)
+    if "num_cores" in fields:
+        kwargs["num_cores"] = 1
+    if "platform" in fields:
+        kwargs["platform"] = "tpu"
+    device = jax.sharding.AbstractDevice(**kwargs)
+    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+
+
+def export_tpu(fn, *args) -> str:
+    """StableHLO text of fn lowered for TPU from this host; must contain the Mosaic call."""
+    with jax.sharding.use_abstract_mesh(abstract_tpu_mesh()):
+        exported = export.export(jax.jit(fn), platforms=["tpu"])(*args)
+    return exported.mlir_module()
+
+
+def export_cuda(fn, *args) -> str:
+    exported = export.export(
+        jax.jit(fn),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
+    )(*args)
+    return exported.mlir_module()
+
+
+def spec(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)

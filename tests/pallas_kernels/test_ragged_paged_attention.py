@@ -1,0 +1,162 @@
+"""ragged_paged_attention: mixed prefill + decode batch with the fused KV write."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import AttentionVariant, ragged_paged_attention
+from tests.pallas_kernels.helpers import (
+    TRITON_CALL,
+    assert_close,
+    dense_attention_f64,
+    export_cuda,
+    export_tpu,
+    spec,
+)
+
+PAGE_SIZE = 8
+# (q_len, kv_len after the step): a decode row; a chunk continuing a 7-token prefix
+# across the page boundary at 8; a fresh 6-token prefill; a decode row opening page 3.
+SEQS = [(1, 9), (5, 12), (6, 6), (1, 17)]
+NUM_PADDING = 2
+
+
+def _mixed_batch(seed, *, num_q_heads=4, num_kv_heads=2, head_dim=64, max_pages=3):
+    rng = np.random.default_rng(seed)
+    q_lens, kv_lens = (np.array(x, np.int32) for x in zip(*SEQS))
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    used = -(-kv_lens // PAGE_SIZE)
+    num_pages = int(used.sum()) + 3  # three pages nobody owns
+    perm = rng.permutation(num_pages)
+    table = np.full((len(SEQS), max_pages), 10**6, np.int32)  # garbage past the last page
+    start = 0
+    for s, n in enumerate(used):
+        table[s, :n] = perm[start : start + n]
+        start += n
+    t = int(cu[-1]) + NUM_PADDING
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    q, k, v = (
+        f32(t, num_q_heads, head_dim),
+        f32(t, num_kv_heads, head_dim),
+        f32(t, num_kv_heads, head_dim),
+    )
+    k_pages = f32(num_pages, PAGE_SIZE, num_kv_heads, head_dim)
+    v_pages = f32(num_pages, PAGE_SIZE, num_kv_heads, head_dim)
+    sinks = f32(num_q_heads) + 1.0
+    return (
+        q,
+        k,
+        v,
+        k_pages,
+        v_pages,
+        jnp.asarray(table),
+        jnp.asarray(cu),
+        jnp.asarray(kv_lens),
+    ), sinks
+
+
+def _numpy_scatter(args):
+    """Pages after the step, by a plain loop; also each token's (seq, position)."""
+    q, k, v, k_pages, v_pages, table, cu, kv_lens = (np.asarray(x) for x in args)
+    k_pages, v_pages = k_pages.astype(np.float64), v_pages.astype(np.float64)
+    tokens = []
+    for s in range(len(kv_lens)):
+        q_len = cu[s + 1] - cu[s]
+        for i in range(q_len):
+            t, pos = cu[s] + i, kv_lens[s] - q_len + i
+            page, slot = table[s, pos // PAGE_SIZE], pos % PAGE_SIZE
+            k_pages[page, slot], v_pages[page, slot] = k[t], v[t]
+            tokens.append((t, s, pos))
+    return k_pages, v_pages, tokens
+
+
+def _assert_pages(got_k, got_v, args):
+    want_k, want_v, _ = _numpy_scatter(args)
+    np.testing.assert_array_equal(np.asarray(got_k), want_k.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(got_v), want_v.astype(np.float32))
+    table = np.asarray(args[5])
+    owned = {int(p) for p in table.ravel() if p < want_k.shape[0]}
+    untouched = [p for p in range(want_k.shape[0]) if p not in owned]
+    assert untouched  # pages outside every table keep their contents
+    np.testing.assert_array_equal(np.asarray(got_k)[untouched], np.asarray(args[3])[untouched])
+
+
+@pytest.mark.parametrize("window,cap,with_sinks", [(None, None, False), (4, 5.0, True)])
+def test_ref_matches_float64_and_numpy_scatter(window, cap, with_sinks):
+    args, sinks = _mixed_batch(0)
+    sinks = sinks if with_sinks else None
+    out, lse, k_pages, v_pages = ragged_paged_attention(
+        *args, sliding_window=window, soft_cap=cap, sinks=sinks
+    )  # CPU: the XLA reference
+    _assert_pages(k_pages, v_pages, args)
+    k64, v64, tokens = _numpy_scatter(args)
+    table, d = np.asarray(args[5]), args[0].shape[-1]
+    fn = (lambda s: cap * np.tanh(s / cap)) if cap else None
+    for t, s, pos in tokens:
+        rows = np.arange(pos + 1)
+        kr = k64[table[s, rows // PAGE_SIZE], rows % PAGE_SIZE]
+        vr = v64[table[s, rows // PAGE_SIZE], rows % PAGE_SIZE]
+        mask = rows > pos - window if window else np.ones(pos + 1, bool)
+        o64, lse64 = dense_attention_f64(args[0][t], kr, vr, mask, d**-0.5, sinks, fn)
+        assert_close(out[t], o64)
+        assert_close(lse[t], lse64)
+    pad = slice(len(tokens), None)  # padding tokens: out 0, lse -inf
+    np.testing.assert_array_equal(np.asarray(out)[pad], 0.0)
+    assert np.all(np.isneginf(np.asarray(lse)[pad]))
+
+
+def test_kernel_matches_ref():
+    args, _ = _mixed_batch(1)
+    want = ragged_paged_attention(*args)
+    got = ragged_paged_attention(*args, interpret=True)
+    for g, w in zip(got, want):
+        assert_close(g, w)
+    _assert_pages(got[2], got[3], args)
+
+
+def test_kernel_window_sinks_functor_gqa_under_tpu_interpret_checks():
+    """GQA 8:1, sliding window, sinks, soft-cap then a position/head-dependent functor;
+    NaN-filled scratch and out-of-bounds reads raising."""
+    args, sinks = _mixed_batch(2, num_q_heads=8, num_kv_heads=1, head_dim=128)
+    var = AttentionVariant(logits_fn=lambda s, qp, kp, h: s + 0.1 * h - 0.05 * jnp.abs(qp - kp))
+    kw = dict(sliding_window=5, soft_cap=4.0, sinks=sinks, variant=var)
+    want = ragged_paged_attention(*args, **kw)
+    plain = ragged_paged_attention(*args, sliding_window=5, soft_cap=4.0, sinks=sinks)
+    assert not np.allclose(want[0], plain[0])  # the functor did something
+    params = pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
+    got = ragged_paged_attention(*args, interpret=params, **kw)
+    for g, w in zip(got, want):
+        assert_close(g, w)
+
+
+def test_validation_errors():
+    args, sinks = _mixed_batch(3)
+    q, k, v, kp, vp, bt, cu, kl = args
+    with pytest.raises(ValueError, match="cu_q_lens must have shape"):
+        ragged_paged_attention(q, k, v, kp, vp, bt, cu[:-1], kl)
+    with pytest.raises(ValueError, match="k must have shape"):
+        ragged_paged_attention(q, k[:-1], v, kp, vp, bt, cu, kl)
+    with pytest.raises(ValueError, match="v_pages must have dtype"):
+        ragged_paged_attention(q, k, v, kp, vp.astype(jnp.bfloat16), bt, cu, kl)
+    with pytest.raises(ValueError, match="kv_lens must have dtype"):
+        ragged_paged_attention(q, k, v, kp, vp, bt, cu, kl.astype(jnp.float32))
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ragged_paged_attention(q[:, :3], k, v, kp, vp, bt, cu, kl)
+    with pytest.raises(ValueError, match="sinks must have shape"):
+        ragged_paged_attention(*args, sinks=sinks[:2])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_for_tpu_and_reference_for_cuda(dtype):
+    args, sinks = _mixed_batch(4)
+    specs = [spec(x.astype(dtype)) for x in args[:5]] + [spec(x) for x in args[5:]]
+    fn = lambda *a, sinks: ragged_paged_attention(
+        *a[:8], sinks=sinks, sliding_window=4, soft_cap=30.0
+    )
+    mlir = export_tpu(lambda *a: fn(*a[:8], sinks=a[8]), *specs, spec(sinks))
+    assert "tpu_custom_call" in mlir
+    # No GPU kernel yet: CUDA lowers the XLA reference (scatter + gather + dense).
+    assert TRITON_CALL not in export_cuda(lambda *a: fn(*a[:8], sinks=a[8]), *specs, spec(sinks))
