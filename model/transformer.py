@@ -145,21 +145,31 @@ def _check_inputs(config: ModelConfig, tokens, positions, cache: KVCache) -> Non
                          f"({cache.capacity}); the model's context is {config.max_position_embeddings}")
 
 
-def forward_hidden(params: dict, config: ModelConfig, tokens: jnp.ndarray,
-                   positions: jnp.ndarray, cache: KVCache) -> tuple[jnp.ndarray, KVCache]:
-    """Final-norm hidden states [B, T, H] and the updated cache (not jitted)."""
+def forward_hidden(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: jnp.ndarray,
+                   cache: KVCache, capture_layers: tuple[int, ...] = ()
+                   ) -> tuple[jnp.ndarray, KVCache, tuple[jnp.ndarray, ...]]:
+    """(final-norm hidden [B, T, H], updated cache, captured) — not jitted.
+
+    captured[i] is the residual stream entering layer capture_layers[i] ([B, T, H]),
+    the features EAGLE-3 drafts from.
+    """
     _check_inputs(config, tokens, positions, cache)
+    if any(not 0 <= i < config.num_layers for i in capture_layers):
+        raise ValueError(f"capture_layers {capture_layers} must be in [0, {config.num_layers})")
     x = params["embed"][tokens]
     ctx = ForwardContext(
         positions=positions, rope=rope_tables(config, positions), block_tables=cache.block_tables,
         slots=slot_mapping(positions, cache.block_tables, cache.page_size, _num_pages(cache)),
         page_size=cache.page_size)
-    new_layers = []
-    for kind, layer, layer_cache in zip(config.layer_kinds, params["layers"], cache.layers):
+    new_layers, captured = [], {}
+    for i, (kind, layer, layer_cache) in enumerate(zip(config.layer_kinds, params["layers"],
+                                                       cache.layers)):
+        captured[i] = x
         x, layer_cache, ctx = LAYER_KINDS[kind].apply(layer, config, x, layer_cache, ctx)
         new_layers.append(layer_cache)
     hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
-    return hidden, KVCache(new_layers, cache.block_tables, cache.page_size)
+    return (hidden, KVCache(new_layers, cache.block_tables, cache.page_size),
+            tuple(captured[i] for i in capture_layers))
 
 
 def lm_head(params: dict, config: ModelConfig, hidden: jnp.ndarray) -> jnp.ndarray:
@@ -179,7 +189,7 @@ def forward(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: j
     logits_indices: optional int32 [batch]; if given, logits only at those sequence
     indices ([batch, V]) instead of every token ([batch, seq, V]).
     """
-    hidden, cache = forward_hidden(params, config, tokens, positions, cache)
+    hidden, cache, _ = forward_hidden(params, config, tokens, positions, cache)
     if logits_indices is not None:
         hidden = jnp.take_along_axis(hidden, logits_indices[:, None, None], axis=1)[:, 0]
     return lm_head(params, config, hidden), cache
