@@ -1,89 +1,35 @@
 """Benchmarks that print tables: ours against a peer measured in the same run.
 
-    python -m serving.bench decode [--model default] [--batch-sizes 1 16] [--new-tokens 64]
+    python -m serving.bench decode     [--batch-sizes 1 16] [--new-tokens 64]
+    python -m serving.bench offline    [--num-prompts 16] [--new-tokens 64]
+    python -m serving.bench trace PATH [--num-requests 1500]
+    python -m serving.bench scheduler  [--running 256 1024]
 
-`decode`: greedy generation throughput (generated tokens / s, prefill included, after
-a warm-up run that compiles) on the default model, against transformers' `generate`
-on the same GGUF weights when transformers is installed.
+decode / offline: greedy generation throughput on the default model (generated tokens
+per second, prefill included, after a warm-up run that compiles), against
+transformers' `generate` on the same GGUF weights when transformers is installed.
+trace: replays a Mooncake-format trace through the scheduler and radix cache in the
+simulator with a cost model fitted from this engine's measured steps.
+scheduler: microseconds per `schedule` call with N running requests.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import os
 import time
 
+import numpy as np
 
-from serving.generate import Generator
+from serving import scheduler as sched
+from serving.params import SamplingParams
 
 PROMPT = "Write a short story about a robot who learns to paint."
-
-
-def time_ours(gen: Generator, batch: int, new_tokens: int) -> float:
-    ids = gen.prompt_ids(PROMPT)
-    prompts = [ids] * batch
-    for _ in gen.stream(prompts, max_tokens=new_tokens, ignore_eos=True):  # compile
-        pass
-    start = time.perf_counter()
-    steps = sum(1 for _ in gen.stream(prompts, max_tokens=new_tokens, ignore_eos=True))
-    elapsed = time.perf_counter() - start
-    assert steps == new_tokens
-    return batch * new_tokens / elapsed
-
-
-def time_transformers(source_path: str, ids: list[int], batch: int, new_tokens: int) -> float | None:
-    import importlib.util
-    import os
-
-    if importlib.util.find_spec("transformers") is None:
-        return None
-    import torch
-
-    folder, name = os.path.split(source_path)
-    hf = _hf_model(folder, name)
-    inputs = torch.tensor([ids] * batch)
-    kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                  attention_mask=torch.ones_like(inputs), pad_token_id=hf.config.eos_token_id)
-    with torch.no_grad():
-        hf.generate(inputs, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
-        start = time.perf_counter()
-        out = hf.generate(inputs, **kwargs)
-        elapsed = time.perf_counter() - start
-    assert out.shape[1] - len(ids) == new_tokens
-    return batch * new_tokens / elapsed
-
-
-_HF_CACHE: dict = {}
-
-
-def _hf_model(folder: str, name: str):
-    import torch
-    import transformers
-
-    if (folder, name) not in _HF_CACHE:
-        _HF_CACHE[(folder, name)] = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, dtype=torch.float32).eval()
-    return _HF_CACHE[(folder, name)]
-
-
-def bench_decode(args) -> None:
-    import model
-
-    gen = Generator.load(args.model)
-    path = model.default_model_path() if args.model == "default" else args.model
-    rows = []
-    for batch in args.batch_sizes:
-        ours = time_ours(gen, batch, args.new_tokens)
-        peer = time_transformers(path, gen.prompt_ids(PROMPT), batch, args.new_tokens) \
-            if path.endswith(".gguf") else None
-        rows.append((batch, ours, peer))
-    print(f"\ndecode: {args.model}, prompt {len(gen.prompt_ids(PROMPT))} tokens, "
-          f"{args.new_tokens} new tokens, greedy, float32, {_device()}")
-    print("| batch | kvfold tok/s | transformers tok/s | ratio |")
-    print("|------:|-------------:|-------------------:|------:|")
-    for batch, ours, peer in rows:
-        peer_s = f"{peer:.1f}" if peer else "not installed"
-        ratio = f"{ours / peer:.2f}x" if peer else "-"
-        print(f"| {batch} | {ours:.1f} | {peer_s} | {ratio} |")
+TOPICS = ["the ocean", "a city at night", "learning to cook", "the history of tea", "mountain climbing",
+          "a friendly robot", "the moon landing", "winter mornings", "a busy market", "old libraries",
+          "jazz music", "desert plants", "a train journey", "honey bees", "paper airplanes", "lighthouses"]
 
 
 def _device() -> str:
@@ -93,18 +39,220 @@ def _device() -> str:
     return f"{d.platform} ({d.device_kind})"
 
 
+def _time_ours(llm, prompts: list[list[int]], new_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(batch, params)  # compile
+    start = time.perf_counter()
+    out = llm.generate(batch, params)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == new_tokens for o in out)
+    return len(prompts) * new_tokens / elapsed
+
+
+def _time_transformers(gguf_path: str, prompts: list[list[int]], new_tokens: int) -> float | None:
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    import torch
+    import transformers
+
+    folder, name = os.path.split(gguf_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                           dtype=torch.float32).eval()
+    width = max(len(p) for p in prompts)
+    pad = hf.config.eos_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                  attention_mask=mask, pad_token_id=pad)
+    with torch.no_grad():
+        hf.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        start = time.perf_counter()
+        out = hf.generate(ids, **kwargs)
+        elapsed = time.perf_counter() - start
+    assert out.shape[1] - width == new_tokens
+    return len(prompts) * new_tokens / elapsed
+
+
+def _table(title: str, rows: list[tuple[str, float, float | None]]) -> None:
+    print(f"\n{title}")
+    print("| batch | kvfold tok/s | transformers tok/s | ratio |")
+    print("|------:|-------------:|-------------------:|------:|")
+    for label, ours, peer in rows:
+        peer_s = f"{peer:.1f}" if peer else "not installed"
+        ratio = f"{ours / peer:.2f}x" if peer else "-"
+        print(f"| {label} | {ours:.1f} | {peer_s} | {ratio} |")
+
+
+def _llm(args, max_num_seqs: int):
+    from serving.llm import LLM
+
+    return LLM(args.model, max_model_len=512, max_num_seqs=max_num_seqs,
+               max_num_batched_tokens=max(512, 64 * max_num_seqs))
+
+
+def bench_decode(args) -> None:
+    import model
+
+    path = model.default_model_path() if args.model == "default" else args.model
+    rows = []
+    for batch in args.batch_sizes:
+        llm = _llm(args, batch)
+        tok = llm.get_tokenizer()
+        ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=True)
+        ours = _time_ours(llm, [ids] * batch, args.new_tokens)
+        peer = _time_transformers(path, [ids] * batch, args.new_tokens) if path.endswith(".gguf") else None
+        rows.append((str(batch), ours, peer))
+    _table(f"decode: {args.model}, {args.new_tokens} new tokens, greedy, float32, {_device()}", rows)
+
+
+def bench_offline(args) -> None:
+    import model
+
+    path = model.default_model_path() if args.model == "default" else args.model
+    llm = _llm(args, args.num_prompts)
+    tok = llm.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Write a paragraph about {t}."}],
+                                       tokenize=True) for t in (TOPICS * 8)[:args.num_prompts]]
+    ours = _time_ours(llm, prompts, args.new_tokens)
+    peer = _time_transformers(path, prompts, args.new_tokens) if path.endswith(".gguf") else None
+    _table(f"offline: {args.num_prompts} different chat prompts ({min(map(len, prompts))}-"
+           f"{max(map(len, prompts))} tokens), {args.new_tokens} new tokens each, greedy, {_device()}",
+           [(str(args.num_prompts), ours, peer)])
+
+
+# -- trace replay -------------------------------------------------------------------
+
+
+def load_trace(path: str, num_requests: int, block_tokens: int, max_prompt: int,
+               output_scale: float) -> tuple[list, float]:
+    """Mooncake records -> SimRequests: each hash id becomes a deterministic block of
+    `block_tokens` token ids (a PRNG seeded by the id), so equal ids share prefixes."""
+    from serving.simulator import SimRequest
+
+    records = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                records.append(json.loads(line))
+            if len(records) >= num_requests:
+                break
+    if not records:
+        raise ValueError(f"{path} has no requests")
+    scale = block_tokens / 512
+    requests, seen, reusable, total_blocks = [], set(), 0, 0
+    for r in records:
+        n_in = max(1, min(max_prompt, int(r["input_length"] * scale)))
+        blocks = r["hash_ids"][:-(-n_in // block_tokens)]
+        tokens: list[int] = []
+        for h in blocks:
+            tokens += np.random.default_rng(h).integers(3, 32000, block_tokens).tolist()
+        tokens = tokens[:n_in]
+        full = len(tokens) // block_tokens
+        for h in blocks[:full]:  # the unbounded-cache optimum: blocks seen before
+            total_blocks += 1
+            reusable += h in seen
+            seen.add(h)
+        out = max(1, int(r["output_length"] * output_scale))
+        requests.append(SimRequest(r["timestamp"] / 1000.0, tuple(tokens), out))
+    return requests, reusable / max(total_blocks, 1)
+
+
+def _pct(x: np.ndarray, q: float) -> float:
+    return float(np.percentile(x, q)) if len(x) else float("nan")
+
+
+def bench_trace(args) -> None:
+    from serving.llm import LLM
+    from serving.simulator import fit_cost_model, measure_engine_steps, simulate
+
+    if not os.path.exists(args.path):
+        raise SystemExit(f"trace {args.path} does not exist")
+    llm = LLM(args.model, max_model_len=1024, max_num_seqs=16, num_kv_blocks=256)
+    cost = fit_cost_model(*measure_engine_steps(llm))
+    print(f"cost model fitted on {_device()}: prefill a,b,c = {cost.prefill}; decode a,b,c = {cost.decode}")
+    requests, optimum = load_trace(args.path, args.num_requests, args.block_tokens,
+                                   args.max_model_len - 64, args.output_scale)
+    # Stretch arrivals so the offered load is `load` of what one engine can serve.
+    work = sum(cost.step_time_for_prefill(len(r.prompt)) + r.output_len * cost.decode_per_token(8)
+               for r in requests)
+    span = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
+    stretch = work / (args.load * span) if span > 0 else 1.0
+    t0 = min(r.arrival_s for r in requests)
+    requests = [type(r)((r.arrival_s - t0) * stretch, r.prompt, r.output_len) for r in requests]
+    print(f"trace: {len(requests)} requests of {args.path}; prompts scaled to {args.block_tokens} tokens "
+          f"per 512-token block (mean {np.mean([len(r.prompt) for r in requests]):.0f} tokens), outputs "
+          f"x{args.output_scale} (mean {np.mean([r.output_len for r in requests]):.0f}); arrivals "
+          f"stretched x{stretch:.1f} for offered load {args.load:.0%}; SLOs: TTFT <= {args.ttft_slo} s, "
+          f"TPOT <= {args.tpot_slo} s; unbounded-cache hit-rate optimum {optimum:.3f}")
+    print("| order | KV pages | hit rate | of optimum | TTFT p50/p90/p99 (s) | TPOT p50/p90/p99 (s) "
+          "| out tok/s | req/s | goodput req/s | preemptions |")
+    print("|---|---:|---:|---:|---|---|---:|---:|---:|---:|")
+    for pages in args.cache_pages:
+        for order in (sched.FCFS, sched.LPM):
+            config = sched.SchedulerConfig(page_size=16, max_num_seqs=32, max_num_batched_tokens=1024,
+                                           order=order)
+            res = simulate(requests, config, pages, args.max_model_len, cost)
+            hit = res.cached_tokens / res.prompt_tokens
+            ok = (res.ttft_s <= args.ttft_slo) & (np.append(res.tpot_s, [0] * (len(res.ttft_s) - len(res.tpot_s)))
+                                                  <= args.tpot_slo)
+            print(f"| {order} | {pages} | {hit:.3f} | {hit / optimum if optimum else 0:.2f} | "
+                  f"{_pct(res.ttft_s, 50):.2f} / {_pct(res.ttft_s, 90):.2f} / {_pct(res.ttft_s, 99):.2f} | "
+                  f"{_pct(res.tpot_s, 50):.3f} / {_pct(res.tpot_s, 90):.3f} / {_pct(res.tpot_s, 99):.3f} | "
+                  f"{res.output_tokens / res.makespan_s:.1f} | {len(res.ttft_s) / res.makespan_s:.3f} | "
+                  f"{ok.sum() / res.makespan_s:.3f} | {res.num_preemptions} |")
+
+
+def bench_scheduler(args) -> None:
+    print("| running requests | waiting | us per schedule() |")
+    print("|---:|---:|---:|")
+    for n in args.running:
+        running = tuple(sched.Seq(f"r{i}", tuple(range(200)), 400, float(i), num_computed_tokens=199,
+                                  num_pages=13, started=0) for i in range(n))
+        waiting = tuple(sched.Seq(f"w{i}", tuple(range(300)), 400, float(n + i)) for i in range(64))
+        state = sched.SchedulerState(waiting=waiting, running=running)
+        config = sched.SchedulerConfig(page_size=16, max_num_seqs=n, max_num_batched_tokens=2 * n)
+        calls = max(20, 20000 // n)
+        start = time.perf_counter()
+        for _ in range(calls):
+            sched.schedule(state, config, 10**6)
+        print(f"| {n} | 64 | {(time.perf_counter() - start) / calls * 1e6:.0f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    decode = sub.add_parser("decode", help="generation tokens/s at several batch sizes")
-    decode.add_argument("--model", default="default")
-    decode.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
-    decode.add_argument("--new-tokens", type=int, default=64)
+    for name in ("decode", "offline"):
+        p = sub.add_parser(name)
+        p.add_argument("--model", default="default")
+        p.add_argument("--new-tokens", type=int, default=64)
+        if name == "decode":
+            p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+        else:
+            p.add_argument("--num-prompts", type=int, default=16)
+    t = sub.add_parser("trace")
+    t.add_argument("path")
+    t.add_argument("--model", default="default")
+    t.add_argument("--num-requests", type=int, default=1500)
+    t.add_argument("--block-tokens", type=int, default=32, help="tokens per 512-token trace block")
+    t.add_argument("--output-scale", type=float, default=1 / 16)
+    t.add_argument("--max-model-len", type=int, default=4096)
+    t.add_argument("--cache-pages", type=int, nargs="+", default=[2048, 16384])
+    t.add_argument("--load", type=float, default=0.8)
+    t.add_argument("--ttft-slo", type=float, default=30.0)
+    t.add_argument("--tpot-slo", type=float, default=1.0)
+    s = sub.add_parser("scheduler")
+    s.add_argument("--running", type=int, nargs="+", default=[256, 1024])
     args = parser.parse_args(argv)
-    if args.command == "decode":
-        if args.new_tokens <= 0 or any(b <= 0 for b in args.batch_sizes):
-            parser.error("--new-tokens and --batch-sizes must be > 0")
-        bench_decode(args)
+    if args.command in ("decode", "offline"):
+        sizes = args.batch_sizes if args.command == "decode" else [args.num_prompts]
+        if args.new_tokens <= 0 or any(b <= 0 for b in sizes):
+            parser.error("--new-tokens and batch sizes must be > 0")
+        (bench_decode if args.command == "decode" else bench_offline)(args)
+    elif args.command == "trace":
+        bench_trace(args)
+    else:
+        bench_scheduler(args)
 
 
 if __name__ == "__main__":

@@ -85,11 +85,13 @@ def test_default_model_logits_match_transformers(default_model, smollm2_golden):
 
 
 def test_default_model_greedy_matches_transformers(default_model, default_tokenizer, smollm2_golden):
-    from serving.generate import Generator
+    from serving import LLM, SamplingParams
 
-    gen = Generator(*default_model, default_tokenizer)
+    llm = LLM.from_loaded(*default_model, default_tokenizer, max_model_len=256)
     want = smollm2_golden["greedy0"].tolist()
-    got = gen.generate(smollm2_golden["prompt0"].tolist(), max_tokens=len(want), ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": smollm2_golden["prompt0"].tolist()},
+                       SamplingParams(temperature=0, max_tokens=len(want), ignore_eos=True))
+    got = out[0].outputs[0].token_ids
     assert got == want
     assert "Paris" in default_tokenizer.decode(got)
 

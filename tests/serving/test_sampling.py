@@ -3,7 +3,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.sampling import sample
+from serving.sampling import row_keys, sample
+
+
+def keys(n, seed=0):
+    return row_keys(jnp.full((n,), seed, jnp.uint32), jnp.arange(n, dtype=jnp.uint32))
 
 
 def reference_distribution(logits, temperature, top_k, top_p, min_p=0.0):
@@ -33,7 +37,7 @@ def reference_distribution(logits, temperature, top_k, top_p, min_p=0.0):
 def test_sample_matches_reference_distribution(temperature, top_k, top_p, min_p):
     n, vocab = 40000, 10
     logits = jax.random.normal(jax.random.key(1), (vocab,)) * 2
-    draws = sample(jnp.broadcast_to(logits, (n, vocab)), jax.random.key(2),
+    draws = sample(jnp.broadcast_to(logits, (n, vocab)), keys(n, 2),
                    jnp.full((n,), temperature), jnp.full((n,), top_k, jnp.int32),
                    jnp.full((n,), top_p), jnp.full((n,), min_p))
     freq = np.bincount(np.asarray(draws), minlength=vocab) / n
@@ -45,12 +49,12 @@ def test_sample_matches_reference_distribution(temperature, top_k, top_p, min_p)
 def test_zero_temperature_is_argmax_per_row():
     logits = jax.random.normal(jax.random.key(3), (6, 50))
     temps = jnp.array([0.0, 1.0, 0.0, 1.0, 0.0, 0.0])
-    out = sample(logits, jax.random.key(4), temps, jnp.zeros(6, jnp.int32), jnp.ones(6))
+    out = sample(logits, keys(6, 4), temps, jnp.zeros(6, jnp.int32), jnp.ones(6))
     greedy = np.asarray(jnp.argmax(logits, -1))
     np.testing.assert_array_equal(np.asarray(out)[np.asarray(temps) == 0], greedy[np.asarray(temps) == 0])
 
 
 def test_top_k_one_is_greedy_even_when_sampling():
     logits = jax.random.normal(jax.random.key(5), (64, 100))
-    out = sample(logits, jax.random.key(6), jnp.full(64, 2.0), jnp.ones(64, jnp.int32), jnp.ones(64))
+    out = sample(logits, keys(64, 6), jnp.full(64, 2.0), jnp.ones(64, jnp.int32), jnp.ones(64))
     np.testing.assert_array_equal(np.asarray(out), np.asarray(jnp.argmax(logits, -1)))

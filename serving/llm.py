@@ -1,0 +1,228 @@
+"""The public API, in vLLM's names: LLM(...).generate / .chat / .stream.
+
+    from serving import LLM, SamplingParams
+    llm = LLM()                                   # the embedded default model
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))
+    print(out[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterator, Sequence
+
+import jax.numpy as jnp
+
+import model
+from serving import scheduler as sched
+from serving.engine import RECOMPUTE, EngineCore
+from serving.params import CompletionOutput, RequestOutput, SamplingParams
+from serving.runner import ModelRunner
+
+DEFAULT_KV_CACHE_GIB = 1.0
+
+
+def _kv_bytes_per_token(config: model.ModelConfig, dtype) -> int:
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+
+
+class LLM:
+    """A model with its tokenizer, KV page pool, scheduler and engine."""
+
+    def __init__(self, model: str = "default", max_model_len: int | None = None, block_size: int = 16,
+                 num_kv_blocks: int | None = None, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
+                 kv_cache_dtype: str = "auto", scheduling_policy: str = "fcfs",
+                 capacity_policy: str = sched.MAX_UTILIZATION,
+                 chunking_policy: str = sched.FIRST_COME_FIRST_SERVED,
+                 preemption_mode: str = RECOMPUTE, seed: int = 0, dtype=jnp.float32):
+        import model as model_lib
+
+        config, params = model_lib.load(model, dtype)
+        self._setup(config, params, model_lib.load_tokenizer(model), max_model_len, block_size,
+                    num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
+                    kv_cache_dtype, scheduling_policy, capacity_policy, chunking_policy,
+                    preemption_mode, seed, dtype)
+
+    @classmethod
+    def from_loaded(cls, config: model.ModelConfig, params: dict, tokenizer: model.Tokenizer,
+                    **kwargs) -> "LLM":
+        """An LLM over an already loaded model (same keyword arguments as the constructor)."""
+        llm = cls.__new__(cls)
+        defaults = dict(max_model_len=None, block_size=16, num_kv_blocks=None, max_num_seqs=16,
+                        max_num_batched_tokens=512, enable_prefix_caching=True, kv_cache_dtype="auto",
+                        scheduling_policy="fcfs", capacity_policy=sched.MAX_UTILIZATION,
+                        chunking_policy=sched.FIRST_COME_FIRST_SERVED, preemption_mode=RECOMPUTE,
+                        seed=0, dtype=jnp.float32)
+        unknown = set(kwargs) - set(defaults)
+        if unknown:
+            raise ValueError(f"unknown LLM arguments {sorted(unknown)}")
+        llm._setup(config, params, tokenizer, **{**defaults, **kwargs})
+        return llm
+
+    def _setup(self, config, params, tokenizer, max_model_len, block_size, num_kv_blocks,
+               max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_dtype,
+               scheduling_policy, capacity_policy, chunking_policy, preemption_mode, seed, dtype):
+        context = config.max_position_embeddings
+        max_model_len = max_model_len or context
+        if not 0 < max_model_len <= context:
+            raise ValueError(f"max_model_len must be in [1, {context}], got {max_model_len}")
+        if block_size <= 0 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype must be 'auto' (the model's dtype), got {kv_cache_dtype!r}")
+        max_pages_per_seq = -(-max_model_len // block_size)
+        if num_kv_blocks is None:
+            budget = DEFAULT_KV_CACHE_GIB * 2**30 // _kv_bytes_per_token(config, dtype)
+            num_kv_blocks = max(int(budget) // block_size, max_pages_per_seq)
+        if num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be > 0, got {num_kv_blocks}")
+        self.config, self.tokenizer, self.max_model_len = config, tokenizer, max_model_len
+        sched_config = sched.SchedulerConfig(
+            page_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, capacity_policy=capacity_policy,
+            chunking_policy=chunking_policy, order=scheduling_policy)
+        self.runner = ModelRunner(config, params, num_kv_blocks, block_size, max_pages_per_seq,
+                                  max_num_seqs, dtype)
+        self.engine = EngineCore(self.runner, sched_config, num_kv_blocks, max_model_len,
+                                 tokenizer.eos_token_id, enable_prefix_caching, preemption_mode, seed)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> model.Tokenizer:
+        return self.tokenizer
+
+    # -- input ---------------------------------------------------------------------
+
+    def _prompt(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            return self._prompt(prompt["prompt"])
+        else:
+            raise ValueError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
+                             f"got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt has no tokens")
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within "
+                             f"max_model_len={self.max_model_len}")
+        return text, ids
+
+    def _requests(self, prompts, sampling_params) -> list[tuple[str | None, list[int], SamplingParams]]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts given")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        for p in sampling_params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+        # Validate everything before scheduling anything.
+        return [(*self._prompt(p), sp) for p, sp in zip(prompts, sampling_params)]
+
+    # -- output --------------------------------------------------------------------
+
+    def _text(self, ids: list[int], stops: Sequence[str]) -> tuple[str, str | None]:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        for stop in stops:
+            cut = text.find(stop)
+            if cut >= 0:
+                return text[:cut], stop
+        return text, None
+
+    def _snapshot(self, request_id: str, prompt: str | None) -> RequestOutput:
+        req = self.engine.requests[request_id]
+        outputs = []
+        for sid in req.seq_ids:
+            seq = self.engine.seqs[sid]
+            text, stop = self._text(seq.output, seq.params.stop)
+            if stop is not None and seq.finish_reason is None:
+                self.engine.finish_seq(sid, "stop", stop)
+            logprobs = None
+            if seq.params.logprobs is not None:
+                logprobs = []
+                for tok, (lp, top) in zip(seq.output, seq.logprobs):
+                    best = dict(sorted(top.items(), key=lambda kv: -kv[1])[:seq.params.logprobs])
+                    logprobs.append({tok: lp, **best})
+            outputs.append(CompletionOutput(seq.index, text, list(seq.output), logprobs,
+                                            seq.finish_reason, seq.stop_reason))
+        return RequestOutput(request_id, prompt, list(req.prompt_ids), outputs,
+                             self.engine.request_finished(request_id), req.num_cached_tokens)
+
+    # -- generation ------------------------------------------------------------------
+
+    def _add(self, prompts, sampling_params) -> list[tuple[str, str | None]]:
+        added = []
+        for text, ids, params in self._requests(prompts, sampling_params):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, ids, params)
+            added.append((rid, text))
+        return added
+
+    def stream(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+               ) -> Iterator[RequestOutput]:
+        """Yield RequestOutputs whose outputs hold only what is new (text and token deltas)."""
+        added = self._add(prompts, sampling_params)
+        prompts_by_id = dict(added)
+        sent: dict[str, list[tuple[int, int]]] = {rid: [] for rid, _ in added}
+        done: set[str] = set()
+        try:
+            while len(done) < len(added):
+                progressed = self.engine.step() if self.engine.has_unfinished() else set()
+                for rid in list(prompts_by_id):
+                    if rid in done or (rid not in progressed and not self.engine.request_finished(rid)):
+                        continue
+                    full = self._snapshot(rid, prompts_by_id[rid])
+                    marks = sent[rid] or [(0, 0)] * len(full.outputs)
+                    delta = [CompletionOutput(o.index, o.text[m[0]:], o.token_ids[m[1]:],
+                                              o.logprobs[m[1]:] if o.logprobs else o.logprobs,
+                                              o.finish_reason, o.stop_reason)
+                             for o, m in zip(full.outputs, marks)]
+                    sent[rid] = [(len(o.text), len(o.token_ids)) for o in full.outputs]
+                    if full.finished:
+                        done.add(rid)
+                    yield RequestOutput(rid, full.prompt, full.prompt_token_ids, delta, full.finished,
+                                        full.num_cached_tokens)
+        finally:
+            for rid, _ in added:
+                if rid in self.engine.requests:
+                    self.engine.abort(rid)
+                    self.engine.release(rid)
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; one RequestOutput per prompt, in order."""
+        added = self._add(prompts, sampling_params)
+        try:
+            while any(not self.engine.request_finished(rid) for rid, _ in added):
+                self.engine.step()
+                for rid, text in added:  # stop strings end sequences between steps
+                    self._snapshot(rid, text)
+            return [self._snapshot(rid, text) for rid, text in added]
+        finally:
+            for rid, _ in added:
+                self.engine.abort(rid)
+                self.engine.release(rid)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Apply the chat template to one conversation (or a list of them) and generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(c, tokenize=True)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params)

@@ -1,0 +1,200 @@
+"""Page-granular radix tree over token ids (SGLang's RadixAttention), plus the page pool.
+
+A page's reference count is its number of holders: each sequence whose block table
+lists it, plus one if the tree holds it. A page is free when nobody holds it. Tree
+nodes are locked by the sequences using them (lock_ref walks to the root); only
+unlocked leaves are evicted, least recently used first, when pages run out.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import numpy as np
+
+
+class NoFreePages(RuntimeError):
+    pass
+
+
+class PagePool:
+    """Free list and reference counts of `num_pages` KV pages."""
+
+    def __init__(self, num_pages: int):
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be > 0, got {num_pages}")
+        self.num_pages = num_pages
+        self.ref_counts = np.zeros(num_pages, np.int32)
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise NoFreePages(f"need {n} pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        self.ref_counts[pages] = 1
+        return pages
+
+    def incref(self, pages) -> None:
+        for p in pages:
+            assert self.ref_counts[p] > 0, f"incref of free page {p}"
+            self.ref_counts[p] += 1
+
+    def decref(self, pages) -> None:
+        for p in pages:
+            assert self.ref_counts[p] > 0, f"page {p} freed twice"
+            self.ref_counts[p] -= 1
+            if self.ref_counts[p] == 0:
+                self._free.append(p)
+
+
+class Node:
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access")
+
+    def __init__(self, key: tuple[int, ...], pages: list[int], parent: "Node | None"):
+        self.key, self.pages, self.parent = key, pages, parent
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.lock_ref = 0
+        self.last_access = 0
+
+
+class RadixCache:
+    """Prefix cache over full pages. Keys are token tuples, page-aligned."""
+
+    def __init__(self, pool: PagePool, page_size: int):
+        self.pool, self.page_size = pool, page_size
+        self.root = Node((), [], None)
+        self.root.lock_ref = 1  # the root is never evicted
+        self.evictable_pages = 0  # pages in unlocked nodes
+        self.protected_pages = 0  # pages in locked nodes
+        self._clock = itertools.count(1)
+
+    def _child_key(self, tokens, start: int) -> tuple[int, ...]:
+        return tuple(tokens[start:start + self.page_size])
+
+    def match_prefix(self, tokens, touch: bool = True) -> tuple[list[int], Node]:
+        """Pages of the longest cached page-aligned prefix of `tokens`, and its last node.
+
+        Splits a node when the match ends inside its key, so the returned node covers
+        exactly the matched prefix.
+        """
+        node, pages, i = self.root, [], 0
+        tokens = tuple(tokens)
+        now = next(self._clock)
+        while len(tokens) - i >= self.page_size:
+            child = node.children.get(self._child_key(tokens, i))
+            if child is None:
+                break
+            matched = self._matched_pages(child.key, tokens, i)
+            if matched < len(child.pages):
+                child = self._split(child, matched)
+            if touch:
+                child.last_access = now
+            pages.extend(child.pages)
+            i += len(child.key)
+            node = child
+        return pages, node
+
+    def _matched_pages(self, key, tokens, start: int) -> int:
+        n = 0
+        ps = self.page_size
+        while n * ps < len(key) and start + (n + 1) * ps <= len(tokens) \
+                and key[n * ps:(n + 1) * ps] == tokens[start + n * ps:start + (n + 1) * ps]:
+            n += 1
+        return n
+
+    def _split(self, child: Node, pages_kept: int) -> Node:
+        """Cut `child` after `pages_kept` pages; returns the new upper node."""
+        cut = pages_kept * self.page_size
+        upper = Node(child.key[:cut], child.pages[:pages_kept], child.parent)
+        upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
+        child.parent.children[self._child_key(child.key, 0)] = upper
+        child.key, child.pages, child.parent = child.key[cut:], child.pages[pages_kept:], upper
+        upper.children[self._child_key(child.key, 0)] = child
+        return upper
+
+    def insert(self, tokens, pages: list[int]) -> Node:
+        """Cache full pages of `tokens` (len(tokens) == len(pages) * page_size).
+
+        Pages whose tokens are already cached stay with the caller (they are not
+        taken); the tree takes a reference on the pages it adds. Returns the node
+        ending at the last page.
+        """
+        tokens = tuple(tokens)
+        assert len(tokens) == len(pages) * self.page_size
+        _, node = self.match_prefix(tokens)
+        depth = self._depth(node)
+        if depth < len(tokens):
+            new_pages = list(pages[depth // self.page_size:])
+            leaf = Node(tokens[depth:], new_pages, node)
+            leaf.last_access = next(self._clock)
+            node.children[self._child_key(leaf.key, 0)] = leaf
+            self.pool.incref(new_pages)
+            self.evictable_pages += len(new_pages)  # a fresh leaf is unlocked
+            node = leaf
+        return node
+
+    def _depth(self, node: Node) -> int:
+        n = 0
+        while node is not None:
+            n += len(node.key)
+            node = node.parent
+        return n
+
+    def lock(self, node: Node) -> None:
+        while node is not None and node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_pages -= len(node.pages)
+                self.protected_pages += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not None and node is not self.root:
+            assert node.lock_ref > 0, "unlock of an unlocked node"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_pages += len(node.pages)
+                self.protected_pages -= len(node.pages)
+            node = node.parent
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least `num_pages` pages from unlocked leaves (LRU first); returns freed."""
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[self._child_key(leaf.key, 0)]
+            self.pool.decref(leaf.pages)
+            self.evictable_pages -= len(leaf.pages)
+            freed += len(leaf.pages)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def cached_pages(self) -> list[int]:
+        return [p for n in self._nodes() for p in n.pages]
+
+    def check(self) -> None:
+        """Assert the counters agree with the nodes (for tests)."""
+        ev = sum(len(n.pages) for n in self._nodes() if n.lock_ref == 0)
+        pr = sum(len(n.pages) for n in self._nodes() if n.lock_ref > 0)
+        assert (ev, pr) == (self.evictable_pages, self.protected_pages), \
+            (ev, pr, self.evictable_pages, self.protected_pages)
+        for n in self._nodes():
+            assert len(n.key) == len(n.pages) * self.page_size
+            if n.lock_ref == 0:
+                assert all(c.lock_ref == 0 for c in n.children.values()), "locked child of unlocked node"

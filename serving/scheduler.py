@@ -1,0 +1,270 @@
+"""The batching scheduler as a pure function: schedule(state, ...) -> (state, plan).
+
+State is immutable (frozen dataclasses, tuples); every transition returns a new
+state. The same function drives the real engine and the discrete-event simulator.
+
+Policies (TensorRT-LLM's batch manager, REFERENCES §5, with vLLM v1's token-budget
+view of prefill, §3, and SGLang's cache-aware order, §4):
+- capacity: GUARANTEED_NO_EVICT reserves every running sequence's pages to
+  completion and admits while the newcomer's total fits; MAX_UTILIZATION counts only
+  the pages the next step needs and pauses (preempts) the most recently started
+  sequence on a misfit; STATIC_BATCH admits only into an empty batch.
+- micro-batch: at most max_num_seqs sequences and max_num_batched_tokens tokens a
+  step; decode rows (1 token) first, then prefill chunks, first-come-first-served
+  (chunks rounded down to chunk_unit_size) or equal-progress (round-robin units).
+- order of the waiting queue: FCFS, or longest-prefix-match first (falls back to
+  FCFS past 128 waiting), deferring a request that would share >= 32 uncached tokens
+  with one admitted this step so it hits that one's KV next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+GUARANTEED_NO_EVICT = "guaranteed_no_evict"
+MAX_UTILIZATION = "max_utilization"
+STATIC_BATCH = "static_batch"
+CAPACITY_POLICIES = (GUARANTEED_NO_EVICT, MAX_UTILIZATION, STATIC_BATCH)
+FIRST_COME_FIRST_SERVED = "first_come_first_served"
+EQUAL_PROGRESS = "equal_progress"
+CHUNKING_POLICIES = (FIRST_COME_FIRST_SERVED, EQUAL_PROGRESS)
+FCFS = "fcfs"
+LPM = "lpm"
+ORDERS = (FCFS, LPM)
+LPM_MAX_WAITING = 128
+DEFER_MAX_CACHED = 32
+DEFER_MIN_SHARED = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    capacity_policy: str = MAX_UTILIZATION
+    chunking_policy: str = FIRST_COME_FIRST_SERVED
+    chunk_unit_size: int = 16
+    order: str = FCFS
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        if self.capacity_policy not in CAPACITY_POLICIES:
+            raise ValueError(f"capacity_policy must be one of {CAPACITY_POLICIES}, got {self.capacity_policy!r}")
+        if self.chunking_policy not in CHUNKING_POLICIES:
+            raise ValueError(f"chunking_policy must be one of {CHUNKING_POLICIES}, got {self.chunking_policy!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "chunk_unit_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Seq:
+    """What the scheduler knows of one sequence.
+
+    tokens: every token whose KV the sequence needs (prompt + generated so far);
+    num_computed_tokens: how many of them have KV in its pages; num_pages: pages held;
+    max_total_tokens: prompt + max_tokens (what GUARANTEED_NO_EVICT reserves).
+    """
+
+    seq_id: str
+    tokens: tuple[int, ...]
+    max_total_tokens: int
+    arrival: float
+    num_computed_tokens: int = 0
+    num_pages: int = 0
+    started: int = -1  # step at which it last started running
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def remaining(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerState:
+    waiting: tuple[Seq, ...] = ()
+    running: tuple[Seq, ...] = ()
+    step: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """scheduled: (seq_id, num_new_tokens), prefill chunks before decode rows.
+    admitted: seq ids that started running this step (the engine admits them into the
+    KV manager first); preempted: seq ids sent back to waiting (the engine frees or
+    swaps their pages)."""
+
+    scheduled: tuple[tuple[str, int], ...] = ()
+    admitted: tuple[str, ...] = ()
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+def _pages(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def _shared_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def add(state: SchedulerState, seq: Seq) -> SchedulerState:
+    return dataclasses.replace(state, waiting=state.waiting + (seq,))
+
+
+def remove(state: SchedulerState, seq_ids) -> SchedulerState:
+    """Drop finished or aborted sequences from wherever they are."""
+    ids = set(seq_ids)
+    return dataclasses.replace(state, waiting=tuple(s for s in state.waiting if s.seq_id not in ids),
+                               running=tuple(s for s in state.running if s.seq_id not in ids))
+
+
+def update(state: SchedulerState, plan: StepPlan, new_tokens: Mapping[str, tuple[int, ...]],
+           num_pages: Mapping[str, int]) -> SchedulerState:
+    """After a step: scheduled tokens are computed; sampled tokens are appended."""
+    computed = dict(plan.scheduled)
+
+    def advance(s: Seq) -> Seq:
+        if s.seq_id not in computed:
+            return s
+        return dataclasses.replace(s, num_computed_tokens=s.num_computed_tokens + computed[s.seq_id],
+                                   tokens=s.tokens + tuple(new_tokens.get(s.seq_id, ())),
+                                   num_pages=num_pages.get(s.seq_id, s.num_pages))
+    return dataclasses.replace(state, running=tuple(advance(s) for s in state.running))
+
+
+def fork(state: SchedulerState, parent_id: str, child: Seq) -> SchedulerState:
+    """Add a running child sharing the parent's computed KV (parallel sampling)."""
+    i = next(i for i, s in enumerate(state.running) if s.seq_id == parent_id)
+    return dataclasses.replace(state, running=state.running[:i + 1] + (child,) + state.running[i + 1:])
+
+
+def _order_waiting(waiting: tuple[Seq, ...], order: str, cached: Mapping[str, int]) -> list[Seq]:
+    if order == LPM and len(waiting) <= LPM_MAX_WAITING:
+        return sorted(waiting, key=lambda s: -cached.get(s.seq_id, 0))  # stable: FCFS on ties
+    return list(waiting)
+
+
+def schedule(state: SchedulerState, config: SchedulerConfig, num_available_pages: int,
+             cached: Mapping[str, int] | None = None,
+             preempt_keeps_computed: bool = False) -> tuple[SchedulerState, StepPlan]:
+    """One scheduling step.
+
+    num_available_pages: pages the KV manager can hand out (free + evictable cached).
+    cached: for waiting sequences, prompt tokens the prefix cache would serve.
+    preempt_keeps_computed: preempted sequences keep num_computed_tokens (swap
+    preemption); otherwise they restart from zero (recompute).
+    """
+    cached = cached or {}
+    active = list(state.running)
+    preempted: list[Seq] = []
+
+    # 1. Capacity for the running batch; MAX_UTILIZATION pauses the newest on a misfit.
+    while True:
+        tokens = _micro_batch(active, config)
+        if _pages_needed(active, tokens, config) <= num_available_pages or not active \
+                or config.capacity_policy != MAX_UTILIZATION:
+            break
+        victim = max(active, key=lambda s: (s.started, s.arrival))
+        active.remove(victim)
+        preempted.append(victim)
+
+    # 2. Admission, in queue order, while the whole batch still fits (not after a preemption).
+    admitted: list[Seq] = []
+    if not preempted and not (config.capacity_policy == STATIC_BATCH and active):
+        for seq in _order_waiting(state.waiting, config.order, cached):
+            if len(active) >= config.max_num_seqs:
+                break
+            hit = 0 if seq.num_computed_tokens else cached.get(seq.seq_id, 0)
+            if config.order == LPM and hit <= DEFER_MAX_CACHED and any(
+                    _shared_prefix(seq.tokens, a.tokens) - hit >= DEFER_MIN_SHARED for a in admitted):
+                continue  # a delayed hit: next step it reuses that request's KV
+            candidate = dataclasses.replace(seq, num_computed_tokens=max(seq.num_computed_tokens, hit),
+                                            started=state.step, num_pages=0)
+            trial = active + [candidate]
+            trial_tokens = _micro_batch(trial, config)
+            if not trial_tokens.get(seq.seq_id) or \
+                    _pages_needed(trial, trial_tokens, config) > num_available_pages:
+                break  # the first misfit stops admission
+            active, tokens = trial, trial_tokens
+            admitted.append(candidate)
+
+    # 3. Preempted sequences go to the front of the queue.
+    back = [dataclasses.replace(s, num_pages=0, started=-1,
+                                num_computed_tokens=s.num_computed_tokens if preempt_keeps_computed else 0)
+            for s in preempted]
+    admitted_ids = {s.seq_id for s in admitted}
+    waiting = [s for s in state.waiting if s.seq_id not in admitted_ids]
+    contexts, decodes = [], []
+    for s in active:
+        n = tokens.get(s.seq_id)
+        if n:
+            (decodes if len(s.tokens) - s.num_computed_tokens == 1 else contexts).append((s.seq_id, n))
+    new_state = SchedulerState(waiting=tuple(back + waiting), running=tuple(active), step=state.step + 1)
+    plan = StepPlan(scheduled=tuple(contexts + decodes), admitted=tuple(s.seq_id for s in admitted),
+                    preempted=tuple(s.seq_id for s in preempted))
+    return new_state, plan
+
+
+def _pages_needed(seqs: list[Seq], tokens: Mapping[str, int], config: SchedulerConfig) -> int:
+    """Pages to allocate beyond what `seqs` hold: to completion (GUARANTEED_NO_EVICT,
+    STATIC_BATCH) or for this step's tokens only (MAX_UTILIZATION)."""
+    ps = config.page_size
+    need = 0
+    if config.capacity_policy == MAX_UTILIZATION:
+        for s in seqs:
+            n = -(-(s.num_computed_tokens + tokens.get(s.seq_id, 0)) // ps) - s.num_pages
+            need += n if n > 0 else 0
+    else:
+        for s in seqs:
+            n = -(-s.max_total_tokens // ps) - s.num_pages
+            need += n if n > 0 else 0
+    return need
+
+
+def _micro_batch(seqs: list[Seq], config: SchedulerConfig) -> dict[str, int]:
+    """Tokens per sequence this step: decode rows first (1 each), then prefill chunks."""
+    left = config.max_num_batched_tokens
+    tokens: dict[str, int] = {}
+    contexts = []
+    for seq in seqs:
+        if len(seq.tokens) - seq.num_computed_tokens > 1:
+            contexts.append(seq)
+        elif left > 0:
+            tokens[seq.seq_id] = 1
+            left -= 1
+    unit = config.chunk_unit_size
+    if config.chunking_policy == FIRST_COME_FIRST_SERVED or not config.enable_chunked_prefill:
+        for seq in contexts:
+            n = seq.remaining if seq.remaining <= left else (
+                left - left % unit if config.enable_chunked_prefill else 0)
+            if n > 0:
+                tokens[seq.seq_id] = n
+                left -= n
+        return tokens
+    # Equal progress: chunk_unit_size increments round-robin (a partial unit only ends a prompt).
+    given = {s.seq_id: 0 for s in contexts}
+    progress = True
+    while left > 0 and progress:
+        progress = False
+        for seq in contexts:
+            n = min(unit, seq.remaining - given[seq.seq_id])
+            if 0 < n <= left:
+                given[seq.seq_id] += n
+                left -= n
+                progress = True
+    tokens.update({k: v for k, v in given.items() if v})
+    return tokens

@@ -1,0 +1,174 @@
+"""The engine and the LLM API on a tiny random model (fast to compile) that shares the
+default model's tokenizer; one test on the real default model."""
+
+import jax
+import numpy as np
+import pytest
+
+import model
+from model.config import ModelConfig
+from serving import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    config = ModelConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_heads=4,
+                         num_kv_heads=2, head_dim=8, layer_kinds=("attention",) * 2,
+                         max_position_embeddings=512, eos_token_id=2)
+    return config, model.init_params(config, jax.random.key(0))
+
+
+@pytest.fixture
+def make_llm(tiny_model, default_tokenizer):
+    def make(**kw):
+        kw = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 64, **kw}
+        return LLM.from_loaded(*tiny_model, default_tokenizer, **kw)
+    return make
+
+
+def prompts(n, length=20, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(3, 49152, length + 3 * i).tolist()} for i in range(n)]
+
+
+def ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_greedy_identical_alone_batched_preempted_and_after_prefix_hit(make_llm):
+    ps = prompts(4)
+    alone = [ids(make_llm(enable_prefix_caching=False).generate(p, GREEDY))[0] for p in ps]
+    assert ids(make_llm().generate(ps, GREEDY)) == alone  # full batch
+    # A pool so small that requests get preempted (recompute) and resumed.
+    small = make_llm(num_kv_blocks=6, block_size=8)
+    assert ids(small.generate(ps, GREEDY)) == alone
+    assert small.engine.num_preemptions > 0
+    swap = make_llm(num_kv_blocks=6, block_size=8, preemption_mode="swap")
+    assert ids(swap.generate(ps, GREEDY)) == alone
+    assert swap.engine.num_preemptions > 0
+    cached = make_llm()
+    cached.generate(ps, GREEDY)
+    again = cached.generate(ps, GREEDY)
+    assert all(o.num_cached_tokens > 0 for o in again)
+    assert ids(again) == alone
+
+
+def test_warm_engine_never_recompiles(make_llm):
+    llm = make_llm()
+    work = prompts(3, length=17, seed=1)
+    llm.generate(work, GREEDY)
+    warm = llm.runner.num_compilations()
+    llm.generate(prompts(3, length=18, seed=2), GREEDY)  # same buckets, different content
+    llm.generate(prompts(2, length=19, seed=3), GREEDY)
+    assert llm.runner.num_compilations() == warm
+
+
+def test_abort_frees_pages_immediately(make_llm):
+    llm = make_llm(enable_prefix_caching=False)
+    stream = llm.stream(prompts(2), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    next(stream)
+    assert llm.engine.kv.tables  # pages are held mid-generation
+    stream.close()  # abandoning the stream aborts its requests
+    assert not llm.engine.kv.tables
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_pages
+    llm.engine.kv.check()
+
+
+def test_parallel_sampling_shares_prompt_pages_copy_on_write(make_llm):
+    llm = make_llm(block_size=8)
+    copies = []
+    original = llm.runner.copy_pages
+    llm.runner.copy_pages = lambda pairs: (copies.extend(pairs), original(pairs))
+    p = prompts(1, length=21)[0]  # 21 tokens: the last prompt page is partial and shared
+    out = llm.generate(p, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.outputs) == 3
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 3  # independent samples
+    assert len(copies) == 2  # each child copied the shared partial page once
+    greedy = llm.generate(p, SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids == ids([out])[0][:0] + \
+        ids(make_llm().generate(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))[0]
+
+
+def test_seeded_sampling_is_reproducible_across_batches(make_llm):
+    sp = SamplingParams(temperature=0.9, top_k=50, seed=3, max_tokens=10, ignore_eos=True)
+    p = prompts(3)
+    alone = ids(make_llm().generate(p[1], sp))[0]
+    assert ids(make_llm().generate(p, sp))[1] == alone
+
+
+def test_stream_deltas_add_up_to_generate(make_llm):
+    llm = make_llm()
+    p = {"prompt_token_ids": prompts(1)[0]["prompt_token_ids"]}
+    full = llm.generate(p, GREEDY)[0].outputs[0]
+    text, toks = "", []
+    for delta in llm.stream(p, GREEDY):
+        text += delta.outputs[0].text
+        toks += delta.outputs[0].token_ids
+    assert (text, toks) == (full.text, full.token_ids)
+
+
+def test_stop_token_ids_stop_strings_and_logprobs(make_llm):
+    llm = make_llm()
+    p = prompts(1)[0]
+    free = llm.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3))[0]
+    out = free.outputs[0]
+    assert len(out.logprobs) == 12 and all(len(lp) >= 3 for lp in out.logprobs)
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert max(lp.values()) == lp[tok] and all(v <= 0 for v in lp.values())  # greedy = top-1
+    stop_tok = out.token_ids[5]
+    first = out.token_ids.index(stop_tok)
+    res = llm.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                         stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert res.token_ids == out.token_ids[:first] and res.finish_reason == "stop"
+    assert res.stop_reason == stop_tok
+    stop_str = out.text[len(out.text) // 2:][:3]
+    if stop_str:
+        res = llm.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                             stop=[stop_str]))[0].outputs[0]
+        assert res.finish_reason == "stop" and stop_str not in res.text
+        assert out.text.startswith(res.text)
+    assert free.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ("", GREEDY, "empty"),
+    ({"prompt_token_ids": []}, GREEDY, "no tokens"),
+    ({"prompt_token_ids": [1] * 128}, GREEDY, "max_model_len"),
+    ({"prompt_token_ids": [5, 49152]}, GREEDY, "vocab|\\[0, 49152\\)"),
+    ({"prompt_token_ids": [5, -1]}, GREEDY, "\\[0, 49152\\)"),
+    (42, GREEDY, "prompt is a string"),
+])
+def test_bad_input_rejected_before_scheduling(make_llm, prompt, params, match):
+    llm = make_llm()
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["fine prompt", prompt], params)
+    assert not llm.engine.requests and not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(n=0), "n must"),
+    (dict(min_p=2.0), "min_p"), (dict(logprobs=99), "logprobs"), (dict(stop=[""]), "stop")])
+def test_sampling_params_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(max_model_len=10**6), "max_model_len"),
+                                      (dict(block_size=12), "block_size"),
+                                      (dict(kv_cache_dtype="int3"), "kv_cache_dtype"),
+                                      (dict(scheduling_policy="random"), "order"),
+                                      (dict(bogus=1), "unknown")])
+def test_llm_argument_validation(make_llm, kw, match):
+    with pytest.raises(ValueError, match=match):
+        make_llm(**kw)
+
+
+def test_default_model_chat_names_paris(default_model, default_tokenizer):
+    llm = LLM.from_loaded(*default_model, default_tokenizer, max_model_len=256, max_num_seqs=2)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=16))
+    assert "Paris" in out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "stop"
