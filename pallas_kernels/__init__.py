@@ -4,13 +4,14 @@ its Pallas kernel(s) and one entry function, the only thing the model calls."""
 from pallas_kernels.block_sparse_attention import block_sparse_attention
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.merge_states import merge_states
-from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.paged_attention import paged_attention, paged_attention_quantized
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.sparse_attention import sparse_attention
 from pallas_kernels.variant import AttentionVariant, alibi, sigmoid, soft_cap
 
 __all__ = [
     "paged_attention",
+    "paged_attention_quantized",
     "ragged_paged_attention",
     "sparse_attention",
     "block_sparse_attention",

@@ -23,6 +23,7 @@ from pallas_kernels import (
     block_sparse_attention,
     indexer_topk,
     paged_attention,
+    paged_attention_quantized,
     ragged_paged_attention,
     sparse_attention,
 )
@@ -188,6 +189,7 @@ def main(argv=None):
         )
     )
     rows += _both(on_cpu, platform, "sparse_attention", run, sparse_args, sparse_bytes, iters)
+    rows += _quantized_rows(on_cpu, platform, problem, iters)
     rows += _ragged_rows(on_cpu, platform, dtype, iters)
     rows += _block_sparse_rows(on_cpu, platform, dtype, iters)
     rows += _indexer_rows(on_cpu, platform, dtype, iters)
@@ -220,6 +222,38 @@ def _both(on_cpu, platform, op, run, args, nbytes, iters):
             )
         )
     return rows
+
+
+def _quantized_rows(on_cpu, platform, problem, iters):
+    """paged_attention_quantized on the paged problem's KV in each low-bit format.
+
+    Bytes count what the kernel really reads: each container leaf's bytes per (token, head)
+    (codes and scales; NVFP4's scalar tensor scale amortised away) for the tokens in use,
+    plus q and out. On GPU the platform default is the XLA reference, which dequantizes.
+    """
+    from pallas_kernels.paged_attention import kv_formats
+    from quant.turboquant import TurboQuant
+
+    q, k, v, bt, kl = problem
+    head_dim = q.shape[-1]
+    tokens_heads = int(jnp.sum(kl)) * k.shape[2]
+    rows = []
+    for kv_format in ("int8", "fp8", "nvfp4", "mxfp4", TurboQuant(head_dim, 4)):
+        fmt = kv_formats.resolve(kv_format)
+        kq, vq = fmt.quantize(k), fmt.quantize(v)
+        # Every leaf is [num_pages, page_size, num_kv_heads, ...].
+        per_token_head = sum(x.nbytes / np.prod(x.shape[:3]) for x in fmt.leaves(kq))
+        nbytes = int(2 * tokens_heads * per_token_head) + 2 * q.nbytes
+        run = functools.partial(_quantized_entry, kv_format)
+        op = f"paged_attn {fmt.label}" + ("-4b" if fmt.label == "turboquant" else "")
+        rows += _both(on_cpu, platform, op, run, (q, kq, vq, bt, kl), nbytes, iters)
+    return rows
+
+
+def _quantized_entry(kv_format, interpret):
+    return jax.jit(
+        functools.partial(paged_attention_quantized, kv_format=kv_format, interpret=interpret)
+    )
 
 
 def _ragged_rows(on_cpu, platform, dtype, iters):

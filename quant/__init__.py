@@ -4,6 +4,7 @@
 - Block-scaled formats along the last axis: NVFP4, MXFP4, FP8 E4M3 + UE8M0 (blockscaled).
 - LLM.int8() weights and matmul (int8), and the model-facing linear / quantize_params.
 - KIVI 2/4-bit KV cache (kivi) and TurboQuant vector quantization (turboquant).
+- Per-token int8 / FP8 KV rows with one f32 scale each (kv_rows).
 
 quant imports nothing from model/, serving/ or pallas_kernels/ (they import it).
 """
@@ -29,6 +30,7 @@ from quant.formats import (
     E2M1_MAX,
     E4M3_MAX,
     e2m1_decode,
+    e2m1_decode_arith,
     e2m1_encode,
     e4m3_decode,
     e4m3_encode,
@@ -49,6 +51,7 @@ from quant.kivi import (
     kivi_quantize_keys,
     kivi_quantize_values,
 )
+from quant.kv_rows import ROW_FORMATS, RowQuantized, dequantize_rows, quantize_rows
 from quant.linear import DEFAULT_LINEAR_NAMES, METHODS, default_linear_predicate, linear, quantize_params
 from quant.lloyd_max import sphere_codebook, sphere_codebook_mse
 from quant.packing import pack_bits, pack_nibbles, unpack_bits, unpack_nibbles
@@ -72,6 +75,8 @@ def __getattr__(name: str):
 __all__ = [
     "DEFAULT_LINEAR_NAMES",
     "DEFAULT_THRESHOLD",
+    "ROW_FORMATS",
+    "RowQuantized",
     "E2M1_MAGNITUDES",
     "E2M1_MAX",
     "E4M3_MAX",
@@ -90,9 +95,11 @@ __all__ = [
     "bytes_per_row",
     "default_linear_predicate",
     "e2m1_decode",
+    "e2m1_decode_arith",
     "e2m1_encode",
     "e4m3_decode",
     "e4m3_encode",
+    "dequantize_rows",
     "fp8_block_dequantize",
     "fp8_block_quantize",
     "int8_matmul",
@@ -111,6 +118,7 @@ __all__ = [
     "pack_bits",
     "pack_nibbles",
     "quantize_params",
+    "quantize_rows",
     "quantize_weight",
     "sphere_codebook",
     "sphere_codebook_mse",

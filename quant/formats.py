@@ -107,3 +107,19 @@ def ue8m0_decode(codes: jax.Array) -> jax.Array:
     """uint8 UE8M0 codes [...] -> float32 scales 2**(code - 127); code 255 -> NaN."""
     e = codes.astype(jnp.int32) - UE8M0_BIAS
     return jnp.where(codes == 255, jnp.float32(jnp.nan), pow2(e))
+
+
+def e2m1_decode_arith(codes: jax.Array) -> jax.Array:
+    """uint8/int E2M1 codes [...] (low 4 bits used) -> float32 [...], without a table.
+
+    Same values as e2m1_decode (-0.0 for code 8 included), computed from the bit fields:
+    sign = c >> 3, e = (c >> 1) & 3, m = c & 1; magnitude m / 2 if e == 0 (subnormal),
+    else 2**(e - 1) * (1 + m / 2). Not jitted and free of array constants, so it traces
+    inline into Pallas kernels, which cannot capture a lookup table.
+    """
+    c = codes.astype(jnp.int32) & 0xF
+    e = (c >> 1) & 3
+    m = (c & 1).astype(jnp.float32)
+    normal = (1 << jnp.maximum(e - 1, 0)).astype(jnp.float32) * (1.0 + 0.5 * m)
+    mag = jnp.where(e == 0, 0.5 * m, normal)
+    return jnp.where((c >> 3) == 1, -mag, mag)

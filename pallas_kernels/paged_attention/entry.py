@@ -1,4 +1,6 @@
-"""pallas_kernels.paged_attention: the one entry for paged decode attention."""
+"""pallas_kernels.paged_attention: the one entry for paged decode attention, over plain
+pages (paged_attention) or quantized ones (paged_attention_quantized); both share the
+checks, the Pallas TPU kernel and the reference."""
 
 from __future__ import annotations
 
@@ -8,9 +10,10 @@ import jax.numpy as jnp
 
 from pallas_kernels import validate as v
 from pallas_kernels.dispatch import dispatch
+from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.paged_attention.kernel_gpu import gpu_supported, paged_attention_gpu
 from pallas_kernels.paged_attention.kernel_tpu import paged_attention_tpu
-from pallas_kernels.paged_attention.ref import paged_attention_ref
+from pallas_kernels.paged_attention.ref import paged_attention_quantized_ref, paged_attention_ref
 from pallas_kernels.variant import AttentionVariant, default_scale, resolve
 
 
@@ -54,31 +57,15 @@ def paged_attention(
     v.check_ndim("q", q, 3, "[batch, num_q_heads, head_dim]")
     v.check_ndim("k_pages", k_pages, 4, "[num_pages, page_size, num_kv_heads, head_dim]")
     v.check_float("q", q)
-    batch, num_q_heads, head_dim = q.shape
+    head_dim = q.shape[2]
     _, page_size, num_kv_heads, _ = k_pages.shape
     if k_pages.shape[-1] != head_dim:
         raise ValueError(f"k_pages head_dim {k_pages.shape[-1]} != q head_dim {head_dim}")
     v.check_shape("v_pages", v_pages, k_pages.shape)
     v.check_dtype("k_pages", k_pages, [q.dtype])
     v.check_dtype("v_pages", v_pages, [q.dtype])
-    v.check_heads(num_q_heads, num_kv_heads)
-    v.check_ndim("block_tables", block_tables, 2, "[batch, max_pages_per_seq]")
-    if block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables batch {block_tables.shape[0]} != q batch {batch}")
-    v.check_dtype("block_tables", block_tables, [jnp.int32])
-    v.check_shape("kv_lens", kv_lens, (batch,))
-    v.check_dtype("kv_lens", kv_lens, [jnp.int32])
-    v.check_positive("sliding_window", sliding_window)
-    v.check_positive("soft_cap", soft_cap)
-    var = resolve(variant, soft_cap)
-    if sinks is not None:
-        v.check_shape("sinks", sinks, (num_q_heads,))
-        if not var.uses_softmax:
-            raise ValueError("sinks need softmax attention; this variant has a weight_fn")
-    static = dict(
-        sm_scale=default_scale(head_dim, sm_scale),
-        sliding_window=None if sliding_window is None else int(sliding_window),
-        variant=var,
+    static = _check_common(
+        q, num_kv_heads, block_tables, kv_lens, sliding_window, soft_cap, sinks, variant, sm_scale
     )
     gpu = (
         functools.partial(paged_attention_gpu, **static)
@@ -96,4 +83,90 @@ def paged_attention(
         tpu=functools.partial(paged_attention_tpu, **static),
         gpu=gpu,
         interpret=interpret,
+    )
+
+
+def paged_attention_quantized(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    kv_lens,
+    *,
+    kv_format,
+    sm_scale=None,
+    sliding_window=None,
+    soft_cap=None,
+    sinks=None,
+    variant: AttentionVariant | None = None,
+    interpret=None,
+):
+    """paged_attention over low-bit KV pages, decoded tile by tile inside the kernel.
+
+    Args:
+      kv_format: "int8" | "fp8" (quant.RowQuantized: codes [num_pages, page_size,
+        num_kv_heads, head_dim] int8 / float8_e4m3fn, scales f32 [num_pages, page_size,
+        num_kv_heads]); "nvfp4" (quant.NVFP4: packed uint8 [..., head_dim / 2], E4M3 scales
+        [..., head_dim / 16], scalar tensor_scale); "mxfp4" (quant.MXFP4: packed uint8
+        [..., head_dim / 2], UE8M0 scales [..., head_dim / 32]); or an mse-mode
+        quant.TurboQuant with bits 1, 2 or 4 (quant.TurboCodes: idx uint8
+        [..., head_dim * bits / 8], norm f32 [num_pages, page_size, num_kv_heads]).
+        kv_formats.resolve(kv_format).quantize(pages) builds such a container.
+      k_pages, v_pages: containers of kv_format with the same leaf shapes.
+      Everything else as paged_attention (q may be f32 or bf16, any float).
+
+    Returns (out, lse) as paged_attention, equal to paged_attention on the dequantized pages.
+    On TPU (or interpret=...) the Pallas kernel reads only the low-bit bytes; elsewhere
+    (CPU, GPU) the XLA reference dequantizes the pools and runs plain paged attention.
+    """
+    fmt = kv_formats.resolve(kv_format)
+    v.check_ndim("q", q, 3, "[batch, num_q_heads, head_dim]")
+    v.check_float("q", q)
+    head_dim = q.shape[2]
+    fmt.check(k_pages, head_dim, "k_pages")
+    fmt.check(v_pages, head_dim, "v_pages")
+    k_shapes = [x.shape for x in fmt.leaves(k_pages)]
+    v_shapes = [x.shape for x in fmt.leaves(v_pages)]
+    if k_shapes != v_shapes:
+        raise ValueError(f"v_pages leaf shapes {v_shapes} != k_pages leaf shapes {k_shapes}")
+    static = _check_common(
+        q, k_shapes[0][2], block_tables, kv_lens, sliding_window, soft_cap, sinks, variant, sm_scale
+    )
+    return dispatch(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        kv_lens,
+        sinks,
+        ref=functools.partial(paged_attention_quantized_ref, kv_format=fmt, **static),
+        tpu=functools.partial(paged_attention_tpu, kv_format=fmt, **static),
+        gpu=None,  # CUDA runs the reference (see tests: no Triton kernel for these formats)
+        interpret=interpret,
+    )
+
+
+def _check_common(
+    q, num_kv_heads, block_tables, kv_lens, sliding_window, soft_cap, sinks, variant, sm_scale
+):
+    """Checks shared by both entries; returns the kernels' static keyword arguments."""
+    batch, num_q_heads, head_dim = q.shape
+    v.check_heads(num_q_heads, num_kv_heads)
+    v.check_ndim("block_tables", block_tables, 2, "[batch, max_pages_per_seq]")
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables batch {block_tables.shape[0]} != q batch {batch}")
+    v.check_dtype("block_tables", block_tables, [jnp.int32])
+    v.check_shape("kv_lens", kv_lens, (batch,))
+    v.check_dtype("kv_lens", kv_lens, [jnp.int32])
+    v.check_positive("sliding_window", sliding_window)
+    v.check_positive("soft_cap", soft_cap)
+    var = resolve(variant, soft_cap)
+    if sinks is not None:
+        v.check_shape("sinks", sinks, (num_q_heads,))
+        if not var.uses_softmax:
+            raise ValueError("sinks need softmax attention; this variant has a weight_fn")
+    return dict(
+        sm_scale=default_scale(head_dim, sm_scale),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        variant=var,
     )

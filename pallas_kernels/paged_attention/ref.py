@@ -77,3 +77,31 @@ def paged_attention_ref(
     return attention_over_rows(
         q, k, v, mask, kv_lens - 1, kv_pos, sm_scale=sm_scale, variant=variant, sinks=sinks
     )
+
+
+def paged_attention_quantized_ref(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    kv_lens,
+    sinks=None,
+    *,
+    kv_format,
+    sm_scale,
+    sliding_window=None,
+    variant=SOFTMAX,
+):
+    """paged_attention_quantized's truth: dequantize the whole pools with quant's own
+    functions (kv_format: a kv_formats object), then plain paged attention in f32."""
+    return paged_attention_ref(
+        q,
+        kv_format.dequantize(k_pages),
+        kv_format.dequantize(v_pages),
+        block_tables,
+        kv_lens,
+        sinks,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        variant=variant,
+    )

@@ -117,3 +117,12 @@ def test_pow2_exponent_floor_and_ceil():
     np.testing.assert_array_equal(ceil, np.ceil(np.log2(x64)))
     e = np.arange(-126, 128)
     np.testing.assert_array_equal(np.asarray(formats.pow2(jnp.asarray(e))), 2.0**e)
+
+
+def test_e2m1_arithmetic_decode_equals_table_decode_on_every_code():
+    codes = jnp.asarray(np.arange(256, dtype=np.uint8))  # high nibble must be ignored
+    table = np.asarray(formats.e2m1_decode(codes))
+    arith = np.asarray(formats.e2m1_decode_arith(codes))
+    np.testing.assert_array_equal(arith, table)
+    np.testing.assert_array_equal(np.signbit(arith), np.signbit(table))  # code 8 is -0.0
+    np.testing.assert_array_equal(np.asarray(formats.e2m1_decode_arith(codes.astype(jnp.int32))), table)

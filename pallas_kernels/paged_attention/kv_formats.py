@@ -1,0 +1,304 @@
+"""KV page formats: how the paged decode kernel reads one page tile of one KV head.
+
+A format is a small frozen (hashable, static) object. Its page container is a pytree
+whose page-axis leaves all start [num_pages, page_size, num_kv_heads, ...]; the kernel
+DMAs those leaves page by page and decodes codes to f32 tile by tile in VMEM, so no
+dequantized cache is ever materialised. The reference instead dequantizes whole pages
+with quant's own functions and runs plain paged attention on them.
+
+| kv_format   | container                 | leaves (page axis first)                         |
+|-------------|---------------------------|--------------------------------------------------|
+| (plain)     | array                     | [P, ps, H, D]                                    |
+| "int8"      | quant.RowQuantized        | codes int8 [P, ps, H, D], scales f32 [P, ps, H]  |
+| "fp8"       | quant.RowQuantized        | codes float8_e4m3fn [P, ps, H, D], scales f32    |
+| "nvfp4"     | quant.NVFP4               | packed uint8 [.., D/2], scales e4m3 [.., D/16]   |
+| "mxfp4"     | quant.MXFP4               | packed uint8 [.., D/2], scales ue8m0 [.., D/32]  |
+| TurboQuant  | quant.TurboCodes          | idx uint8 [.., D*b/8], norm f32 [P, ps, H]       |
+
+Channel parts. Sub-byte codes are packed along head_dim (code 2i in the low nibble of
+byte i, 2i+1 in the high one; quant/packing.py). Un-interleaving them in the kernel would
+need a lane reshape, so the kernel instead works on `parts` = codes-per-byte channel
+slices: part j holds channels j, j + parts, j + 2 parts, ..., which are exactly
+(byte >> j*bits) & mask of every byte. The query is split the same way once, outside the
+kernel (scores are sums over channels, so the order does not matter), and the output
+parts are interleaved back at the end.
+
+TurboQuant (mse mode) keeps x = ||x|| * Pi^T c[idx], Pi orthogonal. Keys:
+<q, k_hat> = ||k|| <q, Pi^T c[idx]> = ||k|| <Pi q, c[idx]>, so the query is rotated once
+(q Pi^T as a row vector) and the kernel scores it against codebook values times the norm;
+no key is ever de-rotated. Values: sum_t p_t v_hat_t = Pi^T sum_t p_t ||v_t|| c[idx_t],
+so the kernel accumulates c[idx] * ||v|| in the rotated basis and the output is rotated
+back once at the end (Pi^T o, i.e. o Pi for a row vector). The codebook is a kernel input
+in SMEM and the lookup is a select chain over its 2^b scalars (Pallas kernels cannot
+capture a table).
+
+NVFP4's f32 tensor scale multiplies every element, so it is folded into the query (keys)
+and the output (values) instead of into every tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from quant.blockscaled import (
+    MXFP4,
+    NVFP4,
+    mxfp4_dequantize,
+    mxfp4_quantize,
+    nvfp4_dequantize,
+    nvfp4_quantize,
+)
+from quant.formats import e2m1_decode_arith
+from quant.kv_rows import RowQuantized, dequantize_rows, quantize_rows
+from quant.lloyd_max import sphere_codebook
+from quant.turboquant import TurboCodes, TurboQuant
+
+# get(i) -> leaf i of one KV head of the current page: [page_size, n] for 4-D leaves,
+# [page_size, 1] for 3-D (per-token) leaves.
+Getter = Callable[[int], jax.Array]
+
+NAMES = ("int8", "fp8", "nvfp4", "mxfp4")
+TURBO_BITS = (1, 2, 4)  # widths whose codes never straddle a byte
+
+
+def split_parts(x, parts):
+    """[..., D] -> [parts, ..., D // parts]; part j holds channels j::parts."""
+    if parts == 1:
+        return x[None]
+    y = x.reshape(*x.shape[:-1], x.shape[-1] // parts, parts)
+    return jnp.moveaxis(y, -1, 0)
+
+
+def merge_parts(x):
+    """Inverse of split_parts: [parts, ..., Dp] -> [..., parts * Dp]."""
+    if x.shape[0] == 1:
+        return x[0]
+    y = jnp.moveaxis(x, 0, -1)
+    return y.reshape(*y.shape[:-2], -1)
+
+
+def _expand_blocks(scales, width, cols_per_block):
+    """f32 [page_size, nb] -> [page_size, width]: column i gets scales[:, i // cols_per_block].
+
+    A 0/1 matmul built from iota: a lane repeat without a reshape, exact at HIGHEST.
+    """
+    nb = scales.shape[1]
+    block = lax.broadcasted_iota(jnp.int32, (nb, width), 0)
+    col = lax.broadcasted_iota(jnp.int32, (nb, width), 1)
+    onehot = (col // cols_per_block == block).astype(jnp.float32)
+    return jnp.dot(scales, onehot, precision=lax.Precision.HIGHEST)
+
+
+def _ue8m0_to_f32(codes):
+    """uint8 UE8M0 codes -> 2**(c - 127) as f32 via the bit pattern (quant.ue8m0_decode's
+    values, inline: that one is jitted around a table-free but non-kernel pow2)."""
+    c = codes.astype(jnp.int32)
+    normal = lax.bitcast_convert_type(c << 23, jnp.float32)
+    return jnp.where(c == 0, 2.0**-127, jnp.where(c == 255, jnp.nan, normal))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plain:
+    """Unquantized pages: one array leaf, read as is."""
+
+    parts: int = 1
+    label: str = "plain"
+
+    def check(self, pages, head_dim, name):
+        pass
+
+    def leaves(self, pages):
+        return (pages,)
+
+    def extras(self):
+        return ()
+
+    def tile(self, get: Getter, part, extras):
+        return get(0)
+
+    def prepare_q(self, k_pages, q):
+        return q
+
+    def finish_out(self, v_pages, out):
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """int8 / fp8 codes with one f32 scale per (token, head): tile = codes * scale."""
+
+    label: str
+    parts: int = 1
+
+    def quantize(self, x):
+        return quantize_rows(x, self.label)
+
+    def check(self, pages, head_dim, name):
+        if not isinstance(pages, RowQuantized):
+            raise ValueError(f"{name} for kv_format={self.label!r} must be a quant.RowQuantized")
+        want = jnp.int8 if self.label == "int8" else jnp.float8_e4m3fn
+        if pages.codes.dtype != want:
+            raise ValueError(
+                f"{name}.codes must be {jnp.dtype(want).name}, got {pages.codes.dtype}"
+            )
+        _check_leaf(f"{name}.codes", pages.codes, 4, head_dim)
+        _check_leaf(f"{name}.scales", pages.scales, 3, None, pages.codes.shape[:3], jnp.float32)
+
+    def leaves(self, pages):
+        return (pages.codes, pages.scales)
+
+    def extras(self):
+        return ()
+
+    def tile(self, get: Getter, part, extras):
+        return get(0).astype(jnp.float32) * get(1)
+
+    def dequantize(self, pages):
+        return dequantize_rows(pages)
+
+    def prepare_q(self, k_pages, q):
+        return q
+
+    def finish_out(self, v_pages, out):
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockFP4:
+    """NVFP4 (E4M3 scale per 16) or MXFP4 (UE8M0 scale per 32): E2M1 two per byte."""
+
+    label: str
+    parts: int = 2
+
+    @property
+    def block(self):
+        return 16 if self.label == "nvfp4" else 32
+
+    def quantize(self, x):
+        return nvfp4_quantize(x, 1.0) if self.label == "nvfp4" else mxfp4_quantize(x)
+
+    def check(self, pages, head_dim, name):
+        kind = NVFP4 if self.label == "nvfp4" else MXFP4
+        if not isinstance(pages, kind):
+            raise ValueError(f"{name} for kv_format={self.label!r} must be a quant.{kind.__name__}")
+        if head_dim % self.block:
+            raise ValueError(f"{self.label} needs head_dim % {self.block} == 0, got {head_dim}")
+        _check_leaf(f"{name}.packed", pages.packed, 4, head_dim // 2, dtype=jnp.uint8)
+        scale_dtype = jnp.float8_e4m3fn if self.label == "nvfp4" else jnp.uint8
+        lead = pages.packed.shape[:3]
+        _check_leaf(f"{name}.scales", pages.scales, 4, head_dim // self.block, lead, scale_dtype)
+        if self.label == "nvfp4" and jnp.shape(pages.tensor_scale) != ():
+            raise ValueError(
+                f"{name}.tensor_scale must be a scalar, got {jnp.shape(pages.tensor_scale)}"
+            )
+
+    def leaves(self, pages):
+        return (pages.packed, pages.scales)
+
+    def extras(self):
+        return ()
+
+    def tile(self, get: Getter, part, extras):
+        codes = get(0).astype(jnp.int32) >> (4 * part)
+        raw = get(1)
+        scales = raw.astype(jnp.float32) if self.label == "nvfp4" else _ue8m0_to_f32(raw)
+        width = codes.shape[1]
+        return e2m1_decode_arith(codes) * _expand_blocks(scales, width, self.block // 2)
+
+    def dequantize(self, pages):
+        return nvfp4_dequantize(pages) if self.label == "nvfp4" else mxfp4_dequantize(pages)
+
+    def prepare_q(self, k_pages, q):
+        if self.label == "mxfp4":
+            return q
+        return (q.astype(jnp.float32) * k_pages.tensor_scale).astype(q.dtype)
+
+    def finish_out(self, v_pages, out):
+        return out if self.label == "mxfp4" else out * v_pages.tensor_scale
+
+
+@dataclasses.dataclass(frozen=True)
+class Turbo:
+    """TurboQuant mse-mode codes (integer bits in TURBO_BITS); see the module docstring."""
+
+    tq: TurboQuant  # hashed by identity: one compiled program per quantizer instance
+    label: str = "turboquant"
+
+    @property
+    def bits(self):
+        return int(self.tq.bits)
+
+    @property
+    def parts(self):
+        return 8 // self.bits
+
+    def quantize(self, x):
+        return self.tq.quantize(x)
+
+    def check(self, pages, head_dim, name):
+        if self.tq.dim != head_dim:
+            raise ValueError(f"TurboQuant dim {self.tq.dim} != head_dim {head_dim}")
+        if not isinstance(pages, TurboCodes) or pages.qjl is not None:
+            raise ValueError(f"{name} for a TurboQuant kv_format must be mse-mode quant.TurboCodes")
+        _check_leaf(f"{name}.idx", pages.idx, 4, head_dim * self.bits // 8, dtype=jnp.uint8)
+        _check_leaf(f"{name}.norm", pages.norm, 3, None, pages.idx.shape[:3], jnp.float32)
+
+    def leaves(self, pages):
+        return (pages.idx, pages.norm)
+
+    def extras(self):
+        return (jnp.asarray(sphere_codebook(self.tq.dim, self.bits), jnp.float32),)
+
+    def tile(self, get: Getter, part, extras):
+        (codebook,) = extras
+        codes = (get(0).astype(jnp.int32) >> (self.bits * part)) & ((1 << self.bits) - 1)
+        values = jnp.zeros(codes.shape, jnp.float32)
+        for i in range(1 << self.bits):
+            values = jnp.where(codes == i, codebook[i], values)
+        return values * get(1)
+
+    def dequantize(self, pages):
+        return self.tq.dequantize(pages)
+
+    def prepare_q(self, k_pages, q):
+        rot = jnp.dot(q.astype(jnp.float32), self.tq.rotation.T, precision=lax.Precision.HIGHEST)
+        return rot.astype(q.dtype)
+
+    def finish_out(self, v_pages, out):
+        return jnp.dot(out, self.tq.rotation, precision=lax.Precision.HIGHEST)
+
+
+PLAIN = Plain()
+
+
+def resolve(kv_format: Any):
+    """The entry's kv_format (a name in NAMES or a TurboQuant) -> its format object."""
+    if isinstance(kv_format, TurboQuant):
+        if kv_format.mode != "mse" or kv_format.bits not in TURBO_BITS:
+            raise ValueError(
+                f"TurboQuant kv_format must be mode='mse' with bits in {TURBO_BITS}, got {kv_format}"
+            )
+        return Turbo(kv_format)
+    if kv_format in ("int8", "fp8"):
+        return Rows(kv_format)
+    if kv_format in ("nvfp4", "mxfp4"):
+        return BlockFP4(kv_format)
+    raise ValueError(f"kv_format must be one of {NAMES} or a quant.TurboQuant, got {kv_format!r}")
+
+
+def _check_leaf(name, x, ndim, last, lead=None, dtype=None):
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D with a leading page axis, got shape {shape}")
+    if lead is not None and tuple(shape[:3]) != tuple(lead):
+        raise ValueError(f"{name} leading shape {tuple(shape[:3])} != codes' {tuple(lead)}")
+    if last is not None and shape[-1] != last:
+        raise ValueError(f"{name} last axis must be {last}, got {shape[-1]}")
+    if dtype is not None and x.dtype != jnp.dtype(dtype):
+        raise ValueError(f"{name} must be {jnp.dtype(dtype).name}, got {x.dtype}")

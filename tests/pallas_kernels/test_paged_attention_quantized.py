@@ -1,0 +1,218 @@
+"""paged_attention_quantized: kernel vs reference per format, error vs full precision,
+validation, lowering, and that the kernel reads low-bit leaves only."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import paged_attention_quantized
+from pallas_kernels.paged_attention import kv_formats
+from pallas_kernels.paged_attention.kernel_tpu import paged_attention_tpu
+from pallas_kernels.variant import resolve
+from quant.blockscaled import MXFP4
+from quant.lloyd_max import sphere_codebook_mse
+from quant.turboquant import TurboQuant
+from tests.pallas_kernels.helpers import (
+    TRITON_CALL,
+    assert_close,
+    export_cuda,
+    export_tpu,
+    paged_inputs,
+    spec,
+)
+
+D = 64
+TQ4, TQ1 = TurboQuant(D, 4, seed=3), TurboQuant(D, 1, seed=4)
+FORMATS = {"int8": "int8", "fp8": "fp8", "nvfp4": "nvfp4", "mxfp4": "mxfp4", "tq4": TQ4, "tq1": TQ1}
+SINKS = (0.5, -1.0, 2.0, 0.0)
+
+
+def _problem(name, seed, kv_lens=(0, 1, 8, 13, 20), num_kv_heads=1):
+    """Quantized paged problem; kv_lens cover empty, 1, a page boundary and partial pages."""
+    rng = np.random.default_rng(seed)
+    q, k, v, bt, kl = paged_inputs(
+        rng,
+        kv_lens=list(kv_lens),
+        num_q_heads=4,
+        num_kv_heads=num_kv_heads,
+        head_dim=D,
+        page_size=8,
+        max_pages=3,
+    )
+    # Spread the row magnitudes so per-row / per-block scales matter.
+    k = k * jnp.exp(jnp.asarray(rng.uniform(-1, 1, (*k.shape[:3], 1)), jnp.float32))
+    fmt = kv_formats.resolve(FORMATS[name])
+    return (q, fmt.quantize(k), fmt.quantize(v), bt, kl), (k, v)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_kernel_matches_reference(name):
+    """Kernel and reference decode the same codes: equal to f32 rounding (sinks, soft cap;
+    GQA over two KV heads for the per-token and NVFP4 scales, one head elsewhere for speed).
+
+    NVFP4 runs under TPU interpret semantics (NaN-filled scratch, out-of-bounds reads
+    raise) with a sliding window, so skipped pages and garbage table slots are exercised.
+    """
+    args, _ = _problem(name, seed=1, num_kv_heads=2 if name in ("int8", "nvfp4") else 1)
+    kw = dict(sinks=jnp.asarray(SINKS), soft_cap=20.0)
+    interpret = True
+    if name == "nvfp4":
+        interpret = pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
+        kw["sliding_window"] = 9
+    want = paged_attention_quantized(*args, kv_format=FORMATS[name], **kw)  # CPU: reference
+    got = paged_attention_quantized(*args, kv_format=FORMATS[name], interpret=interpret, **kw)
+    assert_close(got[0], want[0])
+    assert_close(got[1], want[1])
+    empty = np.asarray(args[4]) == 0
+    np.testing.assert_array_equal(np.asarray(got[0])[empty], 0.0)
+
+
+def test_bf16_query_close_to_reference():
+    args, _ = _problem("int8", seed=3, kv_lens=(9, 2))
+    args = (args[0].astype(jnp.bfloat16), *args[1:])
+    want = paged_attention_quantized(*args, kv_format="int8")
+    got = paged_attention_quantized(*args, kv_format="int8", interpret=True)
+    assert got[0].dtype == jnp.bfloat16
+    # The kernel rounds decoded tiles and probabilities to bf16 for the MXU (2^-9 relative
+    # each, so logits move by <= 2^-9 sum_j |q_j k_j| / 8 ~ 1e-2 here) and outputs bf16.
+    assert_close(got[0], want[0], rtol=2e-2, atol=2e-2)
+    assert_close(got[1], want[1], rtol=1e-2, atol=1e-2)
+
+
+def _elem_error_bound(name, x, qx):
+    """The format's worst-case |x - x_hat| per element (None for TurboQuant).
+
+    int8: half a step, scale / 2. fp8 (3 mantissa bits): 2^-4 |x| in the normal range,
+    2^-10 scale below it. E2M1 (grid 0, .5, 1, 1.5, 2, 3, 4, 6) on r = |x| / S: half the
+    spacing, 0.25 below 2, 0.5 below 4, 1 up to 6, and r - 6 where it saturates (NVFP4's
+    rounded E4M3 scale or MXFP4's floor exponent can leave r slightly / up to 8 above 6).
+    """
+    x = np.asarray(x, np.float64)
+    if name in ("int8", "fp8"):
+        s = np.asarray(qx.scales, np.float64)[..., None]
+        return s / 2 if name == "int8" else np.maximum(2.0**-4 * np.abs(x), 2.0**-10 * s)
+    if name in ("nvfp4", "mxfp4"):
+        raw = np.asarray(qx.scales.astype(jnp.float32) if name == "nvfp4" else qx.scales)
+        s = raw.astype(np.float64) if name == "nvfp4" else 2.0 ** (raw.astype(np.float64) - 127)
+        s = np.repeat(s, 16 if name == "nvfp4" else 32, axis=-1)
+        r = np.abs(x) / s
+        half = np.where(r <= 2, 0.25, np.where(r <= 4, 0.5, 1.0))
+        return s * np.maximum(half, r - 6)
+    return None
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8", "nvfp4", "mxfp4", "tq4"])
+def test_error_vs_full_precision_within_format_bound(name):
+    """Quantized attention stays within a bound propagated from the format's rounding error.
+
+    Derivation. Let e = x_hat - x per element, |e| <= eps (the format's bound above; for
+    TurboQuant E||e_t||^2 = ||x_t||^2 D_b with D_b the Lloyd-Max distortion, spread evenly
+    over the d rotated-then-unrotated channels, so Var(e_tj) = ||x_t||^2 D_b / d).
+    Treat rounding errors as independent and zero-mean (Var <= eps^2 for a bounded one).
+    Logits: ds_t = sm_scale <q, e^k_t>, Var(ds_t) <= sm_scale^2 sum_j q_j^2 eps^k_tj^2.
+    Softmax Jacobians (p from full precision): dlse = sum_t p_t ds_t and
+    do_j = sum_t p_t (v_tj - o_j) ds_t + sum_t p_t e^v_tj, so
+      sigma_lse^2 <= sum_t p_t^2 Var(ds_t),
+      sigma_o,j^2 <= sum_t p_t^2 ((v_tj - o_j)^2 Var(ds_t) + eps^v_tj^2).
+    Each is a sum of many independent bounded terms, so (CLT) |error| <= 6 sigma fails with
+    probability ~1e-9 per entry; the second-order remainder is at most
+    max_t Var(ds_t) * max|v| (one more term of the expansion), plus f32 slack.
+    """
+    args, (k, v) = _problem(name, seed=5, kv_lens=(5, 16, 23), num_kv_heads=2)
+    q, kq, vq, bt, kl = args
+    fmt = kv_formats.resolve(FORMATS[name])
+    out, lse = paged_attention_quantized(*args, kv_format=FORMATS[name])
+    k64, v64 = np.asarray(k, np.float64), np.asarray(v, np.float64)
+    eps_k, eps_v = _elem_error_bound(name, k64, kq), _elem_error_bound(name, v64, vq)
+    k_err = np.asarray(fmt.dequantize(kq), np.float64) - k64
+    if eps_k is None:  # TurboQuant: realised MSE close to the Lloyd-Max distortion
+        dist = sphere_codebook_mse(D, 4)
+        rel = np.sum(k_err**2, -1) / np.sum(k64**2, -1)
+        assert 0.7 * dist < rel.mean() < 1.3 * dist
+        var_k = np.repeat(np.sum(k64**2, -1, keepdims=True) * dist / D, D, -1)
+        var_v = np.repeat(np.sum(v64**2, -1, keepdims=True) * dist / D, D, -1)
+    else:  # the caches honour the format's worst case
+        assert np.all(np.abs(k_err) <= eps_k * (1 + 1e-6) + 1e-30)
+        var_k, var_v = eps_k**2, eps_v**2
+    sm = D**-0.5
+    group = 4 // 2
+    for b, n in enumerate(np.asarray(kl)):
+        pages = np.asarray(bt[b, : -(-n // 8)])
+        kb, vb, vk, vv = (a[pages].reshape(-1, *a.shape[2:])[:n] for a in (k64, v64, var_k, var_v))
+        qb = np.asarray(q[b], np.float64)
+        kh, vh = np.repeat(kb, group, 1), np.repeat(vb, group, 1)  # [n, Hq, D]
+        s = np.einsum("hd,thd->ht", qb, kh) * sm
+        p = np.exp(s - s.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        o = np.einsum("ht,thd->hd", p, vh)
+        lse64 = np.log(np.sum(np.exp(s - s.max(1, keepdims=True)), 1)) + s.max(1)
+        var_s = sm**2 * np.einsum("hd,thd->ht", qb**2, np.repeat(vk, group, 1))
+        sig_lse = np.sqrt(np.sum(p**2 * var_s, 1))
+        dv = vh.transpose(1, 0, 2) - o[:, None, :]  # [Hq, n, D]
+        var_o = np.einsum("ht,htd->hd", p**2 * var_s, dv**2)
+        var_o += np.einsum("ht,thd->hd", p**2, np.repeat(vv, group, 1))
+        second = var_s.max() * np.abs(vb).max()
+        err_lse = np.abs(np.asarray(lse[b], np.float64) - lse64)
+        err_o = np.abs(np.asarray(out[b], np.float64) - o)
+        assert np.all(err_lse <= 6 * sig_lse + second + 1e-5), (err_lse, sig_lse)
+        assert np.all(err_o <= 6 * np.sqrt(var_o) + second + 1e-5), (err_o.max(), var_o.max())
+        assert err_o.max() > 1e-6  # the cache really is quantized
+
+
+def test_validation_errors():
+    (q, kq, vq, bt, kl), (k, _) = _problem("int8", seed=6)
+    call = lambda *a, **kw: paged_attention_quantized(*a, **{"kv_format": "int8", **kw})
+    with pytest.raises(ValueError, match="kv_format must be one of"):
+        call(q, kq, vq, bt, kl, kv_format="int4")
+    with pytest.raises(ValueError, match="mode='mse' with bits"):
+        call(q, kq, vq, bt, kl, kv_format=TurboQuant(D, 3))
+    with pytest.raises(ValueError, match="must be a quant.RowQuantized"):
+        call(q, k, vq, bt, kl)
+    with pytest.raises(ValueError, match="codes must be float8_e4m3fn"):
+        call(q, kq, vq, bt, kl, kv_format="fp8")
+    with pytest.raises(ValueError, match="must be a quant.NVFP4"):
+        call(q, kq, vq, bt, kl, kv_format="nvfp4")
+    with pytest.raises(ValueError, match="scales leading shape"):
+        call(q, kq._replace(scales=kq.scales[:, :4]), vq, bt, kl)
+    with pytest.raises(ValueError, match="codes last axis must be 32"):
+        call(q[..., :32], kq, vq, bt, kl)
+    with pytest.raises(ValueError, match="v_pages leaf shapes"):
+        call(q, kq, jax.tree.map(lambda x: x[:3], vq), bt, kl)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        three = lambda c: jax.tree.map(lambda x: jnp.concatenate([x, x, x], 2), c)
+        call(q, three(kq), three(vq), bt, kl)
+    with pytest.raises(ValueError, match="kv_lens must have shape"):
+        call(q, kq, vq, bt, kl[:1])
+    with pytest.raises(ValueError, match="TurboQuant dim 32"):
+        call(q, kq, vq, bt, kl, kv_format=TurboQuant(32, 2))
+    mx = MXFP4(jnp.zeros((2, 8, 1, 24), jnp.uint8), jnp.zeros((2, 8, 1, 1), jnp.uint8))
+    with pytest.raises(ValueError, match="mxfp4 needs head_dim % 32"):
+        call(jnp.ones((5, 4, 48)), mx, mx, bt, kl, kv_format="mxfp4")
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8", "nvfp4", "mxfp4", "tq4"])
+def test_lowers_for_tpu_reads_low_bit_leaves_and_cuda_uses_xla(name):
+    args, _ = _problem(name, seed=7, num_kv_heads=2)
+    q, kq, vq, bt, kl = args
+    kv_format = FORMATS[name]
+    fn = lambda q, kq, vq, bt, kl, sinks: paged_attention_quantized(
+        q, kq, vq, bt, kl, kv_format=kv_format, sinks=sinks, sliding_window=7, soft_cap=30.0
+    )
+    specs = [jax.tree.map(spec, a) for a in (q, kq, vq, bt, kl, jnp.zeros(4))]
+    assert "tpu_custom_call" in export_tpu(fn, *specs)
+    assert TRITON_CALL not in export_cuda(fn, *specs)  # CUDA: the XLA reference
+    # The kernel's operands are the containers' own low-bit leaves: no dequantized cache.
+    fmt = kv_formats.resolve(kv_format)
+    kernel = lambda *a: paged_attention_tpu(
+        *a, sm_scale=0.125, variant=resolve(None, None), kv_format=fmt, interpret=True
+    )
+    jaxpr = jax.make_jaxpr(kernel)(q, kq, vq, bt, kl).jaxpr
+    (call,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    num_pages = fmt.leaves(kq)[0].shape[0]
+    page_avals = [x.aval for x in call.invars if x.aval.ndim >= 3 and x.aval.shape[0] == num_pages]
+    leaves = [x.aval for x in fmt.leaves(kq) + fmt.leaves(vq)]
+    assert [(a.shape, a.dtype) for a in page_avals] == [(a.shape, a.dtype) for a in leaves]
