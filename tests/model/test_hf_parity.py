@@ -67,12 +67,17 @@ def smollm2_golden():
 
 
 def check_smollm2_logits(config, params, ref):
+    """All three prompts in one right-padded batch (one compilation)."""
+    prompts = [ref[f"prompt{i}"] for i in range(3)]
+    width = max(len(p) for p in prompts)
+    tokens = np.zeros((3, width), np.int32)
+    positions = np.full((3, width), -1, np.int32)
+    for i, ids in enumerate(prompts):
+        tokens[i, :len(ids)], positions[i, :len(ids)] = ids, np.arange(len(ids))
+    cache = model.init_cache(config, 3, width)
+    logits, _ = model.forward(params, config, jnp.asarray(tokens), jnp.asarray(positions), cache)
     for i in range(3):
-        ids = ref[f"prompt{i}"]
-        cache = model.init_cache(config, 1, len(ids))
-        logits, _ = model.forward(params, config, jnp.asarray(ids[None]),
-                                  jnp.arange(len(ids))[None], cache)
-        at = np.asarray(logits[0])[ref[f"positions{i}"]]
+        at = np.asarray(logits[i])[ref[f"positions{i}"]]
         np.testing.assert_allclose(at[:, ref["vocab_ids"]], ref[f"subset_logits{i}"], atol=1e-3, rtol=0)
         np.testing.assert_allclose(np.take_along_axis(at, ref[f"top_ids{i}"], axis=-1),
                                    ref[f"top_logits{i}"], atol=1e-3, rtol=0)
