@@ -25,6 +25,7 @@ class CacheLayout:
     batch_size: int
     num_pages: int
     page_size: int
+    kv_cache_dtype: str = "auto"  # storage format of attention pages (model/kv_formats.py)
 
 
 @dataclasses.dataclass
@@ -65,18 +66,19 @@ def slot_mapping(positions: jax.Array, block_tables: jax.Array, page_size: int,
 
 
 def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """Scatter new [B, T, H, D] into pages [N, page_size, H, D] at flat slots [B, T].
+    """Scatter new [B, T, ...] into pages [N, page_size, ...] at flat slots [B, T].
 
+    The trailing axes are anything ([H, D] for float K/V, [H] for a per-row scale).
     Slots past the pool (padding) are dropped.
     """
-    n, page_size, h, d = pages.shape
-    flat = pages.reshape(n * page_size, h, d)
-    flat = flat.at[slots.reshape(-1)].set(new.reshape(-1, h, d).astype(pages.dtype), mode="drop")
+    n, page_size, *rest = pages.shape
+    flat = pages.reshape(n * page_size, *rest)
+    flat = flat.at[slots.reshape(-1)].set(new.reshape(-1, *rest).astype(pages.dtype), mode="drop")
     return flat.reshape(pages.shape)
 
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """Each sequence's pages in order: [B, pages_per_seq * page_size, H, D]."""
+    """Each sequence's pages in order: pages [N, rows, ...] -> [B, pages_per_seq * rows, ...]."""
     b, p = block_tables.shape
-    _, page_size, h, d = pages.shape
-    return pages[block_tables].reshape(b, p * page_size, h, d)
+    _, rows, *rest = pages.shape
+    return pages[block_tables].reshape(b, p * rows, *rest)

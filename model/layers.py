@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from model.config import ModelConfig
 from model.context import ForwardContext
-from model.kv_cache import gather_pages, write_pages
+from model.kv_formats import KVPages, plain_pages, read_kv, write_kv
 from pallas_kernels import paged_attention
 from quant import linear  # float [in, out] weights or quantized containers alike
 from model.rope import apply_rope
@@ -49,12 +49,14 @@ def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, q_positions: jnp.ndar
     return out.reshape(b, t, hq, d)
 
 
-def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: dict,
-                    ctx: ForwardContext, sliding_window: int | None) -> tuple[jnp.ndarray, dict]:
+def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KVPages,
+                    ctx: ForwardContext, sliding_window: int | None) -> tuple[jnp.ndarray, KVPages]:
     """Self-attention sublayer: project, rotate, write K/V into the pages, attend, project back.
 
-    Decode steps (one token per sequence) go through pallas_kernels.paged_attention;
-    longer chunks gather each sequence's pages and attend densely.
+    cache: one layer's KVPages; K/V are stored in its kv_cache_dtype (model/kv_formats.py).
+    Decode steps (one token per sequence) over float pages go through
+    pallas_kernels.paged_attention; longer chunks and quantized pages read each sequence's
+    pages back as float (after this chunk's write) and attend densely.
     """
     b, t, _ = x.shape
     hd = config.head_dim
@@ -63,14 +65,15 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: di
     v = linear(x, params["wv"], params.get("bv")).reshape(b, t, config.num_kv_heads, hd)
     cos, sin = ctx.rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    cache = {"k": write_pages(cache["k"], k, ctx.slots), "v": write_pages(cache["v"], v, ctx.slots)}
-    if t == 1:
+    cache = write_kv(cache, k, v, ctx)
+    if t == 1 and plain_pages(cache, q.dtype):
+        # Low-bit pages take the read_kv path below until paged_attention reads them
+        # itself; this is the call site to switch (pallas_kernels.paged_attention_quantized).
         kv_lens = jnp.maximum(ctx.positions[:, 0] + 1, 0).astype(jnp.int32)
         out, _ = paged_attention(q[:, 0], cache["k"], cache["v"], ctx.block_tables, kv_lens,
                                  sm_scale=hd ** -0.5, sliding_window=sliding_window)
         out = out[:, None]
     else:
-        out = attend(q, gather_pages(cache["k"], ctx.block_tables),
-                     gather_pages(cache["v"], ctx.block_tables), ctx.positions, sliding_window,
-                     hd ** -0.5)
+        k_all, v_all = read_kv(cache, ctx, q.dtype)
+        out = attend(q, k_all, v_all, ctx.positions, sliding_window, hd ** -0.5)
     return linear(out.reshape(b, t, -1), params["wo"]), cache

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 
 from model.config import ATTENTION, SLIDING_ATTENTION, ModelConfig
 from model.context import ForwardContext
-from model.kv_cache import DEFAULT_PAGE_SIZE, CacheLayout, KVCache, contiguous_block_tables, slot_mapping
+from model.kv_cache import CacheLayout, KVCache, contiguous_block_tables, slot_mapping
+from model.kv_formats import KVPages, check_kv_cache_dtype, default_page_size, init_kv_pages
 from model.layers import attention_block, mlp, rms_norm
 from model.rope import rope_tables
 
@@ -58,9 +59,8 @@ def _init_decoder_layer(config: ModelConfig, key: jax.Array, dtype) -> dict:
     return layer
 
 
-def _init_kv_pages(config: ModelConfig, layout: CacheLayout, dtype) -> dict:
-    shape = (layout.num_pages, layout.page_size, config.num_kv_heads, config.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+def _init_kv_pages(config: ModelConfig, layout: CacheLayout, dtype) -> KVPages:
+    return init_kv_pages(config, layout, dtype)
 
 
 def _decoder_layer(window_of: Callable[[ModelConfig], int | None]):
@@ -103,8 +103,13 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32,
-               page_size: int = DEFAULT_PAGE_SIZE) -> KVCache:
-    """An empty KV cache for `batch_size` sequences of up to `max_len` positions each."""
+               page_size: int | None = None, kv_cache_dtype: str = "auto") -> KVCache:
+    """An empty KV cache for `batch_size` sequences of up to `max_len` positions each.
+
+    page_size: None picks DEFAULT_PAGE_SIZE (32, KIVI's group, for kivi formats).
+    kv_cache_dtype: how attention pages are stored (model/kv_formats.py); "auto" = `dtype`.
+    """
+    page_size = default_page_size(kv_cache_dtype) if page_size is None else page_size
     if batch_size <= 0:
         raise ValueError(f"batch_size must be > 0, got {batch_size}")
     if not 0 < max_len <= config.max_position_embeddings:
@@ -114,13 +119,14 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.flo
         raise ValueError(f"page_size must be > 0, got {page_size}")
     pages_per_seq = -(-max_len // page_size)
     return init_paged_cache(config, batch_size * pages_per_seq, page_size, dtype,
-                            contiguous_block_tables(batch_size, pages_per_seq))
+                            contiguous_block_tables(batch_size, pages_per_seq), kv_cache_dtype)
 
 
 def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int, dtype,
-                     block_tables: jax.Array) -> KVCache:
+                     block_tables: jax.Array, kv_cache_dtype: str = "auto") -> KVCache:
     """A cache over a pool of `num_pages` pages, addressed through `block_tables`."""
-    layout = CacheLayout(block_tables.shape[0], num_pages, page_size)
+    check_kv_cache_dtype(kv_cache_dtype, config, page_size)
+    layout = CacheLayout(block_tables.shape[0], num_pages, page_size, kv_cache_dtype)
     layers = [_kind(kind).init_cache(config, layout, dtype) for kind in config.layer_kinds]
     return KVCache(layers, block_tables, page_size)
 

@@ -1,0 +1,317 @@
+"""KV cache formats (`kv_cache_dtype`): how an attention layer's pages are stored, written, read.
+
+Every format stores K and V of each (token, kv head) row of head_dim d in page pools with
+the leading axes [num_pages, page_size] of model/kv_cache.py. Bytes per row, K and V each
+(the last column for d = 64):
+
+| kv_cache_dtype       | stored per row                                                 | d=64 |
+|----------------------|----------------------------------------------------------------|------|
+| auto                 | the cache's `dtype` (float32 by default)                      | 256  |
+| float32, bfloat16    | d values                                                       | 256, 128 |
+| fp8, int8            | d E4M3 / int8 codes + f32 absmax scale per row (quant.kv_rows) | 68   |
+| nvfp4                | d/2 packed E2M1 + d/16 E4M3 block scales; tensor scale fixed 1 | 36   |
+| kivi-int4, kivi-int2 | d*b/8 packed codes + f16 scale and min per group of 32         | 40, 24 |
+| turboquant-3.5, -2.5 | d*b/8 packed Lloyd-Max indices (MSE mode) + f32 norm           | 32, 24 |
+
+KIVI groups keys per channel over 32 tokens and values per token over 32 channels
+(quant/kivi.py); its scales are stored as float16 as in the paper. The page size must be
+a multiple of 32 so groups never straddle pages. Window rule (the one KIVI rule that
+differs from quant.kivi_compress's 128-token window): a sequence of length L keeps
+positions [L // page_size * page_size, L), its newest partially filled page, exact in a
+per-sequence `recent` buffer [batch, page_size, kv_heads, d] of the cache's dtype; a page
+is quantized (keys and values) in the write that fills it. The buffer is a fixed cost per
+sequence, reported by `recent_bytes_per_seq`, not per token. Writes must append to a
+sequence (positions continue it within its newest page) and a batch row keeps its
+sequence, so the serving engine, which re-rows sequences every step, cannot use KIVI yet.
+Because a query reads the cache after its chunk's write, a query inside a page that the
+same chunk completes reads that page quantized, while token-by-token decode would have
+read it exact: chunked KIVI is slightly pessimistic (split chunks at page boundaries to
+match decode exactly). The other formats quantize each row alone and do not care.
+
+TurboQuant rotates each (token, head) vector with one Haar rotation from a fixed seed
+(shared by K, V and every layer, a constant of the compiled program, never stored per
+token), quantizes to 3.5 = 4 + 3 or 2.5 = 3 + 2 bits by channel halves, stores the norm.
+
+Reads return position-ordered float K/V [batch, pages_per_seq * page_size, heads, d]: the
+cache is read after the chunk's own write, so prefill and decode see the same codes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import quant
+from model.config import ATTENTION, SLIDING_ATTENTION
+from model.kv_cache import DEFAULT_PAGE_SIZE, CacheLayout, gather_pages, write_pages
+from quant.kv_rows import dequantize_rows, quantize_rows
+
+KIVI_GROUP = 32
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["pages", "recent"],
+                   meta_fields=["kv_cache_dtype"])
+@dataclasses.dataclass(frozen=True)
+class KVPages:
+    """One attention layer's KV storage.
+
+    pages: name -> array [num_pages, rows_per_page, num_kv_heads, ...] (a pytree of them
+      per name for codecs with several parts), the per-token storage;
+    recent: name -> [batch, page_size, num_kv_heads, head_dim], KIVI's exact newest page
+      (empty for other formats);
+    kv_cache_dtype: the format's name (static).
+    """
+
+    pages: dict
+    recent: dict
+    kv_cache_dtype: str
+
+    def __getitem__(self, name: str):
+        return self.pages[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowCodec:
+    """A format that quantizes every (token, head) row on its own, so a write is one scatter.
+
+    encode(x float [..., d]) -> pytree of arrays with leading [...];
+    decode(pytree, dtype) -> [..., d] in dtype. dtype=None keeps the stored dtype (float only).
+    """
+
+    encode: Callable[[jax.Array], Any]
+    decode: Callable[[Any, Any], jax.Array]
+    check: Callable[[int, int], None] = lambda head_dim, page_size: None
+
+    def allocate(self, config, layout: CacheLayout, dtype) -> KVPages:
+        row = jax.ShapeDtypeStruct((layout.num_pages, layout.page_size, config.num_kv_heads,
+                                    config.head_dim), dtype)
+        shapes = jax.eval_shape(self.encode, row)
+        zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        return KVPages({"k": zeros(), "v": zeros()}, {}, "")
+
+    def write(self, cache: KVPages, k: jax.Array, v: jax.Array, ctx) -> KVPages:
+        pages = {name: jax.tree.map(lambda pool, new: write_pages(pool, new, ctx.slots),
+                                    cache.pages[name], self.encode(x))
+                 for name, x in (("k", k), ("v", v))}
+        return dataclasses.replace(cache, pages=pages)
+
+    def read(self, cache: KVPages, ctx, dtype) -> tuple[jax.Array, jax.Array]:
+        def one(name):
+            gathered = jax.tree.map(lambda pool: gather_pages(pool, ctx.block_tables), cache.pages[name])
+            return self.decode(gathered, dtype)
+        return one("k"), one("v")
+
+
+def _float(dtype):
+    return RowCodec(lambda x: x if dtype is None else x.astype(dtype),
+                    lambda pages, out: pages if out is None else pages.astype(out))
+
+
+def _rows(fmt: str) -> RowCodec:
+    # quant.RowQuantized is the container pallas_kernels.paged_attention_quantized reads.
+    return RowCodec(lambda x: quantize_rows(x, fmt),
+                    lambda q, dtype: dequantize_rows(q, dtype or jnp.float32))
+
+
+def _multiple_of(n: int, what: str):
+    def check(head_dim, page_size):
+        if head_dim % n:
+            raise ValueError(f"kv_cache_dtype {what} needs head_dim divisible by {n}, got {head_dim}")
+    return check
+
+
+def _nvfp4_encode(x):
+    q = quant.nvfp4_quantize(x, 1.0)  # rows arrive a few at a time: no tensor amax, scale 1
+    return {"packed": q.packed, "scales": q.scales}
+
+
+def _nvfp4_decode(p, dtype):
+    return quant.nvfp4_dequantize(quant.NVFP4(p["packed"], p["scales"], jnp.float32(1.0)),
+                                  dtype or jnp.float32)
+
+
+@functools.cache
+def _turboquant(head_dim: int, bits: float):
+    with jax.ensure_compile_time_eval():  # first built inside a trace: keep its arrays concrete
+        return quant.TurboQuant(head_dim, bits, "mse", seed=0)
+
+
+def _turbo_codec(bits: float) -> RowCodec:
+    def encode(x):
+        return _turboquant(x.shape[-1], bits).quantize(x)
+
+    def decode(codes, dtype):
+        tq = _turboquant(round(codes.idx.shape[-1] * 8 / bits), bits)  # idx bytes = d * bits / 8
+        return tq.dequantize(codes).astype(dtype or jnp.float32)
+
+    def check(head_dim, page_size):
+        _turboquant(head_dim, bits)  # TurboQuant's own ValueError names the constraint
+    return RowCodec(encode, decode, check)
+
+
+@dataclasses.dataclass(frozen=True)
+class KiviCodec:
+    """KIVI over pages: a page's keys and values are quantized in the write that fills it."""
+
+    bits: int
+
+    def check(self, head_dim: int, page_size: int) -> None:
+        if page_size % KIVI_GROUP or head_dim % KIVI_GROUP:
+            raise ValueError(f"kivi-int{self.bits} needs page_size and head_dim divisible by "
+                             f"{KIVI_GROUP} (its group), got page_size={page_size}, head_dim={head_dim}")
+
+    def allocate(self, config, layout: CacheLayout, dtype) -> KVPages:
+        n, p, h, d = layout.num_pages, layout.page_size, config.num_kv_heads, config.head_dim
+        packed = d * self.bits // 8
+        pages = {"k_codes": jnp.zeros((n, p, h, packed), jnp.uint8),
+                 "k_scale": jnp.zeros((n, p // KIVI_GROUP, h, d), jnp.float16),
+                 "k_zero": jnp.zeros((n, p // KIVI_GROUP, h, d), jnp.float16),
+                 "v_codes": jnp.zeros((n, p, h, packed), jnp.uint8),
+                 "v_scale": jnp.zeros((n, p, h, d // KIVI_GROUP), jnp.float16),
+                 "v_zero": jnp.zeros((n, p, h, d // KIVI_GROUP), jnp.float16)}
+        recent = {name: jnp.zeros((layout.batch_size, p, h, d), dtype) for name in ("k", "v")}
+        return KVPages(pages, recent, "")
+
+    def write(self, cache: KVPages, k: jax.Array, v: jax.Array, ctx) -> KVPages:
+        b, t, h, d = k.shape
+        size = ctx.page_size
+        num_pages, pages_per_seq = cache.pages["k_codes"].shape[0], ctx.block_tables.shape[1]
+        valid = ctx.positions >= 0
+        has = jnp.any(valid, axis=1)
+        start = jnp.where(has, jnp.min(jnp.where(valid, ctx.positions, 2**30), axis=1), 0)
+        end = jnp.max(jnp.where(valid, ctx.positions, -1), axis=1) + 1  # the new length
+        first = start // size
+        touched = (t + 2 * size - 2) // size  # most pages t consecutive positions can span
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        page_of = jnp.where(valid, ctx.positions // size - first[:, None], touched)  # dropped
+
+        def stage(new, recent):
+            # Exact rows of every touched page: the newest page's earlier rows, then the chunk.
+            older = (jnp.arange(size)[None, :] < (start % size)[:, None])[..., None, None]
+            staged = jnp.zeros((b, touched, size, h, d), recent.dtype)
+            staged = staged.at[:, 0].set(jnp.where(older, recent, 0))
+            return staged.at[rows, page_of, ctx.positions % size].set(new.astype(recent.dtype),
+                                                                      mode="drop")
+
+        sk, sv = stage(k, cache.recent["k"]), stage(v, cache.recent["v"])
+        logical = first[:, None] + jnp.arange(touched)
+        full = has[:, None] & ((logical + 1) * size <= end[:, None]) & (logical < pages_per_seq)
+        physical = jnp.take_along_axis(ctx.block_tables, jnp.clip(logical, 0, pages_per_seq - 1), 1)
+        physical = jnp.where(full, physical, num_pages).reshape(-1)  # num_pages: dropped
+
+        keys = quant.kivi_quantize_keys(jnp.swapaxes(sk, 2, 3), self.bits, KIVI_GROUP)
+        values = quant.kivi_quantize_values(sv, self.bits, KIVI_GROUP)
+        swap = lambda a: jnp.swapaxes(a, 2, 3)  # [B, touched, H, rows, ...] -> [.., rows, H, ..]
+        new = {"k_codes": swap(keys.codes), "k_scale": swap(keys.scale), "k_zero": swap(keys.zero),
+               "v_codes": values.codes, "v_scale": values.scale, "v_zero": values.zero}
+        pages = {name: pool.at[physical].set(new[name].reshape(-1, *pool.shape[1:]).astype(pool.dtype),
+                                             mode="drop")
+                 for name, pool in cache.pages.items()}
+        newest = jnp.clip((end - 1) // size - first, 0, touched - 1)
+        keep = has[:, None, None, None]
+        recent = {"k": jnp.where(keep, sk[jnp.arange(b), newest], cache.recent["k"]),
+                  "v": jnp.where(keep, sv[jnp.arange(b), newest], cache.recent["v"])}
+        return dataclasses.replace(cache, pages=pages, recent=recent)
+
+    def read(self, cache: KVPages, ctx, dtype) -> tuple[jax.Array, jax.Array]:
+        g = {name: gather_pages(pool, ctx.block_tables) for name, pool in cache.pages.items()}
+        f32 = lambda name: g[name].astype(jnp.float32)
+        keys = quant.KiviKeys(jnp.swapaxes(g["k_codes"], 1, 2), jnp.swapaxes(f32("k_scale"), 1, 2),
+                              jnp.swapaxes(f32("k_zero"), 1, 2), self.bits, KIVI_GROUP)
+        k = jnp.swapaxes(quant.kivi_dequantize_keys(keys), 1, 2)
+        v = quant.kivi_dequantize_values(quant.KiviValues(g["v_codes"], f32("v_scale"), f32("v_zero"),
+                                                          self.bits, KIVI_GROUP))
+        size = ctx.page_size
+        length = jnp.max(ctx.positions, axis=1) + 1
+        newest = (length // size * size)[:, None]
+        slots = jnp.arange(k.shape[1])
+        exact = ((slots >= newest) & (slots < newest + size))[..., None, None]
+        recent = lambda name: cache.recent[name][:, slots % size].astype(jnp.float32)
+        out = dtype or jnp.float32
+        return (jnp.where(exact, recent("k"), k).astype(out), jnp.where(exact, recent("v"), v).astype(out))
+
+
+FORMATS: dict[str, Any] = {
+    "auto": _float(None),
+    "float32": _float(jnp.float32),
+    "bfloat16": _float(jnp.bfloat16),
+    "fp8": _rows("fp8"),
+    "int8": _rows("int8"),
+    "nvfp4": RowCodec(_nvfp4_encode, _nvfp4_decode, _multiple_of(16, "nvfp4")),
+    "kivi-int4": KiviCodec(4),
+    "kivi-int2": KiviCodec(2),
+    "turboquant-3.5": _turbo_codec(3.5),
+    "turboquant-2.5": _turbo_codec(2.5),
+}
+KV_CACHE_DTYPES = tuple(FORMATS)
+FLOAT_FORMATS = ("auto", "float32", "bfloat16")
+
+
+def get_format(kv_cache_dtype: str):
+    if kv_cache_dtype not in FORMATS:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; allowed: {', '.join(KV_CACHE_DTYPES)}")
+    return FORMATS[kv_cache_dtype]
+
+
+def default_page_size(kv_cache_dtype: str) -> int:
+    """DEFAULT_PAGE_SIZE, or KIVI's group of 32 for kivi formats."""
+    return KIVI_GROUP if isinstance(get_format(kv_cache_dtype), KiviCodec) else DEFAULT_PAGE_SIZE
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, config, page_size: int) -> None:
+    """ValueError unless `kv_cache_dtype` is known and fits config.head_dim and page_size."""
+    get_format(kv_cache_dtype).check(config.head_dim, page_size)
+
+
+def init_kv_pages(config, layout: CacheLayout, dtype) -> KVPages:
+    """Empty pages of one attention layer in layout.kv_cache_dtype."""
+    check_kv_cache_dtype(layout.kv_cache_dtype, config, layout.page_size)
+    pages = get_format(layout.kv_cache_dtype).allocate(config, layout, dtype)
+    return dataclasses.replace(pages, kv_cache_dtype=layout.kv_cache_dtype)
+
+
+def write_kv(cache: KVPages, k: jax.Array, v: jax.Array, ctx) -> KVPages:
+    """Quantize and store new k, v [B, T, Hkv, D] at ctx's positions; padding is dropped."""
+    return FORMATS[cache.kv_cache_dtype].write(cache, k, v, ctx)
+
+
+def read_kv(cache: KVPages, ctx, dtype=None) -> tuple[jax.Array, jax.Array]:
+    """Each sequence's K, V as `dtype` [B, pages_per_seq * page_size, Hkv, D], position-ordered.
+
+    dtype None: float formats keep their stored dtype, quantized ones give float32.
+    """
+    return FORMATS[cache.kv_cache_dtype].read(cache, ctx, dtype)
+
+
+def plain_pages(cache: KVPages, dtype) -> bool:
+    """Whether cache["k"], cache["v"] are plain float pages of `dtype` (what paged_attention reads)."""
+    return cache.kv_cache_dtype in FLOAT_FORMATS and cache.pages["k"].dtype == dtype
+
+
+def bytes_per_token(kv_cache_dtype: str, config, dtype=jnp.float32, page_size: int | None = None) -> int:
+    """Page-pool bytes one token takes over all attention layers (K and V, every kv head)."""
+    page_size = page_size or default_page_size(kv_cache_dtype)
+    check_kv_cache_dtype(kv_cache_dtype, config, page_size)
+    layout = CacheLayout(1, 1, page_size, kv_cache_dtype)
+    shapes = jax.eval_shape(lambda: init_kv_pages(config, layout, dtype))
+    per_page = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes.pages))
+    return per_page // page_size * _num_attention_layers(config)
+
+
+def recent_bytes_per_seq(kv_cache_dtype: str, config, dtype=jnp.float32, page_size: int | None = None) -> int:
+    """Fixed bytes per sequence outside the pages (KIVI's exact newest page), all layers."""
+    if not isinstance(get_format(kv_cache_dtype), KiviCodec):
+        return 0
+    page_size = page_size or default_page_size(kv_cache_dtype)
+    return 2 * page_size * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize \
+        * _num_attention_layers(config)
+
+
+def _num_attention_layers(config) -> int:
+    return sum(kind in (ATTENTION, SLIDING_ATTENTION) for kind in config.layer_kinds)
