@@ -14,16 +14,14 @@ from typing import Iterator, Sequence
 import jax.numpy as jnp
 
 import model
+from model.kv_formats import KV_CACHE_DTYPES, bytes_per_token, check_kv_cache_dtype
 from serving import scheduler as sched
 from serving.engine import RECOMPUTE, EngineCore
 from serving.params import CompletionOutput, RequestOutput, SamplingParams
 from serving.runner import ModelRunner
 
 DEFAULT_KV_CACHE_GIB = 1.0
-
-
-def _kv_bytes_per_token(config: model.ModelConfig, dtype) -> int:
-    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+SERVING_KV_CACHE_DTYPES = tuple(d for d in KV_CACHE_DTYPES if not d.startswith("kivi"))
 
 
 class LLM:
@@ -69,11 +67,15 @@ class LLM:
             raise ValueError(f"max_model_len must be in [1, {context}], got {max_model_len}")
         if block_size <= 0 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
-        if kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype must be 'auto' (the model's dtype), got {kv_cache_dtype!r}")
+        if kv_cache_dtype not in SERVING_KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {SERVING_KV_CACHE_DTYPES}, got "
+                             f"{kv_cache_dtype!r} (KIVI keeps a per-batch-row buffer the engine cannot "
+                             "page yet)")
+        check_kv_cache_dtype(kv_cache_dtype, config, block_size)
         max_pages_per_seq = -(-max_model_len // block_size)
         if num_kv_blocks is None:
-            budget = DEFAULT_KV_CACHE_GIB * 2**30 // _kv_bytes_per_token(config, dtype)
+            budget = DEFAULT_KV_CACHE_GIB * 2**30 // bytes_per_token(kv_cache_dtype, config, dtype,
+                                                                      block_size)
             num_kv_blocks = max(int(budget) // block_size, max_pages_per_seq)
         if num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be > 0, got {num_kv_blocks}")
@@ -83,7 +85,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, capacity_policy=capacity_policy,
             chunking_policy=chunking_policy, order=scheduling_policy)
         self.runner = ModelRunner(config, params, num_kv_blocks, block_size, max_pages_per_seq,
-                                  max_num_seqs, dtype)
+                                  max_num_seqs, dtype, kv_cache_dtype)
         self.engine = EngineCore(self.runner, sched_config, num_kv_blocks, max_model_len,
                                  tokenizer.eos_token_id, enable_prefix_caching, preemption_mode, seed)
         self._ids = itertools.count()

@@ -79,12 +79,13 @@ class ModelRunner:
     """Owns params and the KV page pool; executes rows."""
 
     def __init__(self, config: model.ModelConfig, params: dict, num_pages: int, page_size: int,
-                 max_pages_per_seq: int, max_num_seqs: int, dtype=jnp.float32):
+                 max_pages_per_seq: int, max_num_seqs: int, dtype=jnp.float32,
+                 kv_cache_dtype: str = "auto"):
         self.config, self.params = config, params
         self.page_size, self.num_pages = page_size, num_pages
         self.max_pages_per_seq, self.max_num_seqs = max_pages_per_seq, max_num_seqs
         cache = model.init_paged_cache(config, num_pages, page_size, dtype,
-                                       jnp.zeros((1, max_pages_per_seq), jnp.int32))
+                                       jnp.zeros((1, max_pages_per_seq), jnp.int32), kv_cache_dtype)
         self.pool = cache.layers
 
     def execute(self, rows: list[Row]) -> list[RowResult | None]:
