@@ -74,9 +74,13 @@ class LLM:
         check_kv_cache_dtype(kv_cache_dtype, config, block_size)
         max_pages_per_seq = -(-max_model_len // block_size)
         if num_kv_blocks is None:
+            # Every running sequence at full length, capped by a memory budget. Not larger:
+            # XLA on CPU copies the donated pool each step (see the issue note), so an
+            # oversized pool costs time on every step.
             budget = DEFAULT_KV_CACHE_GIB * 2**30 // bytes_per_token(kv_cache_dtype, config, dtype,
                                                                       block_size)
-            num_kv_blocks = max(int(budget) // block_size, max_pages_per_seq)
+            num_kv_blocks = max(min(int(budget) // block_size, max_num_seqs * max_pages_per_seq),
+                                max_pages_per_seq)
         if num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be > 0, got {num_kv_blocks}")
         self.config, self.tokenizer, self.max_model_len = config, tokenizer, max_model_len
