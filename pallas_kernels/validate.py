@@ -37,3 +37,16 @@ def check_heads(num_q_heads, num_kv_heads):
         raise ValueError(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
+
+
+def attention_options(head_dim, num_q_heads, sm_scale, soft_cap, sinks, variant) -> dict:
+    """Checks every attention entry shares; returns the kernels' static sm_scale and variant."""
+    from pallas_kernels.variant import default_scale, resolve
+
+    check_positive("soft_cap", soft_cap)
+    var = resolve(variant, soft_cap)
+    if sinks is not None:
+        check_shape("sinks", sinks, (num_q_heads,))
+        if not var.uses_softmax:
+            raise ValueError("sinks need softmax attention; this variant has a weight_fn")
+    return dict(sm_scale=default_scale(head_dim, sm_scale), variant=var)

@@ -10,7 +10,7 @@ from pallas_kernels import validate
 from pallas_kernels.block_sparse_attention.kernel_tpu import block_sparse_attention_tpu
 from pallas_kernels.block_sparse_attention.ref import block_sparse_attention_ref
 from pallas_kernels.dispatch import dispatch
-from pallas_kernels.variant import AttentionVariant, default_scale, resolve
+from pallas_kernels.variant import AttentionVariant
 
 
 def block_sparse_attention(
@@ -73,17 +73,10 @@ def block_sparse_attention(
         )
     if k.shape[0] % block_c:
         raise ValueError(f"num_kv {k.shape[0]} must be a multiple of block_c={block_c}")
-    validate.check_positive("soft_cap", soft_cap)
-    var = resolve(variant, soft_cap)
-    if sinks is not None:
-        validate.check_shape("sinks", sinks, (num_q_heads,))
-        if not var.uses_softmax:
-            raise ValueError("sinks need softmax attention; this variant has a weight_fn")
     static = dict(
         block_r=int(block_r),
         block_c=int(block_c),
-        sm_scale=default_scale(head_dim, sm_scale),
-        variant=var,
+        **validate.attention_options(head_dim, num_q_heads, sm_scale, soft_cap, sinks, variant),
     )
     return dispatch(
         q,

@@ -14,7 +14,7 @@ from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.paged_attention.kernel_gpu import gpu_supported, paged_attention_gpu
 from pallas_kernels.paged_attention.kernel_tpu import paged_attention_tpu
 from pallas_kernels.paged_attention.ref import paged_attention_quantized_ref, paged_attention_ref
-from pallas_kernels.variant import AttentionVariant, default_scale, resolve
+from pallas_kernels.variant import AttentionVariant
 
 
 def paged_attention(
@@ -159,14 +159,7 @@ def _check_common(
     v.check_shape("kv_lens", kv_lens, (batch,))
     v.check_dtype("kv_lens", kv_lens, [jnp.int32])
     v.check_positive("sliding_window", sliding_window)
-    v.check_positive("soft_cap", soft_cap)
-    var = resolve(variant, soft_cap)
-    if sinks is not None:
-        v.check_shape("sinks", sinks, (num_q_heads,))
-        if not var.uses_softmax:
-            raise ValueError("sinks need softmax attention; this variant has a weight_fn")
     return dict(
-        sm_scale=default_scale(head_dim, sm_scale),
         sliding_window=None if sliding_window is None else int(sliding_window),
-        variant=var,
+        **v.attention_options(head_dim, num_q_heads, sm_scale, soft_cap, sinks, variant),
     )

@@ -11,7 +11,7 @@ from pallas_kernels import validate
 from pallas_kernels.dispatch import dispatch
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_paged_attention.ref import ragged_paged_attention_ref
-from pallas_kernels.variant import AttentionVariant, default_scale, resolve
+from pallas_kernels.variant import AttentionVariant
 
 
 def ragged_paged_attention(
@@ -82,19 +82,12 @@ def ragged_paged_attention(
     validate.check_shape("kv_lens", kv_lens, (num_seqs,))
     validate.check_dtype("kv_lens", kv_lens, [jnp.int32])
     validate.check_positive("sliding_window", sliding_window)
-    validate.check_positive("soft_cap", soft_cap)
-    var = resolve(variant, soft_cap)
-    if sinks is not None:
-        validate.check_shape("sinks", sinks, (num_q_heads,))
-        if not var.uses_softmax:
-            raise ValueError("sinks need softmax attention; this variant has a weight_fn")
+    static = dict(
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        **validate.attention_options(head_dim, num_q_heads, sm_scale, soft_cap, sinks, variant),
+    )
     if interpret is True:
         interpret = pltpu.InterpretParams()
-    static = dict(
-        sm_scale=default_scale(head_dim, sm_scale),
-        sliding_window=None if sliding_window is None else int(sliding_window),
-        variant=var,
-    )
     return dispatch(
         q,
         k,

@@ -11,7 +11,7 @@ from pallas_kernels import validate as v
 from pallas_kernels.dispatch import dispatch
 from pallas_kernels.sparse_attention.kernel_tpu import sparse_attention_tpu
 from pallas_kernels.sparse_attention.ref import sparse_attention_ref
-from pallas_kernels.variant import AttentionVariant, default_scale, resolve
+from pallas_kernels.variant import AttentionVariant
 
 
 def sparse_attention(
@@ -71,15 +71,9 @@ def sparse_attention(
             raise ValueError(f"{name}indices has {idx.shape[0]} rows, q has {num_tokens} tokens")
         v.check_dtype(f"{name}indices", idx, [jnp.int32])
     v.check_heads(num_q_heads, segments[0][0].shape[1])
-    v.check_positive("soft_cap", soft_cap)
-    var = resolve(variant, soft_cap)
-    if sinks is not None:
-        v.check_shape("sinks", sinks, (num_q_heads,))
-        if not var.uses_softmax:
-            raise ValueError("sinks need softmax attention; this variant has a weight_fn")
+    static = v.attention_options(head_dim, num_q_heads, sm_scale, soft_cap, sinks, variant)
     if interpret is True:
         interpret = pltpu.InterpretParams()
-    static = dict(sm_scale=default_scale(head_dim, sm_scale), variant=var)
     return dispatch(
         q,
         tuple(segments),
