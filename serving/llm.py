@@ -216,9 +216,10 @@ class LLM:
         added = self._add(prompts, sampling_params)
         try:
             while any(not self.engine.request_finished(rid) for rid, _ in added):
-                self.engine.step()
+                progressed = self.engine.step()
                 for rid, text in added:  # stop strings end sequences between steps
-                    self._snapshot(rid, text)
+                    if rid in progressed and self.engine.requests[rid].params.stop:
+                        self._snapshot(rid, text)
             return [self._snapshot(rid, text) for rid, text in added]
         finally:
             for rid, _ in added:
