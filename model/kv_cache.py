@@ -73,8 +73,33 @@ def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array
     """
     n, page_size, *rest = pages.shape
     flat = pages.reshape(n * page_size, *rest)
-    flat = flat.at[slots.reshape(-1)].set(new.reshape(-1, *rest).astype(pages.dtype), mode="drop")
+    flat = scatter_rows(flat, slots.reshape(-1), new.reshape(-1, *rest))
     return flat.reshape(pages.shape)
+
+
+def scatter_rows(pool: jax.Array, index: jax.Array, rows: jax.Array) -> jax.Array:
+    """pool.at[index].set(rows) with out-of-range indices dropped, in place when donated.
+
+    pool [N, ...], index int [U], rows [U, ...]. XLA:CPU expands a scatter of a single
+    row (a batch-1 decode step) into a dynamic-update-slice, and its fusion pass then
+    duplicates that update into every reader of the new pool (the attention gather):
+    the old pool must outlive the in-place update, so copy insertion copies the whole
+    pool, a step cost that grows with the pool, not the batch. A second row, always
+    dropped, keeps it a real scatter, done in place and never duplicated.
+
+    Not for bfloat16 and fp8 pools: XLA:CPU computes their scatters in a wider float,
+    converting the whole pool there and back, which costs more than the one copy.
+    """
+    rows = rows.astype(pool.dtype)
+    if index.shape[0] == 1 and not _scatter_upcasts(pool.dtype):
+        index = jnp.concatenate([index, jnp.full((1,), pool.shape[0], index.dtype)])
+        rows = jnp.concatenate([rows, rows])
+    return pool.at[index].set(rows, mode="drop")
+
+
+def _scatter_upcasts(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype) not in (
+        jnp.dtype(jnp.float16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
 
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 
 import quant
 from model.config import ATTENTION, SLIDING_ATTENTION
-from model.kv_cache import DEFAULT_PAGE_SIZE, CacheLayout, gather_pages, write_pages
+from model.kv_cache import DEFAULT_PAGE_SIZE, CacheLayout, gather_pages, scatter_rows, write_pages
 from quant.kv_rows import dequantize_rows, quantize_rows
 
 KIVI_GROUP = 32
@@ -210,8 +210,7 @@ class KiviCodec:
         swap = lambda a: jnp.swapaxes(a, 2, 3)  # [B, touched, H, rows, ...] -> [.., rows, H, ..]
         new = {"k_codes": swap(keys.codes), "k_scale": swap(keys.scale), "k_zero": swap(keys.zero),
                "v_codes": values.codes, "v_scale": values.scale, "v_zero": values.zero}
-        pages = {name: pool.at[physical].set(new[name].reshape(-1, *pool.shape[1:]).astype(pool.dtype),
-                                             mode="drop")
+        pages = {name: scatter_rows(pool, physical, new[name].reshape(-1, *pool.shape[1:]))
                  for name, pool in cache.pages.items()}
         newest = jnp.clip((end - 1) // size - first, 0, touched - 1)
         keep = has[:, None, None, None]
