@@ -1,7 +1,7 @@
 """What the network computes: configs, layers, the pure forward pass, loaders."""
 
 from model.config import ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeScaling
-from model.context import ForwardContext
+from model.context import ForwardContext, TokenTree
 from model.kv_cache import CacheLayout, KVCache
 from model.kv_formats import KV_CACHE_DTYPES, KVPages
 from model.loader import default_model_path, load, load_tokenizer
@@ -12,7 +12,7 @@ from model.transformer import (LAYER_KINDS, LayerKind, forward, forward_hidden, 
 __all__ = [
     "ATTENTION", "SLIDING_ATTENTION", "LAYER_KINDS", "CacheLayout", "ForwardContext", "KVCache",
     "KV_CACHE_DTYPES", "KVPages",
-    "LayerKind", "ModelConfig", "RopeScaling", "Tokenizer", "default_model_path", "forward",
+    "LayerKind", "ModelConfig", "RopeScaling", "Tokenizer", "TokenTree", "default_model_path", "forward",
     "forward_hidden", "init_cache", "init_paged_cache", "init_params",
     "lm_head", "load", "load_tokenizer",
 ]

@@ -17,7 +17,7 @@ hidden the next draft step consumes in place of the fused features.
               "t2d": bool [V] (target id is in the draft vocabulary)}
 
 A draft directory holds `config.json` and `model.safetensors`; `load_draft(dir)`
-reads it back. Training (training/) imports this module; serving calls `draft_forward`.
+reads it back. Training (training/) imports this module; serving calls `draft_apply`.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ATTENTION, ModelConfig, RopeScaling
-from model.context import ForwardContext
-from model.kv_cache import KVCache, slot_mapping
+from model.context import TokenTree
+from model.kv_cache import KVCache
 from model.layers import attention_block, mlp, rms_norm
 from model.rope import apply_rope, rope_tables
-from model.transformer import init_cache
+from model.transformer import forward_context, init_cache
 from quant import linear
 
 CONFIG_FILE = "config.json"
@@ -189,6 +189,22 @@ def init_draft_cache(config: Eagle3Config, batch_size: int, max_len: int, dtype=
     return init_cache(config.layer_config, batch_size, max_len, dtype, page_size)
 
 
+def draft_apply(params: dict, config: Eagle3Config, hidden: jnp.ndarray, tokens: jnp.ndarray,
+                positions: jnp.ndarray, cache: KVCache, tree: TokenTree | None = None
+                ) -> tuple[jnp.ndarray, jnp.ndarray, KVCache]:
+    """`draft_forward` unjitted, for callers that fuse it into a larger step (serving).
+
+    tree: the rows are draft-tree nodes (model/context.py TokenTree): `positions` are their
+    KV slots and the tree gives their RoPE positions and which nodes each one sees.
+    """
+    x = layer_input(params, config, hidden, tokens)
+    ctx = forward_context(config.target, positions, cache, tree)
+    attn, layer_cache = attention_block(params["layer"], config.target, x, cache.layers[0], ctx, None)
+    out = layer_output(params, config, hidden, attn)
+    return (draft_logits(params, config, out), out,
+            KVCache([layer_cache], cache.block_tables, cache.page_size))
+
+
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
 def draft_forward(params: dict, config: Eagle3Config, hidden: jnp.ndarray, tokens: jnp.ndarray,
                   positions: jnp.ndarray, cache: KVCache
@@ -202,17 +218,7 @@ def draft_forward(params: dict, config: Eagle3Config, hidden: jnp.ndarray, token
     Returns (logits over the draft vocabulary [B, T, Vd] float32, predicting the token
     at t + 2; the draft hidden [B, T, H] for the next step; the cache).
     """
-    x = layer_input(params, config, hidden, tokens)
-    ctx = ForwardContext(
-        positions=positions, rope=rope_tables(config.target, positions),
-        block_tables=cache.block_tables,
-        slots=slot_mapping(positions, cache.block_tables, cache.page_size,
-                           jax.tree.leaves(cache.layers[0])[0].shape[0]),
-        page_size=cache.page_size)
-    attn, layer_cache = attention_block(params["layer"], config.target, x, cache.layers[0], ctx, None)
-    out = layer_output(params, config, hidden, attn)
-    return (draft_logits(params, config, out), out,
-            KVCache([layer_cache], cache.block_tables, cache.page_size))
+    return draft_apply(params, config, hidden, tokens, positions, cache)
 
 
 # --- storage ---

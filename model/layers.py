@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
-from model.context import ForwardContext
+from model.context import ForwardContext, TokenTree
 from model.kv_formats import KVPages, plain_pages, read_kv, write_kv
 from pallas_kernels import paged_attention
 from quant import linear  # float [in, out] weights or quantized containers alike
@@ -27,20 +27,33 @@ def mlp(params: dict, x: jnp.ndarray) -> jnp.ndarray:
 
 
 def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, q_positions: jnp.ndarray,
-           sliding_window: int | None, sm_scale: float) -> jnp.ndarray:
+           sliding_window: int | None, sm_scale: float, tree: TokenTree | None = None) -> jnp.ndarray:
     """Causal GQA attention of q [B, T, Hq, D] over position-ordered k, v [B, S, Hkv, D].
 
     Row s of k/v holds position s; a query at position p sees rows s <= p (and
-    s > p - window for sliding layers). Returns [B, T, Hq, D].
+    s > p - window for sliding layers). With a `tree`, rows in the tree region are seen
+    through its mask instead, and the window counts from the query's RoPE position
+    (a node's ancestors are always inside a window longer than the tree is deep).
+    Returns [B, T, Hq, D].
     """
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * sm_scale
-    slots = jnp.arange(k.shape[1])
-    visible = slots[None, None, :] <= q_positions[:, :, None]
+    slots = jnp.arange(k.shape[1])[None, None, :]
+    visible = slots <= q_positions[:, :, None]
+    window_from = q_positions
+    if tree is not None:
+        offset = slots - tree.start[:, None, None]  # [B, 1, S]
+        region = tree.mask.shape[-1]
+        in_tree = (offset >= 0) & (offset < region)
+        seen = jnp.take_along_axis(tree.mask, jnp.clip(offset, 0, region - 1).repeat(t, axis=1),
+                                   axis=2)
+        visible &= jnp.where(in_tree, seen, offset < 0)
+        window_from = tree.rope_positions
     if sliding_window is not None:
-        visible &= slots[None, None, :] > q_positions[:, :, None] - sliding_window
+        near = slots > window_from[:, :, None] - sliding_window
+        visible &= near if tree is None else near | in_tree
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     # A padding query sees nothing; keep it finite instead of NaN.
@@ -66,7 +79,7 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     cos, sin = ctx.rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cache = write_kv(cache, k, v, ctx)
-    if t == 1 and plain_pages(cache, q.dtype):
+    if t == 1 and ctx.tree is None and plain_pages(cache, q.dtype):
         # Low-bit pages take the read_kv path below until paged_attention reads them
         # itself; this is the call site to switch (pallas_kernels.paged_attention_quantized).
         kv_lens = jnp.maximum(ctx.positions[:, 0] + 1, 0).astype(jnp.int32)
@@ -75,5 +88,5 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
         out = out[:, None]
     else:
         k_all, v_all = read_kv(cache, ctx, q.dtype)
-        out = attend(q, k_all, v_all, ctx.positions, sliding_window, hd ** -0.5)
+        out = attend(q, k_all, v_all, ctx.positions, sliding_window, hd ** -0.5, ctx.tree)
     return linear(out.reshape(b, t, -1), params["wo"]), cache

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ATTENTION, SLIDING_ATTENTION, ModelConfig
-from model.context import ForwardContext
+from model.context import ForwardContext, TokenTree
 from model.kv_cache import CacheLayout, KVCache, contiguous_block_tables, slot_mapping
 from model.kv_formats import KVPages, check_kv_cache_dtype, default_page_size, init_kv_pages
 from model.layers import attention_block, mlp, rms_norm
@@ -151,22 +151,43 @@ def _check_inputs(config: ModelConfig, tokens, positions, cache: KVCache) -> Non
                          f"({cache.capacity}); the model's context is {config.max_position_embeddings}")
 
 
+def forward_context(config: ModelConfig, positions: jnp.ndarray, cache: KVCache,
+                    tree: TokenTree | None = None) -> ForwardContext:
+    """The per-step context every layer reads: RoPE tables, KV slots, block tables, tree."""
+    rope_positions = positions if tree is None else tree.rope_positions
+    return ForwardContext(
+        positions=positions, rope=rope_tables(config, rope_positions), block_tables=cache.block_tables,
+        slots=slot_mapping(positions, cache.block_tables, cache.page_size, _num_pages(cache)),
+        page_size=cache.page_size, tree=tree)
+
+
+def _check_tree(config: ModelConfig, tokens, tree: TokenTree) -> None:
+    other = sorted(set(config.layer_kinds) - {ATTENTION, SLIDING_ATTENTION})
+    if other:
+        raise ValueError(f"tree attention needs standard attention layers; this model has {other}")
+    b, t = tokens.shape
+    if tree.rope_positions.shape != (b, t) or tree.start.shape != (b,) or \
+            tree.mask.ndim != 3 or tree.mask.shape[:2] != (b, t):
+        raise ValueError(f"tree shapes rope_positions {tree.rope_positions.shape}, start "
+                         f"{tree.start.shape}, mask {tree.mask.shape} do not fit tokens {tokens.shape}")
+
+
 def forward_hidden(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: jnp.ndarray,
-                   cache: KVCache, capture_layers: tuple[int, ...] = ()
+                   cache: KVCache, capture_layers: tuple[int, ...] = (), tree: TokenTree | None = None
                    ) -> tuple[jnp.ndarray, KVCache, tuple[jnp.ndarray, ...]]:
     """(final-norm hidden [B, T, H], updated cache, captured) — not jitted.
 
     captured[i] is the residual stream entering layer capture_layers[i] ([B, T, H]),
-    the features EAGLE-3 drafts from.
+    the features EAGLE-3 drafts from. tree: the tokens are draft-tree nodes
+    (model/context.py TokenTree); `positions` are then their KV slots.
     """
     _check_inputs(config, tokens, positions, cache)
     if any(not 0 <= i < config.num_layers for i in capture_layers):
         raise ValueError(f"capture_layers {capture_layers} must be in [0, {config.num_layers})")
+    if tree is not None:
+        _check_tree(config, tokens, tree)
     x = params["embed"][tokens]
-    ctx = ForwardContext(
-        positions=positions, rope=rope_tables(config, positions), block_tables=cache.block_tables,
-        slots=slot_mapping(positions, cache.block_tables, cache.page_size, _num_pages(cache)),
-        page_size=cache.page_size)
+    ctx = forward_context(config, positions, cache, tree)
     new_layers, captured = [], {}
     for i, (kind, layer, layer_cache) in enumerate(zip(config.layer_kinds, params["layers"],
                                                        cache.layers)):
@@ -186,7 +207,8 @@ def lm_head(params: dict, config: ModelConfig, hidden: jnp.ndarray) -> jnp.ndarr
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
 def forward(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: jnp.ndarray,
-            cache: KVCache, logits_indices: jnp.ndarray | None = None) -> tuple[jnp.ndarray, KVCache]:
+            cache: KVCache, logits_indices: jnp.ndarray | None = None,
+            tree: TokenTree | None = None) -> tuple[jnp.ndarray, KVCache]:
     """Run the model over tokens and write their K/V into the cache.
 
     tokens, positions: int32 [batch, seq]. A negative position marks a padding
@@ -194,8 +216,9 @@ def forward(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: j
     `init_cache` / `init_paged_cache` (donated).
     logits_indices: optional int32 [batch]; if given, logits only at those sequence
     indices ([batch, V]) instead of every token ([batch, seq, V]).
+    tree: score draft-tree nodes in one pass (speculative decoding, model/context.py).
     """
-    hidden, cache, _ = forward_hidden(params, config, tokens, positions, cache)
+    hidden, cache, _ = forward_hidden(params, config, tokens, positions, cache, tree=tree)
     if logits_indices is not None:
         hidden = jnp.take_along_axis(hidden, logits_indices[:, None, None], axis=1)[:, 0]
     return lm_head(params, config, hidden), cache

@@ -5,10 +5,16 @@ prompt; once its prefill completes, the other n - 1 fork off sharing its pages a
 recompute only the last prompt position, so the page they write first is copied on
 write. The runner is the model (serving.runner.ModelRunner) or, in the simulator, a
 cost model with the same `execute` contract.
+
+Speculative decoding (sched_config.num_lookahead_slots > 0): the runner returns a
+draft tree with each sampled token; the sequence's next decode row carries it to be
+verified, and its result is the accepted draft tokens plus a bonus token. Pages are
+reserved for the lookahead slots the tree writes past the sequence's end.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Protocol
@@ -44,6 +50,7 @@ class SeqState:
     stop_reason: int | str | None = None
     swapped: object = None  # host copy of its pages while swapped out
     first_token_time: float | None = None
+    tree: tuple | None = None  # the draft tree to verify next (speculative decoding)
 
 
 @dataclasses.dataclass
@@ -71,6 +78,8 @@ class EngineCore:
         self.requests: dict[str, RequestState] = {}
         self.seqs: dict[str, SeqState] = {}
         self.num_preemptions = 0
+        # speculative decoding: how many verified trees accepted k draft tokens
+        self.accepted_counts: collections.Counter = collections.Counter()
         self._next_seed = seed
 
     # -- requests ----------------------------------------------------------------
@@ -79,7 +88,7 @@ class EngineCore:
                     arrival: float | None = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        total = min(len(prompt_ids) + params.max_tokens, self.max_model_len) + self.config.num_lookahead_slots
         if self.kv.pages_for(total) > self.kv.pool.num_pages:
             raise ValueError(f"prompt + max_tokens needs {self.kv.pages_for(total)} KV pages, the pool "
                              f"has {self.kv.pool.num_pages}; lower max_tokens or raise num_kv_blocks")
@@ -131,6 +140,17 @@ class EngineCore:
         for sid in self.requests.pop(request_id).seq_ids:
             del self.seqs[sid]
 
+    def speculative_stats(self) -> dict:
+        """Mean accepted length tau (tokens per target forward of a verified tree) and the
+        acceptance rate by draft position, over every tree verified so far."""
+        n = sum(self.accepted_counts.values())
+        if n == 0:
+            return {"num_trees": 0, "tau": float("nan"), "acceptance_by_position": []}
+        depth = max(self.accepted_counts)
+        by_position = [sum(c for k, c in self.accepted_counts.items() if k > i) / n for i in range(depth)]
+        tau = 1 + sum(k * c for k, c in self.accepted_counts.items()) / n
+        return {"num_trees": n, "tau": tau, "acceptance_by_position": by_position}
+
     def has_unfinished(self) -> bool:
         return bool(self.state.waiting or self.state.running)
 
@@ -151,35 +171,43 @@ class EngineCore:
             self._admit(running[sid])
         running = {s.seq_id: s for s in self.state.running}
         rows, copies = [], []
+        ahead = self.config.num_lookahead_slots
         for sid, n in plan.scheduled:
             s, seq = running[sid], self.seqs[sid]
             start = s.num_computed_tokens
-            self.kv.ensure(sid, start + n)
-            for pos in range(start, start + n, 1):
+            self.kv.ensure(sid, start + n + ahead)
+            for pos in range(start, start + n + ahead, 1):
                 if pos == start or pos % self.kv.page_size == 0:
                     pair = self.kv.copy_on_write(sid, pos)
                     if pair:
                         copies.append(pair)
             p = seq.params
-            rows.append(Row(list(s.tokens[start:start + n]), start, list(self.kv.tables[sid]),
-                            sample=start + n == s.num_tokens, temperature=p.temperature,
+            end = start + n
+            rows.append(Row(list(s.tokens[start:end]), start, list(self.kv.tables[sid]),
+                            sample=end == s.num_tokens, temperature=p.temperature,
                             top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
-                            counter=len(seq.output), logprobs=p.logprobs is not None))
+                            counter=len(seq.output), logprobs=p.logprobs is not None,
+                            next_token=s.tokens[end] if end < s.num_tokens else None,
+                            tree=seq.tree if end == s.num_tokens and n == 1 else None))
         self.runner.copy_pages(copies)
         results = self.runner.execute(rows) if rows else []
         new_tokens: dict[str, tuple[int, ...]] = {}
         progressed: set[str] = set()
         now = self.clock()
-        for (sid, n), res in zip(plan.scheduled, results):
+        for (sid, n), row, res in zip(plan.scheduled, rows, results):
             if res is None:
                 continue
             seq = self.seqs[sid]
-            seq.output.append(res.token)
+            if row.tree is not None:
+                self.accepted_counts[len(res.accepted)] += 1
+            emitted = self._until_stop(seq, running[sid], res.accepted + [res.token])
+            seq.output.extend(emitted)
+            seq.tree = res.tree
             if res.logprob is not None:
                 seq.logprobs.append((res.logprob, res.top_logprobs))
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            new_tokens[sid] = (res.token,)
+            new_tokens[sid] = tuple(emitted)
             progressed.add(seq.request_id)
         pages = {sid: len(self.kv.tables[sid]) for sid, _ in plan.scheduled}
         self.state = sched.update(self.state, plan, new_tokens, pages)
@@ -210,10 +238,23 @@ class EngineCore:
         self.num_preemptions += 1
         seq = self.seqs[seq_id]
         if self.preemption_mode == SWAP:
+            # the tree stays valid: its KV is rewritten when it is verified
             computed = next(s for s in self.state.waiting if s.seq_id == seq_id).num_computed_tokens
             table = self.kv.tables[seq_id][:self.kv.pages_for(computed)]
             seq.swapped = self.runner.read_pages(table)
+        else:
+            seq.tree = None  # recomputing the prompt grows a new one
         self.kv.free(seq_id)
+
+    def _until_stop(self, seq: SeqState, s: sched.Seq, tokens: list[int]) -> list[int]:
+        """The prefix of `tokens` up to and including the first that ends the sequence
+        (speculative rows emit several; `_check_stop` then finishes on the last)."""
+        p = seq.params
+        for i, tok in enumerate(tokens):
+            if (not p.ignore_eos and tok == self.eos_token_id) or tok in p.stop_token_ids \
+                    or len(seq.output) + i + 1 >= p.max_tokens or s.num_tokens + i + 1 >= self.max_model_len:
+                return tokens[:i + 1]
+        return tokens
 
     def _check_stop(self, seq: SeqState, s: sched.Seq) -> None:
         tok, p = seq.output[-1], seq.params

@@ -4,6 +4,11 @@
     llm = LLM()                                   # the embedded default model
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))
     print(out[0].outputs[0].text)
+
+Speculative decoding with an EAGLE-3 draft (`python -m training.train_eagle3` writes one):
+
+    llm = LLM(speculative_config={"method": "eagle3", "model": "path/to/draft",
+                                  "num_speculative_tokens": 15, "depth": 4, "top_k": 4})
 """
 
 from __future__ import annotations
@@ -14,11 +19,14 @@ from typing import Iterator, Sequence
 import jax.numpy as jnp
 
 import model
+from model import eagle3
+from model.config import ATTENTION, SLIDING_ATTENTION
 from model.kv_formats import KV_CACHE_DTYPES, bytes_per_token, check_kv_cache_dtype
 from serving import scheduler as sched
 from serving.engine import RECOMPUTE, EngineCore
 from serving.params import CompletionOutput, RequestOutput, SamplingParams
-from serving.runner import ModelRunner
+from serving.runner import Drafter, ModelRunner
+from serving.speculative import TreeSpec
 
 DEFAULT_KV_CACHE_GIB = 1.0
 SERVING_KV_CACHE_DTYPES = tuple(d for d in KV_CACHE_DTYPES if not d.startswith("kivi"))
@@ -33,14 +41,15 @@ class LLM:
                  kv_cache_dtype: str = "auto", scheduling_policy: str = "fcfs",
                  capacity_policy: str = sched.MAX_UTILIZATION,
                  chunking_policy: str = sched.FIRST_COME_FIRST_SERVED,
-                 preemption_mode: str = RECOMPUTE, seed: int = 0, dtype=jnp.float32):
+                 preemption_mode: str = RECOMPUTE, seed: int = 0, dtype=jnp.float32,
+                 speculative_config: dict | None = None):
         import model as model_lib
 
         config, params = model_lib.load(model, dtype)
         self._setup(config, params, model_lib.load_tokenizer(model), max_model_len, block_size,
                     num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
                     kv_cache_dtype, scheduling_policy, capacity_policy, chunking_policy,
-                    preemption_mode, seed, dtype)
+                    preemption_mode, seed, dtype, speculative_config)
 
     @classmethod
     def from_loaded(cls, config: model.ModelConfig, params: dict, tokenizer: model.Tokenizer,
@@ -51,7 +60,7 @@ class LLM:
                         max_num_batched_tokens=512, enable_prefix_caching=True, kv_cache_dtype="auto",
                         scheduling_policy="fcfs", capacity_policy=sched.MAX_UTILIZATION,
                         chunking_policy=sched.FIRST_COME_FIRST_SERVED, preemption_mode=RECOMPUTE,
-                        seed=0, dtype=jnp.float32)
+                        seed=0, dtype=jnp.float32, speculative_config=None)
         unknown = set(kwargs) - set(defaults)
         if unknown:
             raise ValueError(f"unknown LLM arguments {sorted(unknown)}")
@@ -60,7 +69,8 @@ class LLM:
 
     def _setup(self, config, params, tokenizer, max_model_len, block_size, num_kv_blocks,
                max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_dtype,
-               scheduling_policy, capacity_policy, chunking_policy, preemption_mode, seed, dtype):
+               scheduling_policy, capacity_policy, chunking_policy, preemption_mode, seed, dtype,
+               speculative_config):
         context = config.max_position_embeddings
         max_model_len = max_model_len or context
         if not 0 < max_model_len <= context:
@@ -72,13 +82,20 @@ class LLM:
                              f"{kv_cache_dtype!r} (KIVI keeps a per-batch-row buffer the engine cannot "
                              "page yet)")
         check_kv_cache_dtype(kv_cache_dtype, config, block_size)
-        max_pages_per_seq = -(-max_model_len // block_size)
+        draft = _drafter(speculative_config, config, dtype)
+        if draft is not None and max_num_batched_tokens < draft.spec.num_tokens:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot fit one draft tree "
+                             f"({draft.spec.num_tokens} tokens)")
+        lookahead = draft.spec.lookahead if draft else 0
+        max_pages_per_seq = -(-(max_model_len + lookahead) // block_size)
         if num_kv_blocks is None:
             # Every running sequence at full length, capped by a memory budget. Not larger:
-            # XLA on CPU copies the donated pool each step (see the issue note), so an
-            # oversized pool costs time on every step.
-            budget = DEFAULT_KV_CACHE_GIB * 2**30 // bytes_per_token(kv_cache_dtype, config, dtype,
-                                                                      block_size)
+            # XLA:CPU still converts a whole bfloat16 / fp8 pool in each scatter
+            # (model/kv_cache.py scatter_rows), a cost per step that grows with the pool.
+            per_token = bytes_per_token(kv_cache_dtype, config, dtype, block_size)
+            if draft is not None:
+                per_token += bytes_per_token(kv_cache_dtype, draft.config.layer_config, dtype, block_size)
+            budget = DEFAULT_KV_CACHE_GIB * 2**30 // per_token
             num_kv_blocks = max(min(int(budget) // block_size, max_num_seqs * max_pages_per_seq),
                                 max_pages_per_seq)
         if num_kv_blocks <= 0:
@@ -87,9 +104,10 @@ class LLM:
         sched_config = sched.SchedulerConfig(
             page_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, capacity_policy=capacity_policy,
-            chunking_policy=chunking_policy, order=scheduling_policy)
+            chunking_policy=chunking_policy, order=scheduling_policy,
+            tokens_per_decode=draft.spec.num_tokens if draft else 1, num_lookahead_slots=lookahead)
         self.runner = ModelRunner(config, params, num_kv_blocks, block_size, max_pages_per_seq,
-                                  max_num_seqs, dtype, kv_cache_dtype)
+                                  max_num_seqs, dtype, kv_cache_dtype, draft)
         self.engine = EngineCore(self.runner, sched_config, num_kv_blocks, max_model_len,
                                  tokenizer.eos_token_id, enable_prefix_caching, preemption_mode, seed)
         self._ids = itertools.count()
@@ -138,6 +156,9 @@ class LLM:
         for p in sampling_params:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+            if p.logprobs is not None and self.runner.draft is not None:
+                raise ValueError("logprobs are not returned with speculative decoding yet; "
+                                 "drop speculative_config or logprobs")
         # Validate everything before scheduling anything.
         return [(*self._prompt(p), sp) for p, sp in zip(prompts, sampling_params)]
 
@@ -233,3 +254,49 @@ class LLM:
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(c, tokenize=True)}
                    for c in conversations]
         return self.generate(prompts, sampling_params)
+
+
+SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "depth", "top_k")
+
+
+def _drafter(speculative_config: dict | None, config: model.ModelConfig, dtype) -> Drafter | None:
+    """Load and check the draft that `speculative_config` names (None: no speculation).
+
+    Keys: method ("eagle3"), model (a draft directory), num_speculative_tokens (draft
+    tokens the target scores per step), and the tree's depth (default 7) and top_k
+    (default 10) (REFERENCES §9).
+    """
+    if speculative_config is None:
+        return None
+    if not isinstance(speculative_config, dict):
+        raise ValueError(f"speculative_config must be a dict, got {type(speculative_config).__name__}")
+    unknown = sorted(set(speculative_config) - set(SPECULATIVE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown speculative_config keys {unknown}; known: {list(SPECULATIVE_KEYS)}")
+    if speculative_config.get("method") != "eagle3":
+        raise ValueError(f"speculative_config method must be 'eagle3', got {speculative_config.get('method')!r}")
+    for key in ("model", "num_speculative_tokens"):
+        if key not in speculative_config:
+            raise ValueError(f"speculative_config needs {key!r}")
+    for key in ("num_speculative_tokens", "depth", "top_k"):
+        value = speculative_config.get(key, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"speculative_config {key!r} must be a positive int, got {value!r}")
+    other = sorted(set(config.layer_kinds) - {ATTENTION, SLIDING_ATTENTION})
+    if other:
+        raise ValueError(f"speculative decoding needs standard attention layers; this model has {other}")
+    n = speculative_config["num_speculative_tokens"]
+    spec = TreeSpec(depth=speculative_config.get("depth", min(7, n)),
+                    top_k=speculative_config.get("top_k", 10), num_tokens=n + 1)
+    if config.sliding_window is not None and config.sliding_window <= spec.depth:
+        raise ValueError(f"a tree of depth {spec.depth} does not fit the sliding window {config.sliding_window}")
+    draft_config, draft_params = eagle3.load_draft(speculative_config["model"], dtype)
+    target = draft_config.target
+    mismatch = [f for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                            "head_dim") if getattr(target, f) != getattr(config, f)]
+    if mismatch:
+        raise ValueError(f"the draft in {speculative_config['model']!r} was trained for another target "
+                         f"(differs in {mismatch})")
+    if spec.top_k > draft_config.draft_vocab_size:
+        raise ValueError(f"top_k={spec.top_k} exceeds the draft vocabulary ({draft_config.draft_vocab_size})")
+    return Drafter(draft_config, draft_params, spec)

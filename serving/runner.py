@@ -4,6 +4,14 @@ A step's rows are split into prefill chunks ([B, T] with T > 1) and decode rows
 ([B, 1]); each group is padded to power-of-two buckets so a warm engine never
 recompiles. The KV pool (one page pool per layer) lives here and is donated to
 every call.
+
+With an EAGLE-3 draft (speculative decoding) the pool holds one more layer, the
+draft's, addressed by the same block tables, so prefix caching, copy-on-write and
+swapping carry the draft's KV along. Every chunk then also runs the draft over its
+positions and grows a draft tree from its last one; a sequence that has a tree is
+verified instead of decoded: the target scores the whole tree in one pass, the
+accepted nodes' KV moves into place, the draft catches up on them and grows the
+next tree — one jitted call per step (REFERENCES §9, serving/speculative.py).
 """
 
 from __future__ import annotations
@@ -16,9 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import model
+from model import eagle3
 from model.kv_cache import KVCache
+from model.transformer import forward_hidden, lm_head
 from serving.params import MAX_LOGPROBS
-from serving.sampling import row_keys, sample
+from serving.sampling import processed_probs, row_keys, sample
+from serving.speculative import TreeSpec, compact_kv, grow_trees, tree_masks, verify_trees
 
 
 @dataclasses.dataclass
@@ -36,13 +47,26 @@ class Row:
     seed: int = 0
     counter: int = 0  # tokens generated so far (the per-step key)
     logprobs: bool = False
+    next_token: int | None = None  # the token after the chunk when known (a prompt's)
+    tree: tuple | None = None  # (tokens, parents, scores) [N]: verify this draft tree
 
 
 @dataclasses.dataclass
 class RowResult:
-    token: int
+    token: int  # the sampled token (after a verified tree: the bonus token)
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
+    accepted: list[int] = dataclasses.field(default_factory=list)  # draft tokens before `token`
+    tree: tuple | None = None  # the draft tree grown for the next step
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    """What speculative decoding adds to a runner: the EAGLE-3 draft and its tree shape."""
+
+    config: eagle3.Eagle3Config
+    params: dict
+    spec: TreeSpec
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -65,6 +89,86 @@ def _step(params, config, page_size, pool, block_tables, tokens, positions, last
     return next_tokens, extra, cache.layers
 
 
+def _draft_cache(pool, block_tables, page_size) -> KVCache:
+    return KVCache(pool[-1:], block_tables, page_size)
+
+
+def _grow(draft: Drafter, dcache: KVCache, root_logits, root_hidden, root_tokens, root_positions):
+    def draft_step(dc, hidden, tokens, slots, tree):
+        return eagle3.draft_apply(draft.params, draft.config, hidden, tokens, slots, dc, tree)
+    return grow_trees(draft_step, dcache, root_logits, root_hidden, root_tokens, root_positions,
+                      draft.params["d2t"], draft.spec)
+
+
+def _target(params, config, draft: Drafter, pool, block_tables, page_size, tokens, positions,
+            tree=None):
+    """Target forward over the pool's target layers: (hidden, fused draft features, layers)."""
+    cache = KVCache(pool[:-1], block_tables, page_size)
+    hidden, cache, captured = forward_hidden(params, config, tokens, positions, cache,
+                                             draft.config.target_layer_ids, tree)
+    return hidden, eagle3.fuse_features(draft.params, jnp.concatenate(captured, -1)), cache.layers
+
+
+@functools.partial(jax.jit, static_argnames=("config", "page_size", "draft_config", "spec"),
+                   donate_argnames=("pool",))
+def _spec_chunk_step(params, config, page_size, draft_params, draft_config, spec, pool, block_tables,
+                     tokens, positions, last_index, next_known, seeds, counters, temperature, top_k,
+                     top_p, min_p):
+    """A chunk (prefill or plain decode) plus the draft over its positions and a new tree.
+
+    The draft's row at position p reads token p + 1: the chunk's next token, then at the
+    chunk's last position `next_known` (a prompt token) or, where it is -1, the sample.
+    """
+    draft = Drafter(draft_config, draft_params, spec)
+    hidden, features, layers = _target(params, config, draft, pool, block_tables, page_size,
+                                       tokens, positions)
+    rows = jnp.arange(tokens.shape[0])
+    logits = lm_head(params, config, hidden[rows, last_index])
+    sampled = sample(logits, row_keys(seeds, counters), temperature, top_k, top_p, min_p)
+    following = jnp.where(next_known >= 0, next_known, sampled)
+    draft_tokens = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1).at[rows, last_index].set(following)
+    dlogits, dhidden, dcache = eagle3.draft_apply(draft_params, draft_config, features, draft_tokens,
+                                                  positions, _draft_cache(pool, block_tables, page_size))
+    tree, dcache = _grow(draft, dcache, dlogits[rows, last_index], dhidden[rows, last_index], sampled,
+                         positions[rows, last_index])
+    return sampled, tree, list(layers) + list(dcache.layers)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "page_size", "draft_config", "spec"),
+                   donate_argnames=("pool",))
+def _verify_step(params, config, page_size, draft_params, draft_config, spec, pool, block_tables,
+                 tree_tokens, tree_parents, tree_scores, start, seeds, counters, temperature, top_k,
+                 top_p, min_p):
+    """Score each row's draft tree (root at position `start`, -1 for padding rows), accept
+    a path, move its KV into place, catch the draft up and grow the next tree."""
+    draft = Drafter(draft_config, draft_params, spec)
+    b, n = tree_tokens.shape
+    rows = jnp.arange(b)[:, None]
+    depth, ancestors = tree_masks(tree_parents)
+    live = start[:, None] >= 0
+    tree = model.TokenTree(start[:, None] + depth, start, ancestors)
+    positions = jnp.where(live, start[:, None] + jnp.arange(n), -1)
+    hidden, features, layers = _target(params, config, draft, pool, block_tables, page_size,
+                                       tree_tokens, positions, tree)
+    probs = processed_probs(lm_head(params, config, hidden), temperature, top_k, top_p, min_p)
+    path, count, bonus = verify_trees(probs, tree_tokens, tree_parents, tree_scores,
+                                      row_keys(seeds, counters), spec)
+    layers = compact_kv(layers, block_tables, page_size, start, path, count)
+    # The draft catches up on the root and the accepted nodes (row i reads token i + 1).
+    steps = jnp.arange(spec.depth + 1)[None]
+    nodes = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), path], axis=1)
+    accepted = tree_tokens[rows, path]
+    draft_tokens = jnp.where(steps < count[:, None], jnp.pad(accepted, ((0, 0), (0, 1))), bonus[:, None])
+    draft_positions = jnp.where(live & (steps <= count[:, None]), start[:, None] + steps, -1)
+    dlogits, dhidden, dcache = eagle3.draft_apply(draft_params, draft_config, features[rows, nodes],
+                                                  draft_tokens, draft_positions,
+                                                  _draft_cache(pool, block_tables, page_size))
+    last = count[:, None]
+    new_tree, dcache = _grow(draft, dcache, dlogits[rows, last][:, 0], dhidden[rows, last][:, 0], bonus,
+                             jnp.where(live[:, 0], start + count, -1))
+    return accepted, count, bonus, new_tree, list(layers) + list(dcache.layers)
+
+
 @functools.partial(jax.jit, donate_argnames=("pool",))
 def _copy_pages(pool, src, dst):
     return jax.tree.map(lambda a: a.at[dst].set(a[src]), pool)
@@ -80,23 +184,64 @@ class ModelRunner:
 
     def __init__(self, config: model.ModelConfig, params: dict, num_pages: int, page_size: int,
                  max_pages_per_seq: int, max_num_seqs: int, dtype=jnp.float32,
-                 kv_cache_dtype: str = "auto"):
-        self.config, self.params = config, params
+                 kv_cache_dtype: str = "auto", draft: Drafter | None = None):
+        self.config, self.params, self.draft = config, params, draft
         self.page_size, self.num_pages = page_size, num_pages
         self.max_pages_per_seq, self.max_num_seqs = max_pages_per_seq, max_num_seqs
-        cache = model.init_paged_cache(config, num_pages, page_size, dtype,
-                                       jnp.zeros((1, max_pages_per_seq), jnp.int32), kv_cache_dtype)
-        self.pool = cache.layers
+        tables = jnp.zeros((1, max_pages_per_seq), jnp.int32)
+        self.pool = model.init_paged_cache(config, num_pages, page_size, dtype, tables,
+                                           kv_cache_dtype).layers
+        if draft is not None:
+            self.pool += model.init_paged_cache(draft.config.layer_config, num_pages, page_size, dtype,
+                                                tables, kv_cache_dtype).layers
 
     def execute(self, rows: list[Row]) -> list[RowResult | None]:
         """Compute every row; returns a result for rows with `sample`, else None."""
         results: list[RowResult | None] = [None] * len(rows)
-        prefill = [i for i, r in enumerate(rows) if len(r.tokens) > 1]
-        decode = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
-        for group in (prefill, decode):
-            for i, res in zip(group, self._run_group([rows[i] for i in group])):
+        verify = [i for i, r in enumerate(rows) if r.tree is not None]
+        prefill = [i for i, r in enumerate(rows) if r.tree is None and len(r.tokens) > 1]
+        decode = [i for i, r in enumerate(rows) if r.tree is None and len(r.tokens) == 1]
+        for group, run in ((prefill, self._run_group), (decode, self._run_group),
+                           (verify, self._run_verify)):
+            for i, res in zip(group, run([rows[i] for i in group])):
                 results[i] = res
         return results
+
+    def _sampling_arrays(self, rows: list[Row], b: int) -> list[jax.Array]:
+        """seeds, counters, temperature, top_k, top_p, min_p for `rows` padded to b."""
+        seeds, counters = np.zeros(b, np.uint32), np.zeros(b, np.uint32)
+        temp, top_p, min_p = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.float32)
+        top_k = np.zeros(b, np.int32)
+        for i, r in enumerate(rows):
+            seeds[i], counters[i] = r.seed & 0xFFFFFFFF, r.counter
+            temp[i], top_k[i], top_p[i], min_p[i] = r.temperature, r.top_k, r.top_p, r.min_p
+        return [jnp.asarray(a) for a in (seeds, counters, temp, top_k, top_p, min_p)]
+
+    def _tables(self, rows: list[Row], b: int) -> jax.Array:
+        tables = np.zeros((b, self.max_pages_per_seq), np.int32)
+        for i, r in enumerate(rows):
+            tables[i, :len(r.block_table)] = r.block_table
+        return jnp.asarray(tables)
+
+    def _run_verify(self, rows: list[Row]) -> list[RowResult]:
+        if not rows:
+            return []
+        b, n = bucket(len(rows)), self.draft.spec.num_tokens
+        trees = [np.zeros((b, n), dt) for dt in (np.int32, np.int32, np.float32)]
+        trees[1][:] = np.arange(n) - 1  # padding rows: a chain, never used
+        start = np.full(b, -1, np.int32)
+        for i, r in enumerate(rows):
+            for arr, part in zip(trees, r.tree):
+                arr[i] = part
+            start[i] = r.start
+        accepted, count, bonus, tree, self.pool = _verify_step(
+            self.params, self.config, self.page_size, self.draft.params, self.draft.config,
+            self.draft.spec, self.pool, self._tables(rows, b), *map(jnp.asarray, trees),
+            jnp.asarray(start), *self._sampling_arrays(rows, b))
+        accepted, count, bonus = np.asarray(accepted), np.asarray(count), np.asarray(bonus)
+        tree = [np.asarray(a) for a in tree]
+        return [RowResult(int(bonus[i]), accepted=accepted[i, :count[i]].tolist(),
+                          tree=tuple(a[i] for a in tree)) for i in range(len(rows))]
 
     def _run_group(self, rows: list[Row]) -> list[RowResult | None]:
         if not rows:
@@ -105,26 +250,28 @@ class ModelRunner:
         t = bucket(max(len(r.tokens) for r in rows), minimum=1 if all(len(r.tokens) == 1 for r in rows) else 16)
         tokens = np.zeros((b, t), np.int32)
         positions = np.full((b, t), -1, np.int32)
-        tables = np.zeros((b, self.max_pages_per_seq), np.int32)
         last = np.zeros(b, np.int32)
-        seeds = np.zeros(b, np.uint32)
-        counters = np.zeros(b, np.uint32)
-        temp, top_p, min_p = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.float32)
-        top_k = np.zeros(b, np.int32)
+        next_known = np.full(b, -1, np.int32)
         for i, r in enumerate(rows):
             n = len(r.tokens)
             tokens[i, :n] = r.tokens
             positions[i, :n] = np.arange(r.start, r.start + n)
-            tables[i, :len(r.block_table)] = r.block_table
             last[i] = n - 1
-            seeds[i], counters[i] = r.seed & 0xFFFFFFFF, r.counter
-            temp[i], top_k[i], top_p[i], min_p[i] = r.temperature, r.top_k, r.top_p, r.min_p
-        want_logprobs = any(r.logprobs and r.sample for r in rows)
-        next_tokens, extra, self.pool = _step(
-            self.params, self.config, self.page_size, self.pool, jnp.asarray(tables),
-            jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(last), jnp.asarray(seeds),
-            jnp.asarray(counters), jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p),
-            jnp.asarray(min_p), want_logprobs)
+            if not r.sample and r.next_token is not None:
+                next_known[i] = r.next_token
+        inputs = (self._tables(rows, b), jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(last))
+        tree = None
+        if self.draft is None:
+            want_logprobs = any(r.logprobs and r.sample for r in rows)
+            next_tokens, extra, self.pool = _step(
+                self.params, self.config, self.page_size, self.pool, *inputs,
+                *self._sampling_arrays(rows, b), want_logprobs)
+        else:
+            next_tokens, tree, self.pool = _spec_chunk_step(
+                self.params, self.config, self.page_size, self.draft.params, self.draft.config,
+                self.draft.spec, self.pool, *inputs, jnp.asarray(next_known),
+                *self._sampling_arrays(rows, b))
+            extra, tree = (), [np.asarray(a) for a in tree]
         next_tokens = np.asarray(next_tokens)
         extra = [np.asarray(e) for e in extra]
         out: list[RowResult | None] = []
@@ -132,7 +279,7 @@ class ModelRunner:
             if not r.sample:
                 out.append(None)
                 continue
-            res = RowResult(int(next_tokens[i]))
+            res = RowResult(int(next_tokens[i]), tree=tuple(a[i] for a in tree) if tree else None)
             if r.logprobs and extra:
                 chosen, top_vals, top_ids = extra
                 res.logprob = float(chosen[i])
@@ -156,4 +303,4 @@ class ModelRunner:
         self.pool = _write_pages(self.pool, jnp.asarray(pages, jnp.int32), data)
 
     def num_compilations(self) -> int:
-        return _step._cache_size()
+        return _step._cache_size() + _spec_chunk_step._cache_size() + _verify_step._cache_size()

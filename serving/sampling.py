@@ -33,17 +33,49 @@ def sample(logits: jnp.ndarray, keys: jax.Array, temperature: jnp.ndarray, top_k
                         lambda: greedy)
 
 
-def _sample_sorted(logits, greedy, keys, temperature, top_k, top_p, min_p):
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+def _filtered_sorted(scaled, top_k, top_p, min_p):
+    """(order, sorted logits with filtered-out tokens at -inf), over the last axis.
+    Per-row parameters are already broadcast to scaled's rank."""
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    ranks = jnp.arange(logits.shape[-1])[None, :]
-    keep = (top_k[:, None] <= 0) | (ranks < top_k[:, None])
+    ranks = jnp.arange(scaled.shape[-1])
+    keep = (top_k <= 0) | (ranks < top_k)
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
-    keep &= probs >= min_p[:, None] * probs[:, :1]
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p
+    keep &= probs >= min_p * probs[..., :1]
+    return order, jnp.where(keep, sorted_logits, -jnp.inf)
+
+
+def _sample_sorted(logits, greedy, keys, temperature, top_k, top_p, min_p):
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    order, masked = _filtered_sorted(scaled, top_k[:, None], top_p[:, None], min_p[:, None])
     choice = jax.vmap(jax.random.categorical)(keys, masked)
     sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)
+
+
+def processed_probs(logits: jnp.ndarray, temperature: jnp.ndarray, top_k: jnp.ndarray,
+                    top_p: jnp.ndarray, min_p: jnp.ndarray) -> jnp.ndarray:
+    """The distribution `sample` draws from, as probabilities [B, ..., V] (float32).
+
+    logits [B, ..., V]; per-row parameters [B] as in `sample`. Greedy rows get a one-hot
+    at the argmax. Speculative verification accepts draft tokens against these.
+    """
+    logits = logits.astype(jnp.float32)
+    expand = lambda a: a.reshape(a.shape + (1,) * (logits.ndim - 1))
+    temperature, top_k, top_p, min_p = map(expand, (temperature, top_k, top_p, min_p))
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+
+    def tempered():
+        scaled = logits / jnp.maximum(temperature, 1e-6)
+
+        def filtered():
+            order, masked = _filtered_sorted(scaled, top_k, top_p, min_p)
+            probs = jax.nn.softmax(masked, axis=-1)
+            return jnp.put_along_axis(jnp.zeros_like(probs), order, probs, axis=-1, inplace=False)
+        # Sorting the vocabulary is the expensive part: only when a row filters.
+        probs = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1) | (min_p > 0)), filtered,
+                             lambda: jax.nn.softmax(scaled, axis=-1))
+        return jnp.where(temperature > 0, probs, one_hot)
+    return jax.lax.cond(jnp.any(temperature > 0), tempered, lambda: one_hot)

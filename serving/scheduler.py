@@ -8,7 +8,10 @@ view of prefill, §3, and SGLang's cache-aware order, §4):
 - capacity: GUARANTEED_NO_EVICT reserves every running sequence's pages to
   completion and admits while the newcomer's total fits; MAX_UTILIZATION counts only
   the pages the next step needs and pauses (preempts) the most recently started
-  sequence on a misfit; STATIC_BATCH admits only into an empty batch.
+  sequence on a misfit; STATIC_BATCH admits only into an empty batch. With
+  speculative decoding every sequence also holds `num_lookahead_slots` KV slots past
+  its step's tokens (the draft tree's), and a decode row costs `tokens_per_decode`
+  tokens of the budget (the tree's nodes, all scored by the target).
 - micro-batch: at most max_num_seqs sequences and max_num_batched_tokens tokens a
   step; decode rows (1 token) first, then prefill chunks, first-come-first-served
   (chunks rounded down to chunk_unit_size) or equal-progress (round-robin units).
@@ -47,6 +50,8 @@ class SchedulerConfig:
     chunk_unit_size: int = 16
     order: str = FCFS
     enable_chunked_prefill: bool = True
+    tokens_per_decode: int = 1
+    num_lookahead_slots: int = 0
 
     def __post_init__(self):
         if self.capacity_policy not in CAPACITY_POLICIES:
@@ -55,9 +60,12 @@ class SchedulerConfig:
             raise ValueError(f"chunking_policy must be one of {CHUNKING_POLICIES}, got {self.chunking_policy!r}")
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "chunk_unit_size"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "chunk_unit_size",
+                     "tokens_per_decode"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_lookahead_slots < 0:
+            raise ValueError(f"num_lookahead_slots must be >= 0, got {self.num_lookahead_slots}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -134,13 +142,18 @@ def remove(state: SchedulerState, seq_ids) -> SchedulerState:
 
 def update(state: SchedulerState, plan: StepPlan, new_tokens: Mapping[str, tuple[int, ...]],
            num_pages: Mapping[str, int]) -> SchedulerState:
-    """After a step: scheduled tokens are computed; sampled tokens are appended."""
+    """After a step: scheduled tokens are computed; sampled tokens are appended.
+
+    A speculative decode row emits k + 1 tokens (k accepted drafts, one bonus) and has
+    computed the KV of all but the last: the row's token before them and the k drafts.
+    """
     computed = dict(plan.scheduled)
 
     def advance(s: Seq) -> Seq:
         if s.seq_id not in computed:
             return s
-        return dataclasses.replace(s, num_computed_tokens=s.num_computed_tokens + computed[s.seq_id],
+        done = max(computed[s.seq_id], len(new_tokens.get(s.seq_id, ())))
+        return dataclasses.replace(s, num_computed_tokens=s.num_computed_tokens + done,
                                    tokens=s.tokens + tuple(new_tokens.get(s.seq_id, ())),
                                    num_pages=num_pages.get(s.seq_id, s.num_pages))
     return dataclasses.replace(state, running=tuple(advance(s) for s in state.running))
@@ -224,28 +237,31 @@ def _pages_needed(seqs: list[Seq], tokens: Mapping[str, int], config: SchedulerC
     STATIC_BATCH) or for this step's tokens only (MAX_UTILIZATION)."""
     ps = config.page_size
     need = 0
+    ahead = config.num_lookahead_slots
     if config.capacity_policy == MAX_UTILIZATION:
         for s in seqs:
-            n = -(-(s.num_computed_tokens + tokens.get(s.seq_id, 0)) // ps) - s.num_pages
+            step = tokens.get(s.seq_id, 0)
+            n = -(-(s.num_computed_tokens + step + (ahead if step else 0)) // ps) - s.num_pages
             need += n if n > 0 else 0
     else:
         for s in seqs:
-            n = -(-s.max_total_tokens // ps) - s.num_pages
+            n = -(-(s.max_total_tokens + ahead) // ps) - s.num_pages
             need += n if n > 0 else 0
     return need
 
 
 def _micro_batch(seqs: list[Seq], config: SchedulerConfig) -> dict[str, int]:
-    """Tokens per sequence this step: decode rows first (1 each), then prefill chunks."""
+    """Tokens per sequence this step: decode rows first (1 each, costing
+    tokens_per_decode of the budget), then prefill chunks."""
     left = config.max_num_batched_tokens
     tokens: dict[str, int] = {}
     contexts = []
     for seq in seqs:
         if len(seq.tokens) - seq.num_computed_tokens > 1:
             contexts.append(seq)
-        elif left > 0:
+        elif left >= config.tokens_per_decode:
             tokens[seq.seq_id] = 1
-            left -= 1
+            left -= config.tokens_per_decode
     unit = config.chunk_unit_size
     if config.chunking_policy == FIRST_COME_FIRST_SERVED or not config.enable_chunked_prefill:
         for seq in contexts:

@@ -91,3 +91,30 @@ def test_gradients_reach_every_parameter(tiny):
     grads = jax.grad(loss)(params)
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         assert float(jnp.abs(g).max()) > 0, jax.tree_util.keystr(path)
+
+
+def test_tree_attention_equals_each_path_alone(tiny):
+    """Scoring a draft tree in one pass (model/context.py TokenTree) gives, at every node,
+    the logits of running the prefix followed by that node's root-to-node path. The
+    sliding window (5) is shorter than prefix + tree, so the window rule is exercised."""
+    config, params = tiny
+    parents = np.array([-1, 0, 0, 1, 1, 2, 3])
+    depth = np.zeros(7, np.int32)
+    mask = np.eye(7, dtype=bool)
+    for i in range(1, 7):
+        depth[i], mask[i] = depth[parents[i]] + 1, mask[i] | mask[parents[i]]
+    b, prefix = 2, 9
+    tokens = np.asarray(jax.random.randint(jax.random.key(3), (b, prefix + 7), 0, config.vocab_size))
+    cache = model.init_cache(config, b, 32, page_size=4)
+    _, cache = model.forward(params, config, jnp.asarray(tokens[:, :prefix]),
+                             jnp.broadcast_to(jnp.arange(prefix), (b, prefix)), cache)
+    tree_tokens = tokens[:, prefix:]
+    tree = model.TokenTree(jnp.asarray(np.broadcast_to(prefix + depth, (b, 7)), jnp.int32),
+                           jnp.full((b,), prefix, jnp.int32), jnp.asarray(np.broadcast_to(mask, (b, 7, 7))))
+    got, _ = model.forward(params, config, jnp.asarray(tree_tokens),
+                           jnp.broadcast_to(prefix + jnp.arange(7), (b, 7)), cache, tree=tree)
+    for node in range(7):
+        path = [j for j in range(7) if mask[node, j]]  # ancestors are in increasing order
+        seq = np.concatenate([tokens[:, :prefix], tree_tokens[:, path]], axis=1)
+        want = full_logits(config, params, jnp.asarray(seq), model.init_cache(config, b, 32, page_size=4))
+        np.testing.assert_allclose(np.asarray(got)[:, node], want[:, -1], atol=1e-5, err_msg=f"node {node}")

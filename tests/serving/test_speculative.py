@@ -2,6 +2,9 @@
 
 import itertools
 
+import jax
+import jax.numpy as jnp
+
 import numpy as np
 import pytest
 
@@ -87,3 +90,100 @@ def test_sampling_verification_emits_the_target_distribution():
         want = p(())[a] * p((a,))[b]
         got = counts.get((a, b), 0) / n
         assert abs(got - want) < 4 * np.sqrt(want * (1 - want) / n) + 1e-3, (a, b, got, want)
+
+
+# --- the engine's batched device versions against the host statements above ---------------
+
+from serving.speculative import TreeSpec, compact_kv, grow_trees, tree_masks, verify_trees  # noqa: E402
+
+
+def test_tree_masks_equal_host_tree():
+    tree = hand_tree()
+    depth, anc = tree_masks(jnp.asarray(np.stack([tree.parents, tree.parents])))
+    np.testing.assert_array_equal(np.asarray(anc[1]), tree.ancestor_mask())
+    np.testing.assert_array_equal(np.asarray(depth[0]), tree.depths)
+
+
+def test_device_tree_growth_equals_grow_tree():
+    vocab, spec = 12, TreeSpec(depth=3, top_k=3, num_tokens=7)
+    table = np.log(np.random.default_rng(2).dirichlet(np.ones(vocab), size=64)).astype(np.float32)
+
+    def expand(frontier, tree):
+        d = tree.depths
+        return np.stack([table[(tree.tokens[n] * 7 + d[n]) % 64] for n in frontier])
+
+    roots = np.array([1, 5])
+    root_pos = jnp.array([10, 3])
+
+    def draft_step(cache, hidden, tokens, slots, tree):
+        level = tree.rope_positions - root_pos[:, None]
+        return jnp.asarray(table)[(tokens * 7 + level) % 64], hidden, cache + 1
+
+    (tokens, parents, scores), calls = grow_trees(
+        draft_step, 0, jnp.asarray(table[(roots * 7) % 64]), jnp.zeros((2, 4)), jnp.asarray(roots),
+        root_pos, jnp.zeros(vocab, jnp.int32), spec)
+    assert int(calls) == spec.depth - 1
+    for b, root in enumerate(roots):
+        want = grow_tree(int(root), expand, spec.depth, spec.top_k, spec.num_tokens)
+        np.testing.assert_array_equal(np.asarray(tokens[b]), want.tokens)
+        np.testing.assert_array_equal(np.asarray(parents[b]), want.parents)
+        np.testing.assert_allclose(np.asarray(scores[b]), want.scores, rtol=1e-5)
+
+
+def test_device_greedy_verification_equals_verify_greedy():
+    rng = np.random.default_rng(3)
+    tree = hand_tree()
+    spec = TreeSpec(depth=2, top_k=3, num_tokens=6)
+    for _ in range(20):
+        argmax = rng.choice([0, 1, 2, 3, 7, 9], size=6)
+        probs = np.eye(10, dtype=np.float32)[argmax][None]
+        path, count, bonus = verify_trees(jnp.asarray(probs), *(jnp.asarray(a[None]) for a in (
+            tree.tokens, tree.parents, tree.scores.astype(np.float32))), jax.random.split(jax.random.key(0), 1), spec)
+        want_path, want_bonus = verify_greedy(tree, argmax)
+        assert list(np.asarray(path[0, :int(count[0])])) == want_path and int(bonus[0]) == want_bonus
+
+
+def test_device_sampling_verification_emits_the_target_distribution():
+    """First two emitted tokens of the device verifier follow the target's joint distribution."""
+    vocab, n = 4, 40000
+    rng = np.random.default_rng(4)
+    p = {(): rng.dirichlet(np.ones(vocab) * 0.7)}
+    for a in range(vocab):
+        p[(a,)] = rng.dirichlet(np.ones(vocab) * 0.7)
+    tree = DraftTree(np.array([0, 1, 2, 3, 0]), np.array([-1, 0, 0, 1, 1]),
+                     np.array([0, -0.2, -0.4, -0.5, -0.9]))
+    probs = np.stack([p[()], p[(1,)], p[(2,)], p[(1,)], p[(1,)]]).astype(np.float32)
+    # nodes 3 and 4 are leaves at depth 2: emitted third tokens are not checked
+    spec = TreeSpec(depth=2, top_k=2, num_tokens=5)
+    b = lambda a: jnp.broadcast_to(jnp.asarray(a), (n,) + np.shape(a))
+    path, count, bonus = verify_trees(b(probs), b(tree.tokens), b(tree.parents),
+                                      b(tree.scores.astype(np.float32)),
+                                      jax.random.split(jax.random.key(1), n), spec)
+    path, count, bonus = map(np.asarray, (path, count, bonus))
+    first = np.where(count > 0, tree.tokens[path[:, 0]], bonus)
+    second = np.where(count > 1, tree.tokens[path[:, 1]], np.where(count == 1, bonus, -1))
+    has_second = second >= 0
+    for a in range(vocab):
+        want = p[()][a]
+        got = np.mean(first == a)
+        assert abs(got - want) < 4 * np.sqrt(want * (1 - want) / n) + 1e-3, (a, got, want)
+        rows = (first == a) & has_second
+        if rows.sum() > 500:
+            for c in range(vocab):
+                want2, got2 = p[(a,)][c], np.mean(second[rows] == c)
+                assert abs(got2 - want2) < 4 * np.sqrt(want2 * (1 - want2) / rows.sum()) + 1e-3
+
+
+def test_compact_kv_moves_accepted_nodes_into_place():
+    page_size, pages = 4, np.arange(6 * 4, dtype=np.float32).reshape(6, 4, 1)
+    tables = jnp.asarray([[2, 0, 5], [1, 3, 4]], jnp.int32)
+    start = jnp.asarray([2, 5])
+    path = jnp.asarray([[2, 4, 0], [3, 0, 0]])  # row 0 accepts nodes 2, 4; row 1 node 3
+    out = np.asarray(compact_kv([jnp.asarray(pages)], tables, page_size, start, path,
+                                jnp.asarray([2, 1]))[0]).reshape(-1)
+    flat = pages.reshape(-1)
+    slot = lambda row, pos: int(tables[row, pos // page_size]) * page_size + pos % page_size
+    want = flat.copy()
+    want[slot(0, 3)], want[slot(0, 4)] = flat[slot(0, 4)], flat[slot(0, 6)]
+    want[slot(1, 6)] = flat[slot(1, 8)]
+    np.testing.assert_array_equal(out, want)
