@@ -4,6 +4,7 @@
     python -m serving.bench offline    [--num-prompts 16] [--new-tokens 64]
     python -m serving.bench trace PATH [--num-requests 1500]
     python -m serving.bench scheduler  [--running 256 1024]
+    python -m serving.bench speculative --draft DIR [--batch-sizes 1 8] [--new-tokens 64]
 
 decode / offline: greedy generation throughput on the default model (generated tokens
 per second, prefill included, after a warm-up run that compiles), against
@@ -11,6 +12,9 @@ transformers' `generate` on the same GGUF weights when transformers is installed
 trace: replays a Mooncake-format trace through the scheduler and radix cache in the
 simulator with a cost model fitted from this engine's measured steps.
 scheduler: microseconds per `schedule` call with N running requests.
+speculative: EAGLE-3 tree speculation against plain decoding on the same engine and
+prompts: tokens/s both ways, mean accepted length tau, acceptance by draft position,
+and whether the greedy outputs are identical (they must be).
 """
 
 from __future__ import annotations
@@ -87,8 +91,10 @@ def _table(title: str, rows: list[tuple[str, float, float | None]]) -> None:
 def _llm(args, max_num_seqs: int):
     from serving.llm import LLM
 
+    # No prefix caching: the timed run would hit the warm-up's prompts, run prefill
+    # chunks of other shapes (compiling inside the timing) and skip work the peer does.
     return LLM(args.model, max_model_len=512, max_num_seqs=max_num_seqs,
-               max_num_batched_tokens=max(512, 64 * max_num_seqs))
+               max_num_batched_tokens=max(512, 64 * max_num_seqs), enable_prefix_caching=False)
 
 
 def bench_decode(args) -> None:
@@ -119,6 +125,45 @@ def bench_offline(args) -> None:
     _table(f"offline: {args.num_prompts} different chat prompts ({min(map(len, prompts))}-"
            f"{max(map(len, prompts))} tokens), {args.new_tokens} new tokens each, greedy, {_device()}",
            [(str(args.num_prompts), ours, peer)])
+
+
+def bench_speculative(args) -> None:
+    import model
+    from serving.llm import LLM
+
+    config, params = model.load(args.model)
+    tok = model.load_tokenizer(args.model)
+    spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.num_speculative_tokens,
+            "depth": args.depth, "top_k": args.top_k}
+    greedy = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    rows = []
+    for batch in args.batch_sizes:
+        prompts = [{"prompt_token_ids": tok.apply_chat_template(
+            [{"role": "user", "content": f"Write a paragraph about {t}."}], tokenize=True)}
+            for t in (TOPICS * 8)[:batch]]
+        kw = dict(max_model_len=512, max_num_seqs=batch, max_num_batched_tokens=max(512, 64 * batch),
+                  enable_prefix_caching=False)  # see _llm
+        result = {}
+        for name, extra in (("plain", {}), ("eagle3", {"speculative_config": spec})):
+            llm = LLM.from_loaded(config, params, tok, **kw, **extra)
+            llm.generate(prompts, greedy)  # compile every shape this run meets
+            llm.engine.accepted_counts.clear()
+            start = time.perf_counter()
+            out = llm.generate(prompts, greedy)
+            elapsed = time.perf_counter() - start
+            result[name] = ([o.outputs[0].token_ids for o in out], batch * args.new_tokens / elapsed,
+                            llm.engine.speculative_stats())
+            del llm
+        (plain_ids, plain_tps, _), (spec_ids, spec_tps, stats) = result["plain"], result["eagle3"]
+        rows.append((batch, plain_tps, spec_tps, stats, spec_ids == plain_ids))
+    print(f"\nspeculative: {args.model}, draft {args.draft}, tree depth {args.depth} top-k {args.top_k} "
+          f"{args.num_speculative_tokens} draft tokens, {args.new_tokens} new tokens, greedy, {_device()}")
+    print("| batch | plain tok/s | EAGLE-3 tok/s | speedup | tau | acceptance by position | identical |")
+    print("|------:|------------:|--------------:|--------:|----:|:-----------------------|:---------:|")
+    for batch, plain_tps, spec_tps, stats, same in rows:
+        accept = " ".join(f"{a:.2f}" for a in stats["acceptance_by_position"])
+        print(f"| {batch} | {plain_tps:.1f} | {spec_tps:.1f} | {spec_tps / plain_tps:.2f}x | "
+              f"{stats['tau']:.2f} | {accept} | {'yes' if same else 'NO'} |")
 
 
 # -- trace replay -------------------------------------------------------------------
@@ -243,6 +288,14 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--tpot-slo", type=float, default=1.0)
     s = sub.add_parser("scheduler")
     s.add_argument("--running", type=int, nargs="+", default=[256, 1024])
+    sp = sub.add_parser("speculative")
+    sp.add_argument("--draft", required=True, help="an EAGLE-3 draft directory (training.train_eagle3)")
+    sp.add_argument("--model", default="default")
+    sp.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    sp.add_argument("--new-tokens", type=int, default=64)
+    sp.add_argument("--num-speculative-tokens", type=int, default=15)
+    sp.add_argument("--depth", type=int, default=4)
+    sp.add_argument("--top-k", type=int, default=4)
     args = parser.parse_args(argv)
     if args.command in ("decode", "offline"):
         sizes = args.batch_sizes if args.command == "decode" else [args.num_prompts]
@@ -251,6 +304,10 @@ def main(argv: list[str] | None = None) -> None:
         (bench_decode if args.command == "decode" else bench_offline)(args)
     elif args.command == "trace":
         bench_trace(args)
+    elif args.command == "speculative":
+        if args.new_tokens <= 0 or any(b <= 0 for b in args.batch_sizes):
+            parser.error("--new-tokens and batch sizes must be > 0")
+        bench_speculative(args)
     else:
         bench_scheduler(args)
 

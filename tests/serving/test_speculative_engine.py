@@ -130,6 +130,10 @@ def test_stop_token_inside_accepted_drafts(make_llm, spec_llm):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop])
     got = spec_llm.generate(request, params)[0].outputs[0]
     assert got.token_ids == tokens[:tokens.index(stop)] and got.stop_reason == stop
+    # n = 2: the second sequence forks off the prompt's pages (no tree yet) and catches up
+    twins = spec_llm.generate(request, SamplingParams(n=2, temperature=0, max_tokens=30, ignore_eos=True))
+    assert [o.token_ids for o in twins[0].outputs] == [tokens, tokens]
+    spec_llm.engine.kv.check()
 
 
 def exact_distributions(target, prompt, temperature):
