@@ -134,13 +134,16 @@ def test_device_greedy_verification_equals_verify_greedy():
     rng = np.random.default_rng(3)
     tree = hand_tree()
     spec = TreeSpec(depth=2, top_k=3, num_tokens=6)
-    for _ in range(20):
-        argmax = rng.choice([0, 1, 2, 3, 7, 9], size=6)
-        probs = np.eye(10, dtype=np.float32)[argmax][None]
-        path, count, bonus = verify_trees(jnp.asarray(probs), *(jnp.asarray(a[None]) for a in (
-            tree.tokens, tree.parents, tree.scores.astype(np.float32))), jax.random.split(jax.random.key(0), 1), spec)
-        want_path, want_bonus = verify_greedy(tree, argmax)
-        assert list(np.asarray(path[0, :int(count[0])])) == want_path and int(bonus[0]) == want_bonus
+    argmax = rng.choice([0, 1, 2, 3, 7, 9], size=(40, 6))  # 40 targets, one batch
+    b = lambda a: jnp.broadcast_to(jnp.asarray(a), (40,) + np.shape(a))
+    path, count, bonus = verify_trees(jnp.asarray(np.eye(10, dtype=np.float32)[argmax]), b(tree.tokens),
+                                      b(tree.parents), b(tree.scores.astype(np.float32)),
+                                      jax.random.split(jax.random.key(0), 40), spec)
+    for row in range(40):
+        want_path, want_bonus = verify_greedy(tree, argmax[row])
+        assert list(np.asarray(path[row, :int(count[row])])) == want_path
+        assert int(bonus[row]) == want_bonus
+    assert int(np.max(count)) == 2  # some row accepted a whole root-to-leaf path
 
 
 def test_device_sampling_verification_emits_the_target_distribution():
