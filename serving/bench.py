@@ -158,12 +158,17 @@ def bench_speculative(args) -> None:
         rows.append((batch, plain_tps, spec_tps, stats, spec_ids == plain_ids))
     print(f"\nspeculative: {args.model}, draft {args.draft}, tree depth {args.depth} top-k {args.top_k} "
           f"{args.num_speculative_tokens} draft tokens, {args.new_tokens} new tokens, greedy, {_device()}")
-    print("| batch | plain tok/s | EAGLE-3 tok/s | speedup | tau | acceptance by position | identical |")
-    print("|------:|------------:|--------------:|--------:|----:|:-----------------------|:---------:|")
+    # step cost: one speculative step (draft + tree verify) in plain decode steps, i.e. the
+    # tau at which speculation breaks even on this machine.
+    print("| batch | plain tok/s | EAGLE-3 tok/s | speedup | tau | step cost | acceptance by position "
+          "| identical |")
+    print("|------:|------------:|--------------:|--------:|----:|----------:|:-----------------------"
+          "|:---------:|")
     for batch, plain_tps, spec_tps, stats, same in rows:
         accept = " ".join(f"{a:.2f}" for a in stats["acceptance_by_position"])
         print(f"| {batch} | {plain_tps:.1f} | {spec_tps:.1f} | {spec_tps / plain_tps:.2f}x | "
-              f"{stats['tau']:.2f} | {accept} | {'yes' if same else 'NO'} |")
+              f"{stats['tau']:.2f} | {stats['tau'] * plain_tps / spec_tps:.2f} | {accept} | "
+              f"{'yes' if same else 'NO'} |")
 
 
 # -- trace replay -------------------------------------------------------------------
