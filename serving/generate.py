@@ -1,6 +1,8 @@
 """Answer a prompt from the command line, streaming tokens as they come.
 
     python -m serving.generate "What is the capital of France?"
+    python -m serving.generate "Hi" --speculative-config '{"method": "eagle3", "model": "DIR",
+                                                            "num_speculative_tokens": 15}'
 
 The prompt goes through the model's chat template unless --raw. Decoding is greedy
 unless --temperature > 0. Runs on the serving engine (serving.LLM): one generation path.
@@ -9,6 +11,7 @@ unless --temperature > 0. Runs on the serving engine (serving.LLM): one generati
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -33,16 +36,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--speculative-config", default=None,
+                        help="JSON, as LLM(speculative_config=...): EAGLE-3 speculative decoding")
     args = parser.parse_args(argv)
     try:
+        speculative = None
+        if args.speculative_config is not None:
+            try:
+                speculative = json.loads(args.speculative_config)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not JSON: {e}") from None
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         if not args.prompt:
             raise ValueError("prompt is empty")
         if COMPILATION_CACHE:
             jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
-        llm = LLM(args.model, max_model_len=args.max_model_len,
-                  num_kv_blocks=-(-args.max_model_len // 16))
+        llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=1,
+                  speculative_config=speculative)
         tok = llm.get_tokenizer()
         if args.raw:
             prompt = args.prompt

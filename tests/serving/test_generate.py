@@ -37,3 +37,10 @@ def test_cli_rejects_bad_sampling_flags_before_loading(flag, value, monkeypatch,
         generate.main(["hi", flag, value])
     assert e.value.code == 2
     assert flag.lstrip("-").replace("-", "_") in capsys.readouterr().err
+
+
+def test_cli_rejects_bad_speculative_config_before_loading(monkeypatch, capsys):
+    monkeypatch.setattr(model, "load", lambda *a, **k: pytest.fail("loaded a model for bad input"))
+    with pytest.raises(SystemExit) as e:
+        generate.main(["hi", "--speculative-config", "{method: eagle3}"])
+    assert e.value.code == 2 and "--speculative-config is not JSON" in capsys.readouterr().err
