@@ -204,7 +204,7 @@ class EngineCore:
             seq.output.extend(emitted)
             seq.tree = res.tree
             if res.logprob is not None:
-                seq.logprobs.append((res.logprob, res.top_logprobs))
+                seq.logprobs.extend((res.accepted_logprobs + [(res.logprob, res.top_logprobs)])[:len(emitted)])
             if seq.first_token_time is None:
                 seq.first_token_time = now
             new_tokens[sid] = tuple(emitted)

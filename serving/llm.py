@@ -156,9 +156,6 @@ class LLM:
         for p in sampling_params:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-            if p.logprobs is not None and self.runner.draft is not None:
-                raise ValueError("logprobs are not returned with speculative decoding yet; "
-                                 "drop speculative_config or logprobs")
         # Validate everything before scheduling anything.
         return [(*self._prompt(p), sp) for p, sp in zip(prompts, sampling_params)]
 

@@ -57,6 +57,7 @@ class RowResult:
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
     accepted: list[int] = dataclasses.field(default_factory=list)  # draft tokens before `token`
+    accepted_logprobs: list[tuple[float, dict[int, float]]] = dataclasses.field(default_factory=list)
     tree: tuple | None = None  # the draft tree grown for the next step
 
 
@@ -80,13 +81,21 @@ def _step(params, config, page_size, pool, block_tables, tokens, positions, last
     cache = KVCache(pool, block_tables, page_size)
     logits, cache = model.forward(params, config, tokens, positions, cache, last_index)
     next_tokens = sample(logits, row_keys(seeds, counters), temperature, top_k, top_p, min_p)
-    extra = ()
-    if want_logprobs:
-        logprobs = jax.nn.log_softmax(logits, axis=-1)
-        top_vals, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
-        chosen = jnp.take_along_axis(logprobs, next_tokens[:, None], axis=-1)[:, 0]
-        extra = (chosen, top_vals, top_ids)
+    extra = _logprobs(logits, next_tokens) if want_logprobs else ()
     return next_tokens, extra, cache.layers
+
+
+def _logprobs(logits, tokens):
+    """(logprob of tokens, top MAX_LOGPROBS values, their ids) under the raw distribution
+    (before temperature and filtering, as vLLM reports them); logits [..., V], tokens [...]."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    top_vals, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
+    return jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0], top_vals, top_ids
+
+
+def _logprob_entry(extra, *index) -> tuple[float, dict[int, float]]:
+    chosen, top_vals, top_ids = extra
+    return float(chosen[index]), {int(k): float(v) for k, v in zip(top_ids[index], top_vals[index])}
 
 
 def _draft_cache(pool, block_tables, page_size) -> KVCache:
@@ -109,11 +118,12 @@ def _target(params, config, draft: Drafter, pool, block_tables, page_size, token
     return hidden, eagle3.fuse_features(draft.params, jnp.concatenate(captured, -1)), cache.layers
 
 
-@functools.partial(jax.jit, static_argnames=("config", "page_size", "draft_config", "spec"),
+@functools.partial(jax.jit, static_argnames=("config", "page_size", "draft_config", "spec",
+                                             "want_logprobs"),
                    donate_argnames=("pool",))
 def _spec_chunk_step(params, config, page_size, draft_params, draft_config, spec, pool, block_tables,
                      tokens, positions, last_index, next_known, seeds, counters, temperature, top_k,
-                     top_p, min_p):
+                     top_p, min_p, want_logprobs):
     """A chunk (prefill or plain decode) plus the draft over its positions and a new tree.
 
     The draft's row at position p reads token p + 1: the chunk's next token, then at the
@@ -131,14 +141,16 @@ def _spec_chunk_step(params, config, page_size, draft_params, draft_config, spec
                                                   positions, _draft_cache(pool, block_tables, page_size))
     tree, dcache = _grow(draft, dcache, dlogits[rows, last_index], dhidden[rows, last_index], sampled,
                          positions[rows, last_index])
-    return sampled, tree, list(layers) + list(dcache.layers)
+    extra = _logprobs(logits, sampled) if want_logprobs else ()
+    return sampled, extra, tree, list(layers) + list(dcache.layers)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "page_size", "draft_config", "spec"),
+@functools.partial(jax.jit, static_argnames=("config", "page_size", "draft_config", "spec",
+                                             "want_logprobs"),
                    donate_argnames=("pool",))
 def _verify_step(params, config, page_size, draft_params, draft_config, spec, pool, block_tables,
                  tree_tokens, tree_parents, tree_scores, start, seeds, counters, temperature, top_k,
-                 top_p, min_p):
+                 top_p, min_p, want_logprobs):
     """Score each row's draft tree (root at position `start`, -1 for padding rows), accept
     a path, move its KV into place, catch the draft up and grow the next tree."""
     draft = Drafter(draft_config, draft_params, spec)
@@ -150,7 +162,8 @@ def _verify_step(params, config, page_size, draft_params, draft_config, spec, po
     positions = jnp.where(live, start[:, None] + jnp.arange(n), -1)
     hidden, features, layers = _target(params, config, draft, pool, block_tables, page_size,
                                        tree_tokens, positions, tree)
-    probs = processed_probs(lm_head(params, config, hidden), temperature, top_k, top_p, min_p)
+    logits = lm_head(params, config, hidden)
+    probs = processed_probs(logits, temperature, top_k, top_p, min_p)
     path, count, bonus = verify_trees(probs, tree_tokens, tree_parents, tree_scores,
                                       row_keys(seeds, counters), spec)
     layers = compact_kv(layers, block_tables, page_size, start, path, count)
@@ -158,6 +171,7 @@ def _verify_step(params, config, page_size, draft_params, draft_config, spec, po
     steps = jnp.arange(spec.depth + 1)[None]
     nodes = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), path], axis=1)
     accepted = tree_tokens[rows, path]
+    # emitted tokens: the accepted drafts, then the bonus (row i of the draft reads token i + 1)
     draft_tokens = jnp.where(steps < count[:, None], jnp.pad(accepted, ((0, 0), (0, 1))), bonus[:, None])
     draft_positions = jnp.where(live & (steps <= count[:, None]), start[:, None] + steps, -1)
     dlogits, dhidden, dcache = eagle3.draft_apply(draft_params, draft_config, features[rows, nodes],
@@ -166,7 +180,8 @@ def _verify_step(params, config, page_size, draft_params, draft_config, spec, po
     last = count[:, None]
     new_tree, dcache = _grow(draft, dcache, dlogits[rows, last][:, 0], dhidden[rows, last][:, 0], bonus,
                              jnp.where(live[:, 0], start + count, -1))
-    return accepted, count, bonus, new_tree, list(layers) + list(dcache.layers)
+    extra = _logprobs(logits[rows, nodes], draft_tokens) if want_logprobs else ()
+    return accepted, count, bonus, extra, new_tree, list(layers) + list(dcache.layers)
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
@@ -234,14 +249,23 @@ class ModelRunner:
             for arr, part in zip(trees, r.tree):
                 arr[i] = part
             start[i] = r.start
-        accepted, count, bonus, tree, self.pool = _verify_step(
+        want_logprobs = any(r.logprobs for r in rows)
+        accepted, count, bonus, extra, tree, self.pool = _verify_step(
             self.params, self.config, self.page_size, self.draft.params, self.draft.config,
             self.draft.spec, self.pool, self._tables(rows, b), *map(jnp.asarray, trees),
-            jnp.asarray(start), *self._sampling_arrays(rows, b))
+            jnp.asarray(start), *self._sampling_arrays(rows, b), want_logprobs)
         accepted, count, bonus = np.asarray(accepted), np.asarray(count), np.asarray(bonus)
-        tree = [np.asarray(a) for a in tree]
-        return [RowResult(int(bonus[i]), accepted=accepted[i, :count[i]].tolist(),
-                          tree=tuple(a[i] for a in tree)) for i in range(len(rows))]
+        tree, extra = [np.asarray(a) for a in tree], [np.asarray(e) for e in extra]
+        out = []
+        for i, r in enumerate(rows):
+            res = RowResult(int(bonus[i]), accepted=accepted[i, :count[i]].tolist(),
+                            tree=tuple(a[i] for a in tree))
+            if r.logprobs:
+                entries = [_logprob_entry(extra, i, j) for j in range(count[i] + 1)]
+                res.accepted_logprobs = entries[:-1]
+                res.logprob, res.top_logprobs = entries[-1]
+            out.append(res)
+        return out
 
     def _run_group(self, rows: list[Row]) -> list[RowResult | None]:
         if not rows:
@@ -261,17 +285,17 @@ class ModelRunner:
                 next_known[i] = r.next_token
         inputs = (self._tables(rows, b), jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(last))
         tree = None
+        want_logprobs = any(r.logprobs and r.sample for r in rows)
         if self.draft is None:
-            want_logprobs = any(r.logprobs and r.sample for r in rows)
             next_tokens, extra, self.pool = _step(
                 self.params, self.config, self.page_size, self.pool, *inputs,
                 *self._sampling_arrays(rows, b), want_logprobs)
         else:
-            next_tokens, tree, self.pool = _spec_chunk_step(
+            next_tokens, extra, tree, self.pool = _spec_chunk_step(
                 self.params, self.config, self.page_size, self.draft.params, self.draft.config,
                 self.draft.spec, self.pool, *inputs, jnp.asarray(next_known),
-                *self._sampling_arrays(rows, b))
-            extra, tree = (), [np.asarray(a) for a in tree]
+                *self._sampling_arrays(rows, b), want_logprobs)
+            tree = [np.asarray(a) for a in tree]
         next_tokens = np.asarray(next_tokens)
         extra = [np.asarray(e) for e in extra]
         out: list[RowResult | None] = []
@@ -281,9 +305,7 @@ class ModelRunner:
                 continue
             res = RowResult(int(next_tokens[i]), tree=tuple(a[i] for a in tree) if tree else None)
             if r.logprobs and extra:
-                chosen, top_vals, top_ids = extra
-                res.logprob = float(chosen[i])
-                res.top_logprobs = {int(k): float(v) for k, v in zip(top_ids[i], top_vals[i])}
+                res.logprob, res.top_logprobs = _logprob_entry(extra, i)
             out.append(res)
         return out
 

@@ -199,8 +199,18 @@ def test_speculation_rejects_a_draft_for_another_target(draft_dir, default_token
                                                               "num_speculative_tokens": 8})
 
 
-def test_logprobs_and_small_token_budget_rejected(make_llm, spec_llm):
-    with pytest.raises(ValueError, match="logprobs"):
-        spec_llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2, logprobs=2))
+def test_logprobs_equal_plain_decoding(make_llm, spec_llm):
+    """Every emitted token, accepted draft or bonus, reports the target's logprobs."""
+    request = {"prompt_token_ids": [4, 4, 1, 7, 2, 0, 3]}
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=3)
+    want = make_llm(speculative=False).generate(request, params)[0].outputs[0]
+    got = spec_llm.generate(request, params)[0].outputs[0]
+    assert got.token_ids == want.token_ids and len(got.logprobs) == 14
+    for g, w in zip(got.logprobs, want.logprobs):
+        assert g.keys() == w.keys()
+        np.testing.assert_allclose([g[k] for k in w], list(w.values()), atol=1e-4)
+
+
+def test_small_token_budget_rejected(make_llm):
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make_llm(max_num_batched_tokens=4)
