@@ -98,15 +98,20 @@ def _logprob_entry(extra, *index) -> tuple[float, dict[int, float]]:
     return float(chosen[index]), {int(k): float(v) for k, v in zip(top_ids[index], top_vals[index])}
 
 
-def _draft_cache(pool, block_tables, page_size) -> KVCache:
-    return KVCache(pool[-1:], block_tables, page_size)
+def _draft_and_grow(draft: Drafter, pool, block_tables, page_size, features, tokens, positions,
+                    root_row, root_tokens):
+    """Run the draft over rows (row at position p reads target feature p and token p + 1,
+    writing its K/V into the pool's draft layer), then grow a tree from row root_row [B]
+    whose root token is root_tokens [B]. Returns (tree, draft layers)."""
+    rows = jnp.arange(tokens.shape[0])
+    logits, hidden, cache = eagle3.draft_apply(draft.params, draft.config, features, tokens, positions,
+                                               KVCache(pool[-1:], block_tables, page_size))
 
-
-def _grow(draft: Drafter, dcache: KVCache, root_logits, root_hidden, root_tokens, root_positions):
     def draft_step(dc, hidden, tokens, slots, tree):
         return eagle3.draft_apply(draft.params, draft.config, hidden, tokens, slots, dc, tree)
-    return grow_trees(draft_step, dcache, root_logits, root_hidden, root_tokens, root_positions,
-                      draft.params["d2t"], draft.spec)
+    tree, cache = grow_trees(draft_step, cache, logits[rows, root_row], hidden[rows, root_row],
+                             root_tokens, positions[rows, root_row], draft.params["d2t"], draft.spec)
+    return tree, cache.layers
 
 
 def _target(params, config, draft: Drafter, pool, block_tables, page_size, tokens, positions,
@@ -137,12 +142,10 @@ def _spec_chunk_step(params, config, page_size, draft_params, draft_config, spec
     sampled = sample(logits, row_keys(seeds, counters), temperature, top_k, top_p, min_p)
     following = jnp.where(next_known >= 0, next_known, sampled)
     draft_tokens = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1).at[rows, last_index].set(following)
-    dlogits, dhidden, dcache = eagle3.draft_apply(draft_params, draft_config, features, draft_tokens,
-                                                  positions, _draft_cache(pool, block_tables, page_size))
-    tree, dcache = _grow(draft, dcache, dlogits[rows, last_index], dhidden[rows, last_index], sampled,
-                         positions[rows, last_index])
+    tree, draft_layers = _draft_and_grow(draft, pool, block_tables, page_size, features, draft_tokens,
+                                         positions, last_index, sampled)
     extra = _logprobs(logits, sampled) if want_logprobs else ()
-    return sampled, extra, tree, list(layers) + list(dcache.layers)
+    return sampled, extra, tree, list(layers) + list(draft_layers)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "page_size", "draft_config", "spec",
@@ -174,14 +177,10 @@ def _verify_step(params, config, page_size, draft_params, draft_config, spec, po
     # emitted tokens: the accepted drafts, then the bonus (row i of the draft reads token i + 1)
     draft_tokens = jnp.where(steps < count[:, None], jnp.pad(accepted, ((0, 0), (0, 1))), bonus[:, None])
     draft_positions = jnp.where(live & (steps <= count[:, None]), start[:, None] + steps, -1)
-    dlogits, dhidden, dcache = eagle3.draft_apply(draft_params, draft_config, features[rows, nodes],
-                                                  draft_tokens, draft_positions,
-                                                  _draft_cache(pool, block_tables, page_size))
-    last = count[:, None]
-    new_tree, dcache = _grow(draft, dcache, dlogits[rows, last][:, 0], dhidden[rows, last][:, 0], bonus,
-                             jnp.where(live[:, 0], start + count, -1))
+    new_tree, draft_layers = _draft_and_grow(draft, pool, block_tables, page_size, features[rows, nodes],
+                                             draft_tokens, draft_positions, count, bonus)
     extra = _logprobs(logits[rows, nodes], draft_tokens) if want_logprobs else ()
-    return accepted, count, bonus, extra, new_tree, list(layers) + list(dcache.layers)
+    return accepted, count, bonus, extra, new_tree, list(layers) + list(draft_layers)
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
