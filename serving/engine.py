@@ -118,10 +118,13 @@ class EngineCore:
             if seq.finish_reason is None:
                 self._finish(seq, "abort")
 
-    def finish_seq(self, seq_id: str, reason: str, stop_reason=None) -> None:
-        """Finish one sequence from outside (e.g. a stop string matched in its text)."""
+    def finish_seq(self, seq_id: str, reason: str, stop_reason=None, num_tokens: int | None = None) -> None:
+        """Finish one sequence from outside (e.g. a stop string matched in its text),
+        keeping only its first `num_tokens` output tokens when given."""
         seq = self.seqs[seq_id]
         if seq.finish_reason is None:
+            if num_tokens is not None:
+                del seq.output[num_tokens:], seq.logprobs[num_tokens:]
             seq.stop_reason = stop_reason
             self._finish(seq, reason)
 
@@ -279,9 +282,13 @@ class EngineCore:
             return
         req.forked = True
         prompt = tuple(req.prompt_ids)
+        # The scheduler counts a child as holding only the pages before the one it writes
+        # first (position len(prompt) - 1): that shared page is copied on write, so its copy
+        # is a page the step needs. Sharers make n - 1 copies in all, one per child.
+        held = (len(prompt) - 1) // self.kv.page_size
         for sid in req.seq_ids[1:]:
-            self.kv.fork(seq_id, sid)
+            self.kv.fork(seq_id, sid, len(prompt))
             child = sched.Seq(sid, prompt, min(len(prompt) + req.params.max_tokens, self.max_model_len),
-                              req.arrival, num_computed_tokens=len(prompt) - 1,
-                              num_pages=len(self.kv.tables[sid]), started=self.state.step)
+                              req.arrival, num_computed_tokens=len(prompt) - 1, num_pages=held,
+                              started=self.state.step)
             self.state = sched.fork(self.state, seq_id, child)

@@ -76,9 +76,11 @@ class KVManager:
         if need > 0:
             table.extend(self._allocate(need))
 
-    def fork(self, parent: str, child: str) -> None:
-        """child shares every page of parent (parallel sampling); writes copy on demand."""
-        pages = self.tables[parent]
+    def fork(self, parent: str, child: str, num_tokens: int) -> None:
+        """child shares parent's pages holding its first `num_tokens` positions (parallel
+        sampling); writes copy on demand. Pages past them (speculative lookahead) stay the
+        parent's: the child allocates its own, which the scheduler counts."""
+        pages = self.tables[parent][:self.pages_for(num_tokens)]
         self.pool.incref(pages)
         self.tables[child] = list(pages)
         node = self._locks[parent]

@@ -176,7 +176,12 @@ class LLM:
             seq = self.engine.seqs[sid]
             text, stop = self._text(seq.output, seq.params.stop)
             if stop is not None and seq.finish_reason is None:
-                self.engine.finish_seq(sid, "stop", stop)
+                # A speculative step emits several tokens: keep only those up to the one
+                # that completes the stop string, as plain decoding would have stopped there.
+                keep = len(seq.output)
+                while keep > 1 and self._text(seq.output[:keep - 1], [stop])[1] is not None:
+                    keep -= 1
+                self.engine.finish_seq(sid, "stop", stop, num_tokens=keep)
             logprobs = None
             if seq.params.logprobs is not None:
                 logprobs = []

@@ -187,7 +187,7 @@ def schedule(state: SchedulerState, config: SchedulerConfig, num_available_pages
 
     # 1. Capacity for the running batch; MAX_UTILIZATION pauses the newest on a misfit.
     while True:
-        tokens = _micro_batch(active, config)
+        tokens = _micro_batch(active, config, state.step)
         if _pages_needed(active, tokens, config) <= num_available_pages or not active \
                 or config.capacity_policy != MAX_UTILIZATION:
             break
@@ -208,7 +208,7 @@ def schedule(state: SchedulerState, config: SchedulerConfig, num_available_pages
             candidate = dataclasses.replace(seq, num_computed_tokens=max(seq.num_computed_tokens, hit),
                                             started=state.step, num_pages=0)
             trial = active + [candidate]
-            trial_tokens = _micro_batch(trial, config)
+            trial_tokens = _micro_batch(trial, config, state.step)
             if not trial_tokens.get(seq.seq_id) or \
                     _pages_needed(trial, trial_tokens, config) > num_available_pages:
                 break  # the first misfit stops admission
@@ -250,16 +250,21 @@ def _pages_needed(seqs: list[Seq], tokens: Mapping[str, int], config: SchedulerC
     return need
 
 
-def _micro_batch(seqs: list[Seq], config: SchedulerConfig) -> dict[str, int]:
+def _micro_batch(seqs: list[Seq], config: SchedulerConfig, step: int = 0) -> dict[str, int]:
     """Tokens per sequence this step: decode rows first (1 each, costing
-    tokens_per_decode of the budget), then prefill chunks."""
+    tokens_per_decode of the budget), then prefill chunks. When the budget cannot take
+    every decode row (large speculative trees), the rows taken rotate with `step` so
+    that none starves."""
     left = config.max_num_batched_tokens
     tokens: dict[str, int] = {}
-    contexts = []
-    for seq in seqs:
-        if len(seq.tokens) - seq.num_computed_tokens > 1:
-            contexts.append(seq)
-        elif left >= config.tokens_per_decode:
+    contexts = [s for s in seqs if len(s.tokens) - s.num_computed_tokens > 1]
+    decodes = [s for s in seqs if len(s.tokens) - s.num_computed_tokens <= 1]
+    fits = left // config.tokens_per_decode
+    if decodes and len(decodes) > fits:
+        turn = step * max(fits, 1) % len(decodes)
+        decodes = decodes[turn:] + decodes[:turn]
+    for seq in decodes:
+        if left >= config.tokens_per_decode:
             tokens[seq.seq_id] = 1
             left -= config.tokens_per_decode
     unit = config.chunk_unit_size

@@ -274,11 +274,13 @@ def compact_kv(layers: list, block_tables: jax.Array, page_size: int, start: jax
                path: jax.Array, num_accepted: jax.Array) -> list:
     """Move the accepted nodes' K/V into place: node path[i] (slot start + path[i]) goes to
     position start + 1 + i. Rejected branches are left past the sequence's end, unseen.
+    Rows with start < 0 are padding and write nothing.
 
     layers: page pools whose leaves are [num_pages, page_size, ...] (every row format).
     """
     depth = path.shape[1]
-    valid = jnp.arange(depth)[None] < num_accepted[:, None]
+    # A padding row (start -1) may "accept" nodes too: it must not move anything.
+    valid = (start[:, None] >= 0) & (jnp.arange(depth)[None] < num_accepted[:, None])
     src_pos = jnp.where(valid, start[:, None] + path, -1)
     dst_pos = jnp.where(valid, start[:, None] + 1 + jnp.arange(depth)[None], -1)
 

@@ -53,6 +53,27 @@ def test_max_utilization_counts_next_step_only_and_pauses_newest():
     assert new_state.waiting[0].seq_id == "new" and new_state.waiting[0].num_computed_tokens == 0
 
 
+def test_speculative_decode_rows_cost_the_tree_and_reserve_lookahead():
+    """A decode row scores a whole draft tree (tokens_per_decode of the budget) and holds
+    num_lookahead_slots past its step; rows the budget cannot take rotate across steps."""
+    config = cfg(tokens_per_decode=10, max_num_batched_tokens=20, num_lookahead_slots=6)
+    run = tuple(decoding(f"s{i}", 8, 4, 100, started=0) for i in range(4))
+    state = SchedulerState(running=run)
+    seen = []
+    for _ in range(2):
+        state, plan = schedule(state, config, 100)
+        assert plan.num_tokens == 2  # two trees of 10 fill the budget of 20
+        seen += [sid for sid, _ in plan.scheduled]
+        state = sched.update(state, plan, {sid: (1,) for sid, _ in plan.scheduled},
+                             {s.seq_id: s.num_pages for s in state.running})
+    assert sorted(seen) == ["s0", "s1", "s2", "s3"]  # nobody starved
+    # position 7 + 6 lookahead slots reach page 3 (the 4th): a sequence holding 3 pages
+    # needs one more
+    tight = SchedulerState(running=(decoding("a", 8, 3, 100, started=0),))
+    assert schedule(tight, config, 0)[1].preempted == ("a",)
+    assert schedule(tight, config, 1)[1].scheduled == (("a", 1),)
+
+
 def test_static_batch_admits_only_into_an_empty_batch():
     run = (decoding("a", 8, 2, 12, started=0),)
     _, plan = schedule(SchedulerState(running=run, waiting=waiting(4)),

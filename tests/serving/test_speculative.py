@@ -179,11 +179,11 @@ def test_device_sampling_verification_emits_the_target_distribution():
 
 def test_compact_kv_moves_accepted_nodes_into_place():
     page_size, pages = 4, np.arange(6 * 4, dtype=np.float32).reshape(6, 4, 1)
-    tables = jnp.asarray([[2, 0, 5], [1, 3, 4]], jnp.int32)
-    start = jnp.asarray([2, 5])
-    path = jnp.asarray([[2, 4, 0], [3, 0, 0]])  # row 0 accepts nodes 2, 4; row 1 node 3
+    tables = jnp.asarray([[2, 0, 5], [1, 3, 4], [0, 0, 0]], jnp.int32)
+    start = jnp.asarray([2, 5, -1])  # row 2 is padding: whatever it "accepts" moves nothing
+    path = jnp.asarray([[2, 4, 0], [3, 0, 0], [1, 2, 3]])  # row 0 accepts nodes 2, 4; row 1 node 3
     out = np.asarray(compact_kv([jnp.asarray(pages)], tables, page_size, start, path,
-                                jnp.asarray([2, 1]))[0]).reshape(-1)
+                                jnp.asarray([2, 1, 3]))[0]).reshape(-1)
     flat = pages.reshape(-1)
     slot = lambda row, pos: int(tables[row, pos // page_size]) * page_size + pos % page_size
     want = flat.copy()

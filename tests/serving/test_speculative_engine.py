@@ -136,6 +136,44 @@ def test_stop_token_inside_accepted_drafts(make_llm, spec_llm):
     spec_llm.engine.kv.check()
 
 
+class Letters:
+    """A tokenizer spelling token i as the i-th letter, so stop strings can match."""
+
+    eos_token_id = 2
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("abcdefgh"[i] for i in ids)
+
+
+def test_stop_string_completed_inside_accepted_drafts(target, make_llm):
+    """The output ends at the token that completes the stop string, as plain decoding would,
+    even when the step accepted more drafts after it."""
+    request = {"prompt_token_ids": [1, 5, 3, 7, 0, 4, 6, 2, 5]}
+    free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    text = Letters().decode(make_llm().generate(request, free)[0].outputs[0].token_ids)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+    outs = []
+    for speculative in (False, True):
+        llm = make_llm(speculative=speculative)
+        llm.tokenizer = Letters()
+        outs.append(llm.generate(request, params)[0].outputs[0])
+    plain, spec = outs
+    assert spec.token_ids == plain.token_ids and spec.text == plain.text == text[:text.index(stop)]
+    assert spec.finish_reason == "stop" and spec.stop_reason == stop
+
+
+def test_parallel_samples_fork_without_sharing_lookahead_pages(make_llm):
+    """n = 4 in a pool too small for all: children share only the prompt's pages, so the
+    scheduler counts every page they write (preempting instead of running out)."""
+    llm = make_llm(num_kv_blocks=5, enable_prefix_caching=False)
+    out = llm.generate({"prompt_token_ids": [1, 5, 3, 7, 0, 4, 6, 2, 5]},
+                       SamplingParams(n=4, temperature=1.0, max_tokens=8, ignore_eos=True, seed=0))
+    assert [len(o.token_ids) for o in out[0].outputs] == [8] * 4
+    assert llm.engine.num_preemptions > 0
+    llm.engine.kv.check()
+
+
 def exact_distributions(target, prompt, temperature):
     """p(t1, t2) and p(t3) of the target after `prompt`, by enumerating continuations."""
     config, params = target
