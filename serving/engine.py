@@ -1,7 +1,7 @@
 """The engine core: scheduler + KV manager + a runner, one `step()` at a time.
 
 Token-level only (no text). Each request has n sequences: sequence 0 prefills the
-prompt; once its prefill completes, the other n - 1 fork off sharing its pages and
+prompt; once its prefill completes, the other n - 1 fork off sharing its prompt pages and
 recompute only the last prompt position, so the page they write first is copied on
 write. The runner is the model (serving.runner.ModelRunner) or, in the simulator, a
 cost model with the same `execute` contract.
