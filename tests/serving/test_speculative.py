@@ -119,9 +119,10 @@ def test_device_tree_growth_equals_grow_tree():
         level = tree.rope_positions - root_pos[:, None]
         return jnp.asarray(table)[(tokens * 7 + level) % 64], hidden, cache + 1
 
-    (tokens, parents, scores), calls = grow_trees(
-        draft_step, 0, jnp.asarray(table[(roots * 7) % 64]), jnp.zeros((2, 4)), jnp.asarray(roots),
-        root_pos, jnp.zeros(vocab, jnp.int32), spec)
+    grow = jax.jit(lambda *a: grow_trees(draft_step, *a, spec))  # one compile, not op by op
+    (tokens, parents, scores), calls = grow(
+        0, jnp.asarray(table[(roots * 7) % 64]), jnp.zeros((2, 4)), jnp.asarray(roots), root_pos,
+        jnp.zeros(vocab, jnp.int32))
     assert int(calls) == spec.depth - 1
     for b, root in enumerate(roots):
         want = grow_tree(int(root), expand, spec.depth, spec.top_k, spec.num_tokens)
@@ -136,9 +137,10 @@ def test_device_greedy_verification_equals_verify_greedy():
     spec = TreeSpec(depth=2, top_k=3, num_tokens=6)
     argmax = rng.choice([0, 1, 2, 3, 7, 9], size=(40, 6))  # 40 targets, one batch
     b = lambda a: jnp.broadcast_to(jnp.asarray(a), (40,) + np.shape(a))
-    path, count, bonus = verify_trees(jnp.asarray(np.eye(10, dtype=np.float32)[argmax]), b(tree.tokens),
-                                      b(tree.parents), b(tree.scores.astype(np.float32)),
-                                      jax.random.split(jax.random.key(0), 40), spec)
+    verify = jax.jit(verify_trees, static_argnames="spec")
+    path, count, bonus = verify(jnp.asarray(np.eye(10, dtype=np.float32)[argmax]), b(tree.tokens),
+                                b(tree.parents), b(tree.scores.astype(np.float32)),
+                                jax.random.split(jax.random.key(0), 40), spec=spec)
     for row in range(40):
         want_path, want_bonus = verify_greedy(tree, argmax[row])
         assert list(np.asarray(path[row, :int(count[row])])) == want_path
@@ -159,9 +161,9 @@ def test_device_sampling_verification_emits_the_target_distribution():
     # nodes 3 and 4 are leaves at depth 2: emitted third tokens are not checked
     spec = TreeSpec(depth=2, top_k=2, num_tokens=5)
     b = lambda a: jnp.broadcast_to(jnp.asarray(a), (n,) + np.shape(a))
-    path, count, bonus = verify_trees(b(probs), b(tree.tokens), b(tree.parents),
-                                      b(tree.scores.astype(np.float32)),
-                                      jax.random.split(jax.random.key(1), n), spec)
+    path, count, bonus = jax.jit(verify_trees, static_argnames="spec")(
+        b(probs), b(tree.tokens), b(tree.parents), b(tree.scores.astype(np.float32)),
+        jax.random.split(jax.random.key(1), n), spec=spec)
     path, count, bonus = map(np.asarray, (path, count, bonus))
     first = np.where(count > 0, tree.tokens[path[:, 0]], bonus)
     second = np.where(count > 1, tree.tokens[path[:, 1]], np.where(count == 1, bonus, -1))
