@@ -113,8 +113,15 @@ def test_tree_attention_equals_each_path_alone(tiny):
                            jnp.full((b,), prefix, jnp.int32), jnp.asarray(np.broadcast_to(mask, (b, 7, 7))))
     got, _ = model.forward(params, config, jnp.asarray(tree_tokens),
                            jnp.broadcast_to(prefix + jnp.arange(7), (b, 7)), cache, tree=tree)
+    # Every node's path as its own sequence, in one batch: [node * b + row], padded at the
+    # end (causal: padding after a path's last token does not change its logits).
+    longest = prefix + depth.max() + 1
+    seqs = np.zeros((7 * b, longest), np.int64)
     for node in range(7):
         path = [j for j in range(7) if mask[node, j]]  # ancestors are in increasing order
-        seq = np.concatenate([tokens[:, :prefix], tree_tokens[:, path]], axis=1)
-        want = full_logits(config, params, jnp.asarray(seq), model.init_cache(config, b, 32, page_size=4))
-        np.testing.assert_allclose(np.asarray(got)[:, node], want[:, -1], atol=1e-5, err_msg=f"node {node}")
+        seqs[node * b:(node + 1) * b, :prefix + len(path)] = np.concatenate(
+            [tokens[:, :prefix], tree_tokens[:, path]], axis=1)
+    want = full_logits(config, params, jnp.asarray(seqs), model.init_cache(config, 7 * b, 32, page_size=4))
+    for node in range(7):
+        np.testing.assert_allclose(np.asarray(got)[:, node], want[node * b:(node + 1) * b, prefix + depth[node]],
+                                   atol=1e-5, err_msg=f"node {node}")
