@@ -41,7 +41,10 @@ def draft_dir(target, tmp_path_factory):
 @pytest.fixture(scope="module")
 def make_llm(target, draft_dir, default_tokenizer):
     def make(speculative=True, **kw):
-        kw = {"max_model_len": 96, "max_num_seqs": 4, "max_num_batched_tokens": 128, **kw}
+        # 12 pages: too few for every sequence at once, so sequences get preempted (and every
+        # test shares one pool shape: one compile of each step per batch bucket)
+        kw = {"max_model_len": 96, "max_num_seqs": 4, "max_num_batched_tokens": 128, "num_kv_blocks": 12,
+              **kw}
         if speculative:
             kw["speculative_config"] = {"method": "eagle3", "model": draft_dir,
                                         "num_speculative_tokens": 12, "depth": 3, "top_k": 8}
@@ -65,6 +68,7 @@ def test_greedy_speculation_equals_plain_greedy(make_llm, spec_llm):
     assert [o.outputs[0].token_ids for o in got] == plain
     assert [len(t) for t in plain] == [30, 17, 30, 25, 30]  # max_tokens cuts a multi-token step
     assert got[4].num_cached_tokens == 16
+    assert spec_llm.engine.num_preemptions > 0  # losslessness held through recompute preemption
     stats = spec_llm.engine.speculative_stats()
     # every tree holds the target's next token (top-k = vocabulary): each step emits >= 2
     assert stats["num_trees"] > 0 and stats["acceptance_by_position"][0] == 1.0
@@ -164,12 +168,12 @@ def test_stop_string_completed_inside_accepted_drafts(target, make_llm):
 
 
 def test_parallel_samples_fork_without_sharing_lookahead_pages(make_llm):
-    """n = 4 in a pool too small for all: children share only the prompt's pages, so the
+    """n = 4 in the 12-page pool, too small for all: children share only the prompt's pages, so the
     scheduler counts every page they write (preempting instead of running out)."""
-    llm = make_llm(num_kv_blocks=5, enable_prefix_caching=False)
+    llm = make_llm(enable_prefix_caching=False)
     out = llm.generate({"prompt_token_ids": [1, 5, 3, 7, 0, 4, 6, 2, 5]},
-                       SamplingParams(n=4, temperature=1.0, max_tokens=8, ignore_eos=True, seed=0))
-    assert [len(o.token_ids) for o in out[0].outputs] == [8] * 4
+                       SamplingParams(n=4, temperature=1.0, max_tokens=40, ignore_eos=True, seed=0))
+    assert [len(o.token_ids) for o in out[0].outputs] == [40] * 4
     assert llm.engine.num_preemptions > 0
     llm.engine.kv.check()
 
