@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup run test bench oracle-fixtures
+.PHONY: setup run test bench gpu-check oracle-fixtures
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ test: setup
 
 bench: setup
 	$(PY) -m serving.bench decode
+
+# On a GPU machine: kernel tests compiled, engine equality tests, kernel bench (about 8
+# minutes; see pallas_kernels/gpu_check.py). No setup: it runs with the machine's own
+# packages (.venv's Python if there is one), installing wheels from .whl/ if present.
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pallas_kernels.gpu_check $(GPU_CHECK_ARGS)
 
 # Regenerate tests/model/fixtures from transformers (installs torch==2.13.0 CPU + transformers).
 oracle-fixtures: setup

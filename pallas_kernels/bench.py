@@ -3,10 +3,16 @@
 Each kernel is timed against the XLA reference and, for paged decode attention,
 against JAX's bundled Pallas kernel for the platform. Attention here is bandwidth
 bound, so the table reports achieved GB/s (KV bytes actually read or written + q + out;
-for the indexer, the index keys + q + scores) and the fraction of the device's peak
-HBM bandwidth. The ragged, block-sparse and indexer ops have no GPU kernel: on GPU
-their "platform default" row is the XLA reference. On CPU there is no Pallas compiler: the
+for the indexer, the index keys + q + scores), that as a fraction of the device's copy
+bandwidth measured in the same run (an elementwise pass over 2 GiB, bytes read + written)
+and of the datasheet peak, and, for paged decode attention, as a ratio to JAX's bundled
+kernel. The ragged, block-sparse and indexer ops have no GPU kernel: on GPU their
+"platform default" row is the XLA reference. On CPU there is no Pallas compiler: the
 kernels run in interpret mode on tiny sizes, so the numbers only show that it runs.
+
+`--ops paged` times paged decode attention alone (what `pallas_kernels.gpu_check` runs);
+`--batch / --context / --page-size` move its problem (default batch 64, context 4096,
+page 16 on an accelerator). A row that fails prints its error and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -42,25 +48,48 @@ PEAK_BANDWIDTH = {
     "TPU v6 lite": 1.64e12,
     "TPU v6e": 1.64e12,
 }
+NOT_AVAILABLE = "n/a"  # a row's error starting so is a peer this jax lacks, not a failure
 
 
-def _time(fn, *args, iters):
+def _time(fn, *args, iters, repeats=3):
+    """Seconds per call: calls dispatched back to back (as a serving loop does, so host
+    dispatch overlaps the device), the median over `repeats` of the mean over `iters`."""
     jax.block_until_ready(fn(*args))  # compile + warm up
     times = []
-    for _ in range(iters):
+    for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / iters)
     return float(np.median(times))
+
+
+def _row(op, impl, run, args, nbytes, iters):
+    """(op, impl, seconds or None, bytes, error or None): a failure is a row, not a crash."""
+    try:
+        return op, impl, _time(run, *args, iters=iters), nbytes, None
+    except Exception as e:  # noqa: BLE001 - report any compile/runtime failure in the table
+        return op, impl, None, nbytes, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+
+
+def copy_bandwidth(nbytes: int, iters: int) -> float:
+    """Bytes/s of an elementwise uint32 pass over `nbytes` (read + written: 2 * nbytes)."""
+    x = jnp.zeros((nbytes // 4,), jnp.uint32)
+    touch = jax.jit(lambda x: x + 1)  # a real pass: XLA cannot forward x to the output
+    return 2 * x.nbytes / _time(touch, x, iters=iters)
 
 
 def _paged_problem(batch, num_q_heads, num_kv_heads, head_dim, page_size, kv_len, dtype):
     rng = np.random.default_rng(0)
     max_pages = -(-kv_len // page_size)
     num_pages = batch * max_pages
-    q = jnp.asarray(rng.standard_normal((batch, num_q_heads, head_dim)), dtype)
-    k = jnp.asarray(rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim)), dtype)
-    v = jnp.asarray(rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim)), dtype)
+    keys = jax.random.split(jax.random.key(0), 3)
+    pool = (num_pages, page_size, num_kv_heads, head_dim)
+    # Drawn on the device: ~0.5 GiB per pool at the accelerator shape.
+    q = jax.random.normal(keys[0], (batch, num_q_heads, head_dim), dtype)
+    k = jax.random.normal(keys[1], pool, dtype)
+    v = jax.random.normal(keys[2], pool, dtype)
     bt = jnp.asarray(rng.permutation(num_pages).reshape(batch, max_pages), jnp.int32)
     kl = jnp.full((batch,), kv_len, jnp.int32)
     itemsize = jnp.dtype(dtype).itemsize
@@ -68,43 +97,50 @@ def _paged_problem(batch, num_q_heads, num_kv_heads, head_dim, page_size, kv_len
     return (q, k, v, bt, kl), nbytes
 
 
-def _bundled_paged(platform, interpret):
-    """JAX's own paged attention for the platform (layout [kv_heads, pages, page, dim])."""
-    if platform == "tpu":
-        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_pa
+def _bundled_paged(platform, problem, interpret):
+    """JAX's own paged attention for the platform: (name, fn, args), or (name, None, error).
 
-        def run(q, k, v, bt, kl):
-            k, v = (x.transpose(2, 0, 1, 3) for x in (k, v))
-            return tpu_pa(q, k, v, kl, bt, pages_per_compute_block=min(8, bt.shape[1]))
+    Its pools are [kv_heads, pages, page, dim]: transposed once here, outside the timing."""
+    name = "jax ops." + ("tpu" if platform == "tpu" else "gpu") + ".paged_attention"
+    name += " (interpret)" if interpret else ""
+    q, k, v, bt, kl = problem
+    ppcb = min(8, bt.shape[1])
+    try:
+        if platform == "tpu":
+            from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as pa
 
-        return run
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as gpu_pa
+            run = functools.partial(pa, pages_per_compute_block=ppcb)
+            fn = lambda q, k, v, bt, kl: run(q, k, v, kl, bt)
+        else:
+            from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as pa
 
-    def run(q, k, v, bt, kl):
-        k, v = (x.transpose(2, 0, 1, 3) for x in (k, v))
-        ppcb = min(8, bt.shape[1])
-        return gpu_pa(
-            q,
-            k,
-            v,
-            bt,
-            kl,
-            pages_per_compute_block=ppcb,
-            k_splits=max(1, bt.shape[1] // ppcb),
-            interpret=interpret,
-        )
-
-    return run
+            k_splits = max(1, bt.shape[1] // ppcb)
+            fn = functools.partial(
+                pa, pages_per_compute_block=ppcb, k_splits=k_splits, interpret=interpret
+            )
+    except ImportError as e:
+        return name, None, f"{NOT_AVAILABLE}: not importable in jax {jax.__version__}: {e}"
+    k, v = (jax.block_until_ready(x.transpose(2, 0, 1, 3)) for x in (k, v))
+    return name, jax.jit(fn), (q, k, v, bt, kl)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--iters", type=int, default=None)
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per repeat")
+    parser.add_argument("--ops", choices=("all", "paged"), default="all")
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--context", type=int, default=None, help="KV length of every sequence")
+    parser.add_argument("--page-size", type=int, default=None)
     args = parser.parse_args(argv)
+    for name in ("iters", "batch", "context", "page_size"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
     device = jax.devices()[0]
     platform = device.platform
     on_cpu = platform == "cpu"
-    iters = args.iters or (3 if on_cpu else 20)
+    iters = args.iters or (1 if on_cpu else 20)
     peak = PEAK_BANDWIDTH.get(device.device_kind)
     if on_cpu:
         print("CPU: no Pallas compiler here; Pallas kernels run in INTERPRET mode on tiny sizes.")
@@ -128,53 +164,89 @@ def main(argv=None):
             kv_len=4096,
             dtype=jnp.bfloat16,
         )
+    for key, value in (("batch", args.batch), ("kv_len", args.context), ("page_size", args.page_size)):
+        shape[key] = value or shape[key]
+    copy = copy_bandwidth((64 if on_cpu else 2048) * 2**20, iters)
     print(
-        f"device: {device.device_kind} ({platform}); peak HBM "
-        f"{'unknown' if peak is None else f'{peak / 1e9:.0f} GB/s'}; shape: {shape}"
+        f"device: {device.device_kind} ({platform}), jax {jax.__version__}; peak HBM "
+        f"{'unknown' if peak is None else f'{peak / 1e9:.0f} GB/s'}; measured copy "
+        f"{copy / 1e9:.0f} GB/s (x + 1 over {64 if on_cpu else 2048} MiB, read + written)"
     )
+    print(f"shape: {dict(shape, dtype=jnp.dtype(shape['dtype']).name)}")
     problem, nbytes = _paged_problem(**shape)
     rows = []
 
     entry = jax.jit(paged_attention)  # CPU: the XLA reference; TPU/GPU: the Pallas kernel
     if on_cpu:
-        rows.append(
-            ("paged_attention", "XLA reference", _time(entry, *problem, iters=iters), nbytes)
-        )
+        rows.append(_row("paged_attention", "XLA reference", entry, problem, nbytes, iters))
         kernel = jax.jit(functools.partial(paged_attention, interpret=True))
-        rows.append(
-            (
-                "paged_attention",
-                "kvfold Pallas (interpret)",
-                _time(kernel, *problem, iters=iters),
-                nbytes,
-            )
-        )
+        impl = "kvfold Pallas (interpret)"
+        rows.append(_row("paged_attention", impl, kernel, problem, nbytes, iters))
     else:
         from pallas_kernels.paged_attention.ref import paged_attention_ref
 
         d = shape["head_dim"]
         xla = jax.jit(functools.partial(paged_attention_ref, sm_scale=d**-0.5))
-        rows.append(("paged_attention", "XLA reference", _time(xla, *problem, iters=iters), nbytes))
-        rows.append(
-            ("paged_attention", "kvfold Pallas", _time(entry, *problem, iters=iters), nbytes)
-        )
-    bundled = jax.jit(_bundled_paged(platform, interpret=on_cpu))
-    name = "jax ops." + ("tpu" if platform == "tpu" else "gpu") + ".paged_attention"
-    rows.append(
-        (
-            "paged_attention",
-            name + (" (interpret)" if on_cpu else ""),
-            _time(bundled, *problem, iters=iters),
-            nbytes,
-        )
-    )
+        rows.append(_row("paged_attention", "XLA reference", xla, problem, nbytes, iters))
+        rows.append(_row("paged_attention", "kvfold Pallas", entry, problem, nbytes, iters))
+    name, bundled, bundled_args = _bundled_paged(platform, problem, interpret=on_cpu)
+    if bundled is None:
+        rows.append(("paged_attention", name, None, nbytes, bundled_args))
+    else:
+        rows.append(_row("paged_attention", name, bundled, bundled_args, nbytes, iters))
+        del bundled_args  # its transposed pools
 
-    # CSA2-shaped sparse attention: MQA, 512-d, selected rows + window + sinks.
+    if args.ops == "all":
+        rows += _sparse_rows(on_cpu, platform, shape["dtype"], iters)
+        rows += _quantized_rows(on_cpu, platform, problem, iters)
+        rows += _ragged_rows(on_cpu, platform, shape["dtype"], iters)
+        rows += _block_sparse_rows(on_cpu, platform, shape["dtype"], iters)
+        rows += _indexer_rows(on_cpu, platform, shape["dtype"], iters)
+    return _print_table(rows, copy, peak)
+
+
+def _print_table(rows, copy, peak) -> int:
+    """The table; returns 1 if any row failed. "vs jax": GB/s over the bundled kernel's."""
+    bundled = {op: t for op, impl, t, _, _ in rows if impl.startswith("jax ops.") and t}
+    print(
+        f"{'op':<24} {'implementation':<40} {'time_ms':>10} {'GB/s':>9} {'of copy':>8} "
+        f"{'of peak':>8} {'vs jax':>7}"
+    )
+    failed = []
+    for op, impl, seconds, moved, err in rows:
+        if seconds is None:
+            status = NOT_AVAILABLE if err.startswith(NOT_AVAILABLE) else "FAILED"
+            print(f"{op:<24} {impl:<40} {status:>10}\n    {err}")
+            failed += [f"{op} / {impl}"] if status == "FAILED" else []
+            continue
+        rate = moved / seconds
+        gbps = rate / 1e9
+        of_peak = "n/a" if peak is None else f"{rate / peak:.1%}"
+        vs = f"{bundled[op] / seconds:.2f}x" if op in bundled else "n/a"
+        print(
+            f"{op:<24} {impl:<40} {seconds * 1e3:>10.3f} {gbps:>9.{1 if gbps >= 10 else 3}f} "
+            f"{rate / copy:>8.1%} "
+            f"{of_peak:>8} {vs:>7}"
+        )
+    ours = [(t, b) for op, impl, t, b, _ in rows
+            if op == "paged_attention" and impl.startswith("kvfold Pallas") and t]
+    for seconds, moved in ours:  # the headline (gpu_check's summary shows the last line)
+        rate = moved / seconds
+        vs = (f"{bundled['paged_attention'] / seconds:.2f}x JAX's bundled kernel"
+              if "paged_attention" in bundled else "JAX's bundled kernel n/a")
+        print(f"paged decode attention: kvfold {rate / 1e9:.1f} GB/s = {rate / copy:.1%} of the "
+              f"measured copy bandwidth, {vs}")
+    if failed:
+        print(f"FAILED rows: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+def _sparse_rows(on_cpu, platform, dtype, iters):
+    """CSA2-shaped sparse attention: MQA, 512-d, selected rows + window + sinks."""
     rng = np.random.default_rng(1)
     tokens, hq, d, nsel, win, nrows = (
         (2, 8, 512, 16, 8, 64) if on_cpu else (64, 64, 512, 512, 128, 65536)
     )
-    dtype = shape["dtype"]
     q = jnp.asarray(rng.standard_normal((tokens, hq, d)), dtype)
     kv = jnp.asarray(rng.standard_normal((nrows, 1, d)), dtype)
     idx = jnp.asarray(rng.integers(0, nrows, (tokens, nsel)), jnp.int32)
@@ -188,39 +260,17 @@ def main(argv=None):
             q, kv, kv, idx, window=(wkv, wkv, widx), sinks=s, interpret=interp
         )
     )
-    rows += _both(on_cpu, platform, "sparse_attention", run, sparse_args, sparse_bytes, iters)
-    rows += _quantized_rows(on_cpu, platform, problem, iters)
-    rows += _ragged_rows(on_cpu, platform, dtype, iters)
-    rows += _block_sparse_rows(on_cpu, platform, dtype, iters)
-    rows += _indexer_rows(on_cpu, platform, dtype, iters)
-
-    print(f"{'op':<24} {'implementation':<40} {'time_ms':>10} {'GB/s':>9} {'of peak':>8}")
-    for op, impl, seconds, moved in rows:
-        gbps = moved / seconds / 1e9
-        frac = "n/a" if peak is None else f"{moved / seconds / peak:.1%}"
-        print(f"{op:<24} {impl:<40} {seconds * 1e3:>10.3f} {gbps:>9.3f} {frac:>8}")
+    return _both(on_cpu, platform, "sparse_attention", run, sparse_args, sparse_bytes, iters)
 
 
 def _both(on_cpu, platform, op, run, args, nbytes, iters):
     """Rows for an op with a TPU kernel only: the platform default (the XLA reference on
     CPU and GPU) and, on CPU (TPU interpret mode) or TPU, the Pallas kernel."""
-    rows = [
-        (
-            op,
-            "XLA reference" if on_cpu else "platform default",
-            _time(run(None), *args, iters=iters),
-            nbytes,
-        )
-    ]
+    default = "XLA reference" if on_cpu else "platform default"
+    rows = [_row(op, default, run(None), args, nbytes, iters)]
     if on_cpu or platform == "tpu":
-        rows.append(
-            (
-                op,
-                "kvfold Pallas" + (" (interpret)" if on_cpu else ""),
-                _time(run(True if on_cpu else None), *args, iters=iters),
-                nbytes,
-            )
-        )
+        impl = "kvfold Pallas" + (" (interpret)" if on_cpu else "")
+        rows.append(_row(op, impl, run(True if on_cpu else None), args, nbytes, iters))
     return rows
 
 
@@ -316,4 +366,4 @@ def _indexer_rows(on_cpu, platform, dtype, iters):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

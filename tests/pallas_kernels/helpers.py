@@ -1,13 +1,64 @@
-"""Shared test helpers: random paged KV, a float64 numpy oracle, lowering checks."""
+"""Shared test helpers: random paged KV, a float64 numpy oracle, lowering checks, and the
+switch that runs the kernel tests compiled on a GPU (or TPU) instead of interpreted."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import export
+
+# KVFOLD_KERNELS=compiled (tests/conftest.py; set by `python -m pallas_kernels.gpu_check`):
+# the kernel tests keep their CPU meaning, "interpret=None is the XLA reference,
+# interpret=True is the kernel", but the kernel runs compiled for the device (Triton /
+# Mosaic GPU / Mosaic TPU where its entry has one, the XLA reference otherwise).
+TPU_INTERPRET_ONLY = (
+    "TPU interpret semantics (NaN-filled scratch, out-of-bounds reads raising) exist only "
+    "in interpret mode; KVFOLD_KERNELS=compiled runs the kernels compiled"
+)
+
+
+@functools.partial(jax.jit, static_argnames=("ref",))
+def _reference(*args, ref):
+    return ref(*args)
+
+
+def compile_kernels(monkeypatch, module) -> None:
+    """Make one test module's kernel calls compiled for the device (undone by monkeypatch).
+
+    pallas_kernels.dispatch: interpret falsy -> the XLA reference (the tests' "want", as
+    on CPU); interpret=True -> the platform's own branch, compiled; a pltpu.InterpretParams
+    skips the test (TPU_INTERPRET_ONLY). Direct calls of a kernel_gpu function get
+    interpret=False whatever the test passed.
+    """
+    from pallas_kernels import dispatch
+
+    staged = dispatch._staged
+
+    def compiled_staged(*args, ref, tpu, gpu, interpret):
+        if not interpret:
+            return _reference(*args, ref=ref)
+        if interpret is not True:
+            pytest.skip(TPU_INTERPRET_ONLY)
+        return staged(*args, ref=ref, tpu=tpu, gpu=gpu, interpret=None)
+
+    monkeypatch.setattr(dispatch, "_staged", compiled_staged)
+    for name, fn in list(vars(module).items()):
+        if callable(fn) and getattr(fn, "__module__", "").endswith(".kernel_gpu"):
+            if "interpret" in inspect.signature(fn).parameters:
+                monkeypatch.setattr(module, name, _compiled(fn))
+
+
+def _compiled(kernel):
+    @functools.wraps(kernel)
+    def call(*args, **kwargs):
+        return kernel(*args, **{**kwargs, "interpret": False})
+
+    return call
 
 
 def assert_close(actual, expected, rtol=1e-5, atol=1e-5):
