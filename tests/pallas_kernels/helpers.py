@@ -30,20 +30,22 @@ def _reference(*args, ref):
 def compile_kernels(monkeypatch, module) -> None:
     """Make one test module's kernel calls compiled for the device (undone by monkeypatch).
 
-    pallas_kernels.dispatch: interpret falsy -> the XLA reference (the tests' "want", as
-    on CPU); interpret=True -> the platform's own branch, compiled; a pltpu.InterpretParams
-    skips the test (TPU_INTERPRET_ONLY). Direct calls of a kernel_gpu function get
-    interpret=False whatever the test passed.
+    pallas_kernels.dispatch, called on arrays: interpret falsy -> the XLA reference (the
+    tests' "want", as on CPU); interpret=True -> the platform's own branch, compiled; a
+    pltpu.InterpretParams skips the test (TPU_INTERPRET_ONLY). Called while tracing
+    (jax.export lowering checks), interpret falsy keeps the real per-platform dispatch.
+    Direct calls of a kernel_gpu function get interpret=False whatever the test passed.
     """
     from pallas_kernels import dispatch
 
     staged = dispatch._staged
 
     def compiled_staged(*args, ref, tpu, gpu, interpret):
-        if not interpret:
-            return _reference(*args, ref=ref)
-        if interpret is not True:
+        if interpret and interpret is not True:
             pytest.skip(TPU_INTERPRET_ONLY)
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+        if not interpret and not traced:
+            return _reference(*args, ref=ref)
         return staged(*args, ref=ref, tpu=tpu, gpu=gpu, interpret=None)
 
     monkeypatch.setattr(dispatch, "_staged", compiled_staged)

@@ -8,6 +8,7 @@ import re
 import sys
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -111,8 +112,9 @@ def _fake_kernel(x, *, interpret):
 
 
 def test_compiled_mode_routes_interpret_to_the_platform_kernel(monkeypatch):
-    """The switch behind KVFOLD_KERNELS=compiled: None -> the reference, True -> the
-    platform's own (compiled) branch, InterpretParams -> skip; kernel_gpu calls compiled."""
+    """The switch behind KVFOLD_KERNELS=compiled: None -> the reference (when traced, the
+    real dispatch), True -> the platform's own (compiled) branch, InterpretParams -> skip;
+    kernel_gpu calls compiled."""
     calls = []
     monkeypatch.setattr(
         dispatch, "_staged", lambda *a, interpret, **kw: calls.append(interpret) or a[0]
@@ -127,6 +129,8 @@ def test_compiled_mode_routes_interpret_to_the_platform_kernel(monkeypatch):
     assert calls == []
     run(True)
     assert calls == [None]
+    jax.jit(lambda x: dispatch.dispatch(x, ref=ref, tpu=None, gpu=None, interpret=None))(x)
+    assert calls == [None, None]  # traced (export, lowering checks): the real dispatch
     with pytest.raises(pytest.skip.Exception, match="TPU interpret semantics"):
         run(pltpu.InterpretParams())
     np.testing.assert_array_equal(test_module.some_gpu_kernel(x, interpret=True), x + 2.0)
