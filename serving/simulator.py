@@ -3,16 +3,21 @@ instead of the model.
 
 The pure scheduler and the host-side KV bookkeeping are exactly the engine's
 (EngineCore); only the runner changes: SimRunner returns tokens from a seeded hash and
-charges each step the time the cost model predicts (DistServe's form, REFERENCES §6):
+charges each step the time the cost model predicts (the form of DistServe, Zhong et al.,
+OSDI 2024):
 
-    prefill: a + b * sum(len) + c * sum(len^2)      decode: a + b * sum(context) + c * batch
+    prefill: a + b * sum(len) + c * sum(len * end)      decode: a + b * sum(context) + c * batch
 
-fitted by least squares from the real engine's measured steps (`fit_cost_model`).
+where a prefill chunk of `len` tokens ends at position `end` (its attention reads that
+much context). The coefficients are fitted by least squares (`fit_cost_model`) from the
+real engine's measured steps (`measure_engine_steps`); a step with both kinds of rows
+pays both, as the runner runs them as two device calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 
 import numpy as np
@@ -23,46 +28,78 @@ from serving.params import SamplingParams
 from serving.runner import Row, RowResult
 
 
+def prefill_features(lens: list[int], ends: list[int]) -> list[float]:
+    """The prefill cost model's regressors for one step's chunks: [1, sum(len), sum(len * end)]."""
+    return [1.0, float(sum(lens)), float(sum(n * e for n, e in zip(lens, ends)))]
+
+
+def decode_features(contexts: list[int]) -> list[float]:
+    """The decode cost model's regressors for one step's rows: [1, sum(context), batch]."""
+    return [1.0, float(sum(contexts)), float(len(contexts))]
+
+
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    prefill: tuple[float, float, float]  # a, b, c (seconds)
-    decode: tuple[float, float, float]
+    prefill: tuple[float, float, float]  # a, b, c (seconds) of prefill_features
+    decode: tuple[float, float, float]  # a, b, c (seconds) of decode_features
+
+    def prefill_time(self, lens: list[int], ends: list[int]) -> float:
+        return float(np.dot(self.prefill, prefill_features(lens, ends)))
+
+    def decode_time(self, contexts: list[int]) -> float:
+        return float(np.dot(self.decode, decode_features(contexts)))
 
     def step_time(self, rows: list[Row]) -> float:
-        pre = [len(r.tokens) + r.start for r in rows if len(r.tokens) > 1]
-        new = [len(r.tokens) for r in rows if len(r.tokens) > 1]
-        dec = [r.start + 1 for r in rows if len(r.tokens) == 1]
+        chunks = [r for r in rows if len(r.tokens) > 1]
+        decodes = [r for r in rows if len(r.tokens) == 1]
         t = 0.0
-        if new:
-            a, b, c = self.prefill
-            # attention cost grows with the context the chunk reads (len * (start + len))
-            t += a + b * sum(new) + c * sum(n * p for n, p in zip(new, pre))
-        if dec:
-            a, b, c = self.decode
-            t += a + b * sum(dec) + c * len(dec)
+        if chunks:
+            t += self.prefill_time([len(r.tokens) for r in chunks], [r.start + len(r.tokens) for r in chunks])
+        if decodes:
+            t += self.decode_time([r.start + 1 for r in decodes])
         return t
 
-
     def step_time_for_prefill(self, n: int) -> float:
-        a, b, c = self.prefill
-        return a + b * n + c * n * n
+        return self.prefill_time([n], [n])
 
     def decode_per_token(self, batch: int, context: int = 512) -> float:
-        a, b, c = self.decode
-        return (a + b * context * batch + c * batch) / batch
+        return self.decode_time([context] * batch) / batch
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin ||x w - y|| over w >= 0, exactly: the best unconstrained fit on every subset of
+    columns that comes out non-negative (three columns: eight small solves)."""
+    best, best_err = np.zeros(x.shape[1]), float(np.sum(y * y))
+    for k in range(1, x.shape[1] + 1):
+        for cols in itertools.combinations(range(x.shape[1]), k):
+            w = np.linalg.lstsq(x[:, cols], y, rcond=None)[0]
+            if np.all(w >= 0):
+                err = float(np.sum((x[:, cols] @ w - y) ** 2))
+                if err < best_err:
+                    best_err, best = err, np.zeros(x.shape[1])
+                    best[list(cols)] = w
+    return best
+
+
+def _fit(features: list[list[float]], seconds: list[float]) -> tuple[float, float, float]:
+    # Weighted by 1 / t: step times span orders of magnitude, and what the simulation
+    # needs is a small relative error on every step, not on the slowest ones only.
+    x, y = np.array(features), np.array(seconds)
+    w = 1.0 / np.maximum(y, 1e-12)
+    return tuple(map(float, _nonnegative_lstsq(x * w[:, None], y * w)))
 
 
 def fit_cost_model(prefill_samples: list[tuple[list[int], list[int], float]],
                    decode_samples: list[tuple[list[int], float]]) -> CostModel:
-    """Least-squares fit. prefill_samples: (chunk lengths, context ends, seconds) per
-    step; decode_samples: (contexts, seconds) per step. Coefficients are clipped at 0."""
-    x = np.array([[1.0, sum(n), sum(a * b for a, b in zip(n, p))] for n, p, _ in prefill_samples])
-    y = np.array([t for *_, t in prefill_samples])
-    pre = np.clip(np.linalg.lstsq(x, y, rcond=None)[0], 0, None)
-    x = np.array([[1.0, sum(c), len(c)] for c, _ in decode_samples])
-    y = np.array([t for _, t in decode_samples])
-    dec = np.clip(np.linalg.lstsq(x, y, rcond=None)[0], 0, None)
-    return CostModel(tuple(map(float, pre)), tuple(map(float, dec)))
+    """Least-squares fit of non-negative coefficients, minimising relative error.
+
+    prefill_samples: (chunk lengths, chunk ends, seconds) per step; decode_samples:
+    (contexts, seconds) per step. Each design needs rank 3: decode samples must vary
+    the context at a fixed batch, or sum(context) is a multiple of the batch column and
+    the per-token and per-row costs cannot be told apart (see `decode_layout`)."""
+    pre = _fit([prefill_features(n, e) for n, e, _ in prefill_samples], [t for *_, t in prefill_samples])
+    dec = _fit([decode_features(c) for c, _ in decode_samples], [t for _, t in decode_samples])
+    return CostModel(pre, dec)
 
 
 class SimRunner:
@@ -70,9 +107,13 @@ class SimRunner:
 
     def __init__(self, cost: CostModel, vocab_size: int = 32000, avoid_token: int | None = None):
         self.cost, self.vocab, self.avoid = cost, vocab_size, avoid_token
+        # The engine calls execute only when it scheduled rows: num_steps tells the
+        # caller whether last_step_time belongs to the step it just ran.
+        self.num_steps = 0
         self.last_step_time = 0.0
 
     def execute(self, rows: list[Row]) -> list[RowResult | None]:
+        self.num_steps += 1
         self.last_step_time = self.cost.step_time(rows)
         out: list[RowResult | None] = []
         for r in rows:
@@ -113,13 +154,19 @@ class SimResult:
     cached_tokens: int
     makespan_s: float
     num_preemptions: int
-    steps: int
+    steps: int  # steps that ran rows (empty steps cost nothing and are not counted)
 
 
 def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, num_pages: int,
              max_model_len: int, cost: CostModel, enable_prefix_caching: bool = True,
              max_steps: int = 10_000_000) -> SimResult:
-    """Replay `requests` (sorted by arrival) through the engine core on simulated time."""
+    """Replay `requests` through the engine core on simulated time.
+
+    Time advances by each step's predicted cost. A step that schedules nothing (an idle
+    engine, or every request blocked) costs nothing; when it preempted nothing either,
+    the engine cannot move until the next arrival, so time jumps there. max_steps bounds
+    the engine steps taken, empty ones included. Raises RuntimeError if the engine is
+    stuck with no arrival left to change that."""
     now = [0.0]
     runner = SimRunner(cost)
     engine = EngineCore(runner, sched_config, num_pages, max_model_len, eos_token_id=None,
@@ -128,10 +175,8 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
     token_times: dict[str, list[float]] = {}
     arrivals: dict[str, float] = {}
     cached = 0
-    i = steps = 0
-    while (i < len(pending) or engine.has_unfinished()) and steps < max_steps:
-        if not engine.has_unfinished() and i < len(pending):
-            now[0] = max(now[0], pending[i].arrival_s)
+    i = taken = 0
+    while (i < len(pending) or engine.has_unfinished()) and taken < max_steps:
         while i < len(pending) and pending[i].arrival_s <= now[0]:
             r = pending[i]
             rid = str(i)
@@ -141,8 +186,16 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
             arrivals[rid] = r.arrival_s
             token_times[rid] = []
             i += 1
+        executed, preempted = runner.num_steps, engine.num_preemptions
         progressed = engine.step()
-        steps += 1
+        taken += 1
+        if runner.num_steps == executed:
+            if engine.num_preemptions == preempted:  # nothing changed: wait for an arrival
+                if i == len(pending):
+                    raise RuntimeError(f"the engine cannot schedule any of its {len(engine.requests)} "
+                                       f"unfinished requests and none is left to arrive")
+                now[0] = pending[i].arrival_s
+            continue
         now[0] += runner.last_step_time
         for rid in progressed:
             token_times[rid].append(now[0])
@@ -161,30 +214,80 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
             itl.extend(np.diff(times))
     return SimResult(np.array(ttft), np.array(tpot), np.array(itl), np.array(e2e),
                      sum(len(t) for t in token_times.values()), sum(len(r.prompt) for r in requests),
-                     cached, now[0], engine.num_preemptions, steps)
+                     cached, now[0], engine.num_preemptions, runner.num_steps)
 
 
-def measure_engine_steps(llm, prompt_lens=(16, 64, 128, 256), decode_batches=(1, 4, 8, 16),
+# -- measuring the real engine ---------------------------------------------------------
+
+
+def prefill_layout(max_model_len: int) -> list[tuple[int, int]]:
+    """(chunk length, start) of the prefill steps measured for the fit: three prompt
+    lengths from position 0 (so len and len * end are told apart) and a chunk behind a
+    long cached context (its attention reads far past its own tokens)."""
+    if max_model_len < 16:
+        raise ValueError(f"measuring needs max_model_len >= 16, got {max_model_len}")
+    top = min(256, max_model_len // 2)
+    return [(top // 16 or 2, 0), (top // 4, 0), (top, 0), (top // 4, max_model_len // 2)]
+
+
+def decode_layout(max_model_len: int) -> list[tuple[int, int]]:
+    """(batch, context) of the decode steps measured for the fit: short and long contexts
+    at a small and a large batch, and a point between. Every batch is measured at more
+    than one context, so sum(context) and batch are not collinear."""
+    if max_model_len < 16:
+        raise ValueError(f"measuring needs max_model_len >= 16, got {max_model_len}")
+    hi = min(2048, max_model_len - 1)
+    lo = max(1, hi // 32)
+    return [(1, lo), (1, hi), (16, lo), (16, hi), (4, hi // 4)]
+
+
+def measure_engine_steps(llm, prefill_steps: list[tuple[int, int]] | None = None,
+                         decode_steps: list[tuple[int, int]] | None = None, repeats: int = 3,
                          seed: int = 0) -> tuple[list, list]:
-    """Time real engine steps on `llm` (a serving.LLM) for fit_cost_model: each
-    configuration runs twice and the second (compiled) timing is kept."""
+    """Time real engine steps on `llm` (a serving.LLM) in fit_cost_model's sample format.
+
+    prefill_steps: (chunk length, start) per step, default `prefill_layout`; decode_steps:
+    (batch, context) per step, default `decode_layout`, contexts at most max_model_len - 1.
+    Each step runs once to compile, then `repeats` times; the fastest run is kept (other
+    work on the machine only ever adds time). Each row gets the pages its context needs,
+    different pages per row where the pool has enough."""
     rng = np.random.default_rng(seed)
     runner = llm.runner
-    table = list(range(runner.max_pages_per_seq))
-    prefill, decode = [], []
-    for n in prompt_lens:
-        row = Row(rng.integers(0, llm.config.vocab_size, n).tolist(), 0, table, sample=True)
-        for _ in range(2):
-            start = time.perf_counter()
-            runner.execute([row])
-            elapsed = time.perf_counter() - start
-        prefill.append(([n], [n], elapsed))
-    for b in decode_batches:
-        ctx = 128
-        rows = [Row([1], ctx - 1, table, sample=True) for _ in range(b)]
-        for _ in range(2):
+    ps, pool = runner.page_size, runner.num_pages
+    if prefill_steps is None:
+        prefill_steps = prefill_layout(llm.max_model_len)
+    if decode_steps is None:
+        decode_steps = decode_layout(llm.max_model_len)
+    if any(n < 2 or s + n > llm.max_model_len for n, s in prefill_steps):
+        raise ValueError(f"prefill steps need 2 <= length and start + length <= {llm.max_model_len}, "
+                         f"got {prefill_steps}")
+    if any(b < 1 or not 1 <= c < llm.max_model_len for b, c in decode_steps):
+        raise ValueError(f"decode steps need batch >= 1 and 1 <= context < {llm.max_model_len}, "
+                         f"got {decode_steps}")
+    first_page = 0
+
+    def table(end: int) -> list[int]:
+        nonlocal first_page
+        need = -(-end // ps)
+        pages = [(first_page + j) % pool for j in range(need)]
+        first_page = (first_page + need) % pool
+        return pages
+
+    def fastest(rows: list[Row]) -> float:
+        runner.execute(rows)
+        times = []
+        for _ in range(repeats):
             start = time.perf_counter()
             runner.execute(rows)
-            elapsed = time.perf_counter() - start
-        decode.append(([ctx] * b, elapsed))
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    prefill, decode = [], []
+    for n, s in prefill_steps:
+        row = Row(rng.integers(0, llm.config.vocab_size, n).tolist(), s, table(s + n), sample=True)
+        prefill.append(([n], [s + n], fastest([row])))
+    for b, c in decode_steps:
+        rows = [Row([int(rng.integers(0, llm.config.vocab_size))], c - 1, table(c), sample=True)
+                for _ in range(b)]
+        decode.append(([c] * b, fastest(rows)))
     return prefill, decode

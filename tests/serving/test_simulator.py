@@ -1,0 +1,171 @@
+"""The simulator's cost model and event loop: the least-squares fit recovers a known
+model and predicts steps it was not fitted on, the measured layouts can separate every
+coefficient, and simulated time is exactly the sum of the steps that ran."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from serving import scheduler as sched
+from serving.simulator import (CostModel, SimRequest, decode_features, decode_layout, fit_cost_model,
+                               prefill_features, prefill_layout, simulate)
+
+# Magnitudes of the default model's steps on a CPU: tens of ms per step, ~1 ms per
+# prefill token, tens of us per decode context token, ~10 ms per decode row.
+TRUE = CostModel(prefill=(4e-2, 1.5e-3, 2e-6), decode=(3e-2, 4e-5, 1e-2))
+
+
+def _noisy(t: float, rng, noise: float) -> float:
+    return t * (1 + noise * rng.standard_normal())
+
+
+def random_samples(rng, num: int, noise: float) -> tuple[list, list]:
+    """Steps of random shape (mixed chunk lengths and starts, mixed contexts per batch)
+    timed by TRUE with multiplicative noise."""
+    prefill, decode = [], []
+    for _ in range(num):
+        k = int(rng.integers(1, 4))
+        lens = rng.integers(2, 512, k).tolist()
+        ends = [n + int(s) for n, s in zip(lens, rng.integers(0, 1536, k))]
+        prefill.append((lens, ends, _noisy(TRUE.prefill_time(lens, ends), rng, noise)))
+        contexts = rng.integers(1, 2048, int(rng.integers(1, 33))).tolist()
+        decode.append((contexts, _noisy(TRUE.decode_time(contexts), rng, noise)))
+    return prefill, decode
+
+
+def layout_samples(max_model_len: int, rng, noise: float, repeats: int) -> tuple[list, list]:
+    """The steps measure_engine_steps times, timed by TRUE with noise."""
+    prefill = [([n], [s + n], _noisy(TRUE.prefill_time([n], [s + n]), rng, noise))
+               for _ in range(repeats) for n, s in prefill_layout(max_model_len)]
+    decode = [([c] * b, _noisy(TRUE.decode_time([c] * b), rng, noise))
+              for _ in range(repeats) for b, c in decode_layout(max_model_len)]
+    return prefill, decode
+
+
+def assert_close(fitted: tuple, true: tuple, rel: float) -> None:
+    np.testing.assert_allclose(fitted, true, rtol=rel)
+
+
+def test_fit_recovers_known_coefficients_from_noisy_steps():
+    rng = np.random.default_rng(0)
+    cost = fit_cost_model(*random_samples(rng, 60, noise=0.02))
+    assert_close(cost.prefill, TRUE.prefill, 0.1)
+    assert_close(cost.decode, TRUE.decode, 0.1)
+
+
+@pytest.mark.parametrize("max_model_len", [16, 64, 512, 2048, 8192])
+def test_measured_layouts_separate_every_coefficient(max_model_len):
+    # With one context per batch (the old layout), sum(context) = context * batch is a
+    # multiple of the batch column: rank 2, and the per-token and per-row decode costs
+    # trade off freely.
+    decode = np.array([decode_features([c] * b) for b, c in decode_layout(max_model_len)])
+    prefill = np.array([prefill_features([n], [s + n]) for n, s in prefill_layout(max_model_len)])
+    assert np.linalg.matrix_rank(decode) == 3
+    assert np.linalg.matrix_rank(prefill) == 3
+    for n, s in prefill_layout(max_model_len):
+        assert n >= 2 and s + n <= max_model_len
+    for b, c in decode_layout(max_model_len):
+        assert b >= 1 and 1 <= c < max_model_len
+
+
+def test_fit_on_the_measured_layout_recovers_known_coefficients():
+    rng = np.random.default_rng(1)
+    cost = fit_cost_model(*layout_samples(2048, rng, noise=0.02, repeats=4))
+    assert_close(cost.prefill, TRUE.prefill, 0.15)
+    assert_close(cost.decode, TRUE.decode, 0.15)
+
+
+def test_fit_predicts_held_out_steps_within_15_percent():
+    rng = np.random.default_rng(3)
+    prefill, decode = random_samples(rng, 60, noise=0.03)
+    cost = fit_cost_model(prefill[:40], decode[:40])
+    for lens, ends, t in prefill[40:]:
+        assert cost.prefill_time(lens, ends) == pytest.approx(t, rel=0.15)
+    for contexts, t in decode[40:]:
+        assert cost.decode_time(contexts) == pytest.approx(t, rel=0.15)
+
+
+# -- simulate ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordingCost(CostModel):
+    """TRUE's step times, each one also recorded in `times`."""
+
+    times: list = dataclasses.field(default_factory=list, compare=False)
+
+    def step_time(self, rows):
+        t = super().step_time(rows)
+        self.times.append(t)
+        return t
+
+
+def recording_cost() -> RecordingCost:
+    return RecordingCost(TRUE.prefill, TRUE.decode)
+
+
+def random_requests(rng, num: int, arrival_span_s: float) -> list[SimRequest]:
+    prefix = tuple(rng.integers(3, 100, 12).tolist())  # shared: prefix-cache hits
+    requests = []
+    for _ in range(num):
+        own = tuple(rng.integers(3, 100, int(rng.integers(1, 40))).tolist())
+        shared = prefix[:int(rng.integers(0, 13))]
+        requests.append(SimRequest(float(rng.uniform(0, arrival_span_s)), shared + own, int(rng.integers(1, 24))))
+    return requests
+
+
+@pytest.mark.parametrize("policy", [sched.MAX_UTILIZATION, sched.GUARANTEED_NO_EVICT])
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("arrival_span_s", [0.0, 2.0])
+def test_every_request_gets_its_tokens_and_time_is_the_sum_of_steps(policy, seed, arrival_span_s):
+    rng = np.random.default_rng(seed)
+    requests = random_requests(rng, 12, arrival_span_s)
+    config = sched.SchedulerConfig(page_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                                   capacity_policy=policy, chunk_unit_size=4)
+    cost = recording_cost()
+    res = simulate(requests, config, num_pages=24, max_model_len=128, cost=cost)
+    assert res.output_tokens == sum(r.output_len for r in requests)
+    assert len(res.ttft_s) == len(requests)
+    assert np.all(res.ttft_s >= 0) and np.all(res.e2e_s >= res.ttft_s)
+    assert res.steps == len(cost.times)
+    if arrival_span_s == 0:
+        assert res.makespan_s == pytest.approx(sum(cost.times), rel=1e-12)
+    else:  # busy for the steps, idle at most until the last arrival
+        assert sum(cost.times) <= res.makespan_s <= max(r.arrival_s for r in requests) + sum(cost.times)
+
+
+def test_a_step_that_only_preempts_costs_nothing():
+    # Two sequences decoding in lockstep fill a 4-page pool at the same step: the
+    # scheduler preempts both (nothing runs), then recomputes them one at a time.
+    requests = [SimRequest(0.0, tuple(range(3, 11)), 7), SimRequest(0.0, tuple(range(20, 28)), 7)]
+    config = sched.SchedulerConfig(page_size=4, max_num_seqs=2, max_num_batched_tokens=32,
+                                   capacity_policy=sched.MAX_UTILIZATION)
+    cost = recording_cost()
+    res = simulate(requests, config, num_pages=4, max_model_len=64, cost=cost, enable_prefix_caching=False)
+    assert res.num_preemptions >= 2
+    assert res.output_tokens == 14
+    assert res.makespan_s == pytest.approx(sum(cost.times), rel=1e-12)
+
+
+def test_idle_gaps_cost_nothing_and_arrivals_start_on_time():
+    a = SimRequest(1.0, tuple(range(3, 23)), 5)
+    b = SimRequest(50.0, tuple(range(30, 47)), 5)  # long after a has finished
+    config = sched.SchedulerConfig(page_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    cost = recording_cost()
+    res = simulate([b, a], config, num_pages=32, max_model_len=64, cost=cost, max_steps=10_000)
+    # each starts with its prompt alone in a step, at its arrival
+    assert res.ttft_s[0] == pytest.approx(TRUE.step_time_for_prefill(20), rel=1e-9)
+    assert res.ttft_s[1] == pytest.approx(TRUE.step_time_for_prefill(17), rel=1e-9)
+    assert res.makespan_s == pytest.approx(50.0 + res.e2e_s[1], rel=1e-12)
+    assert res.output_tokens == 10
+    # the busy time is the steps that ran, the rest is waiting for arrivals
+    assert res.makespan_s - sum(cost.times) == pytest.approx(1.0 + 50.0 - (1.0 + res.e2e_s[0]), rel=1e-9)
+
+
+def test_an_engine_that_can_never_schedule_raises_instead_of_spinning():
+    # Without chunked prefill a prompt longer than the step budget never runs.
+    requests = [SimRequest(0.0, tuple(range(3, 43)), 2)]
+    config = sched.SchedulerConfig(page_size=4, max_num_batched_tokens=16, enable_chunked_prefill=False)
+    with pytest.raises(RuntimeError, match="cannot schedule"):
+        simulate(requests, config, num_pages=32, max_model_len=64, cost=TRUE, max_steps=1000)
