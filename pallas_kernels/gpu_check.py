@@ -14,7 +14,9 @@ On a machine with a GPU it runs, each step in its own process with a time cap (a
            GB/s of our paged decode attention, as a fraction of the copy bandwidth measured
            in the same run, and against JAX's bundled GPU paged attention
 
-then a summary; the exit status is 0 only if every step passed. Without a GPU it exits
+then a summary; the exit status is 0 only if every step passed. Where pytest-xdist is
+installed (it is on the lent GPU machine) the test steps run their files in parallel
+processes sharing the GPU (`--serial` to not). Without a GPU it exits
 with status 2 saying so. `--dry-run` prints the plan and runs nothing.
 
 The GPU machine needs jax with CUDA, flax, optax, orbax-checkpoint, tokenizers, jinja2,
@@ -71,6 +73,7 @@ class Step:
     args: tuple[str, ...]  # after the Python interpreter
     env: tuple[tuple[str, str], ...]
     timeout_s: int
+    workers: int = 1  # pytest processes, one test file each at a time (with pytest-xdist)
 
 
 STEPS = {
@@ -80,13 +83,15 @@ STEPS = {
         (*PYTEST, *KERNEL_TESTS),
         (("KVFOLD_KERNELS", "compiled"),),
         180,
+        workers=4,
     ),
     "engine": Step(
         "engine",
         "engine greedy-equality tests (synthetic tokenizer)",
         (*PYTEST, *ENGINE_TESTS),
         (("KVFOLD_TEST_TOKENIZER", "synthetic"),),
-        210,  # mostly XLA compiles: 175 s on 2 shared CPU cores with a cold cache
+        210,  # mostly XLA compiles: 175 s serial on 2 shared CPU cores, cold cache
+        workers=2,
     ),
     "bench": Step(
         "bench",
@@ -152,6 +157,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--wheels", default=str(ROOT / ".whl"),
                         help="folder of wheels to install first when it holds any (default .whl)")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the steps")
+    parser.add_argument("--serial", action="store_true",
+                        help="one pytest process per step even where pytest-xdist is installed")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="multiply every step's time cap (default 1: about 8 minutes in all)")
     args = parser.parse_args(argv)
@@ -167,10 +174,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def plan(args: argparse.Namespace) -> list[Step]:
-    """The steps to run, in the order given, time caps scaled."""
-    scaled = lambda step: max(1, round(step.timeout_s * args.time_scale))
-    return [dataclasses.replace(STEPS[name], timeout_s=scaled(STEPS[name])) for name in args.steps]
+def plan(args: argparse.Namespace, xdist: bool) -> list[Step]:
+    """The steps to run, in the order given, time caps scaled. With pytest-xdist (and no
+    --serial) a test step runs its files in parallel processes: mostly compile time, and
+    the GPU machine has the cores. Those processes share the GPU, so none preallocates."""
+    steps = []
+    for name in args.steps:
+        step = STEPS[name]
+        step = dataclasses.replace(step, timeout_s=max(1, round(step.timeout_s * args.time_scale)))
+        if step.workers > 1 and xdist and not args.serial:
+            i = step.args.index("pytest") + 1
+            step = dataclasses.replace(
+                step,
+                args=(*step.args[:i], "-n", str(step.workers), "--dist", "loadfile", *step.args[i:]),
+                env=(*step.env, ("XLA_PYTHON_CLIENT_PREALLOCATE", "false")),
+            )
+        steps.append(step)
+    return steps
+
+
+def has_module(python: str, name: str) -> bool:
+    code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({name!r}) is None)"
+    try:
+        return subprocess.run([python, "-c", code], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def wheels_in(folder: str) -> list[str]:
@@ -266,8 +294,8 @@ def summary(results: list[Result], info: dict) -> str:
 
 def main(argv=None, probe: Callable[[str], dict] = probe_device) -> int:
     args = parse_args(argv)
-    steps = plan(args)
     wheels = wheels_in(args.wheels)
+    steps = plan(args, xdist=has_module(args.python, "xdist"))
     if args.dry_run:
         print(f"gpu_check plan (in {ROOT}; about {sum(s.timeout_s for s in steps)} s at most):")
         if wheels:

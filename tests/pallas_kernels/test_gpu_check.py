@@ -3,6 +3,7 @@ and the two test switches it sets (compiled kernels, synthetic tokenizer)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import sys
@@ -35,9 +36,22 @@ def test_dry_run_lists_every_step_with_its_switch(capsys):
 
 def test_steps_subset_order_and_time_scale():
     args = gpu_check.parse_args(["--steps", "bench,kernels", "--time-scale", "0.5"])
-    steps = gpu_check.plan(args)
+    steps = gpu_check.plan(args, xdist=False)
     assert [s.name for s in steps] == ["bench", "kernels"]
     assert steps[0].timeout_s == round(gpu_check.STEPS["bench"].timeout_s / 2)
+    assert steps[1] == dataclasses.replace(gpu_check.STEPS["kernels"], timeout_s=steps[1].timeout_s)
+
+
+@pytest.mark.parametrize("serial", [False, True])
+def test_test_steps_run_files_in_parallel_with_xdist_unless_serial(serial):
+    args = gpu_check.parse_args(["--serial"] if serial else [])
+    steps = {s.name: s for s in gpu_check.plan(args, xdist=True)}
+    for name in ("kernels", "engine"):
+        line = gpu_check.command_line(steps[name], "python3")
+        parallel = f"-m pytest -n {gpu_check.STEPS[name].workers} --dist loadfile -q" in line
+        assert parallel == (not serial)
+        assert ("XLA_PYTHON_CLIENT_PREALLOCATE=false" in line) == (not serial)
+    assert steps["bench"] == gpu_check.STEPS["bench"]
 
 
 @pytest.mark.parametrize(
