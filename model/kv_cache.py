@@ -57,11 +57,17 @@ def contiguous_block_tables(batch_size: int, pages_per_seq: int) -> jax.Array:
 
 def slot_mapping(positions: jax.Array, block_tables: jax.Array, page_size: int,
                  num_pages: int) -> jax.Array:
-    """Flat slot of each token's K/V, int32 [B, T]; padding (position < 0) maps past the pool."""
+    """Flat slot of each token's K/V, int32 [B, T].
+
+    Padding (position < 0), positions past the block table and block table entries
+    outside [0, num_pages) map past the pool, where writes are dropped: a bad entry
+    (a -1 would otherwise wrap to the last page) never writes into another sequence's page.
+    """
     pages_per_seq = block_tables.shape[1]
     valid = (positions >= 0) & (positions < pages_per_seq * page_size)
     logical = jnp.clip(positions // page_size, 0, pages_per_seq - 1)
     page = jnp.take_along_axis(block_tables, logical, axis=1)
+    valid &= (page >= 0) & (page < num_pages)
     return jnp.where(valid, page * page_size + positions % page_size, num_pages * page_size)
 
 

@@ -27,6 +27,7 @@ from model.kv_cache import CacheLayout, KVCache, contiguous_block_tables, slot_m
 from model.kv_formats import KVPages, check_kv_cache_dtype, default_page_size, init_kv_pages
 from model.layers import attention_block, mlp, rms_norm
 from model.rope import rope_tables
+from pallas_kernels.validate import check_block_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +127,8 @@ def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int, dtype,
                      block_tables: jax.Array, kv_cache_dtype: str = "auto") -> KVCache:
     """A cache over a pool of `num_pages` pages, addressed through `block_tables`."""
     check_kv_cache_dtype(kv_cache_dtype, config, page_size)
+    if set(config.layer_kinds) <= {ATTENTION, SLIDING_ATTENTION}:
+        check_block_tables(block_tables, num_pages)
     layout = CacheLayout(block_tables.shape[0], num_pages, page_size, kv_cache_dtype)
     layers = [_kind(kind).init_cache(config, layout, dtype) for kind in config.layer_kinds]
     return KVCache(layers, block_tables, page_size)
@@ -205,19 +208,27 @@ def lm_head(params: dict, config: ModelConfig, hidden: jnp.ndarray) -> jnp.ndarr
     return (hidden @ w).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
 def forward(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: jnp.ndarray,
             cache: KVCache, logits_indices: jnp.ndarray | None = None,
             tree: TokenTree | None = None) -> tuple[jnp.ndarray, KVCache]:
-    """Run the model over tokens and write their K/V into the cache.
+    """Run the model over tokens and write their K/V into the cache (jitted, config static).
 
     tokens, positions: int32 [batch, seq]. A negative position marks a padding
     token: its K/V is not written and it attends to nothing. cache: a KVCache from
-    `init_cache` / `init_paged_cache` (donated).
+    `init_cache` / `init_paged_cache` (donated); its block table entries must be pages
+    of its pool (checked when the tables are concrete).
     logits_indices: optional int32 [batch]; if given, logits only at those sequence
     indices ([batch, V]) instead of every token ([batch, seq, V]).
     tree: score draft-tree nodes in one pass (speculative decoding, model/context.py).
     """
+    paged = [layer for layer in getattr(cache, "layers", ()) if isinstance(layer, KVPages)]
+    if paged:  # CSA2 layers (model/deepseek) keep per-sequence rows, not pages
+        check_block_tables(cache.block_tables, jax.tree.leaves(paged[0].pages)[0].shape[0])
+    return _forward(params, config, tokens, positions, cache, logits_indices, tree)
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+def _forward(params, config, tokens, positions, cache, logits_indices, tree):
     hidden, cache, _ = forward_hidden(params, config, tokens, positions, cache, tree=tree)
     if logits_indices is not None:
         hidden = jnp.take_along_axis(hidden, logits_indices[:, None, None], axis=1)[:, 0]

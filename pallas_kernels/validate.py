@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def check_ndim(name, x, ndim, layout):
@@ -50,3 +52,21 @@ def attention_options(head_dim, num_q_heads, sm_scale, soft_cap, sinks, variant)
         if not var.uses_softmax:
             raise ValueError("sinks need softmax attention; this variant has a weight_fn")
     return dict(sm_scale=default_scale(head_dim, sm_scale), variant=var)
+
+
+def check_block_tables(block_tables, num_pages: int, kv_lens=None, page_size: int = 1) -> None:
+    """ValueError unless the entries of concrete int32 block_tables [B, P] are pages in
+    [0, num_pages): every entry, or with kv_lens [B] only those a sequence reads or
+    writes (its first ceil(kv_len / page_size)). Traced values (inside jit) are the
+    caller's to trust."""
+    if isinstance(block_tables, jax.core.Tracer) or isinstance(kv_lens, jax.core.Tracer):
+        return
+    tables = np.asarray(block_tables)
+    bad = (tables < 0) | (tables >= num_pages)
+    if kv_lens is not None:
+        live = -(-np.asarray(kv_lens) // page_size)
+        bad &= np.arange(tables.shape[1])[None, :] < live[:, None]
+    if bad.any():
+        b, i = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"block_tables[{b}, {i}] = {int(tables[b, i])} is not a page of the pool "
+                         f"(pages are 0..{num_pages - 1}); {int(bad.sum())} bad entries")

@@ -2,8 +2,10 @@
 
 A step's rows are split into prefill chunks ([B, T] with T > 1) and decode rows
 ([B, 1]); each group is padded to power-of-two buckets so a warm engine never
-recompiles. The KV pool (one page pool per layer) lives here and is donated to
-every call.
+recompiles. The block tables a step gets are cut to the bucketed largest live page
+count of its rows (`table_width`), so attention reads, and a step costs, what the
+sequences hold rather than max_model_len. The KV pool (one page pool per layer)
+lives here and is donated to every call.
 
 With an EAGLE-3 draft (speculative decoding) the pool holds one more layer, the
 draft's, addressed by the same block tables, so prefix caching, copy-on-write and
@@ -72,6 +74,24 @@ class Drafter:
 
 def bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+# Block tables handed to a step are at least this many positions wide: shorter contexts
+# cost the same (weights dominate), and fewer width buckets mean fewer compilations.
+MIN_TABLE_POSITIONS = 256
+
+
+def live_pages(row: Row, page_size: int) -> int:
+    """Pages holding the positions a row's step reads or writes: [0, start + its tokens),
+    or [0, start + tree nodes) for a verify row (the tree sits in slots start + i)."""
+    n = len(row.tree[0]) if row.tree is not None else len(row.tokens)
+    return -(-(row.start + n) // page_size)
+
+
+def table_width(live: list[int], max_pages: int, minimum: int) -> int:
+    """The step's block-table width: the largest live page count rounded up to a power of
+    two (at least `minimum`), capped at max_pages."""
+    return min(max_pages, bucket(max(live, default=1), minimum))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "page_size", "want_logprobs"),
@@ -202,6 +222,7 @@ class ModelRunner:
         self.config, self.params, self.draft = config, params, draft
         self.page_size, self.num_pages = page_size, num_pages
         self.max_pages_per_seq, self.max_num_seqs = max_pages_per_seq, max_num_seqs
+        self.min_table_width = -(-MIN_TABLE_POSITIONS // page_size)
         tables = jnp.zeros((1, max_pages_per_seq), jnp.int32)
         self.pool = model.init_paged_cache(config, num_pages, page_size, dtype, tables,
                                            kv_cache_dtype).layers
@@ -232,9 +253,14 @@ class ModelRunner:
         return [jnp.asarray(a) for a in (seeds, counters, temp, top_k, top_p, min_p)]
 
     def _tables(self, rows: list[Row], b: int) -> jax.Array:
-        tables = np.zeros((b, self.max_pages_per_seq), np.int32)
+        """Block tables [b, width] cut to the pages this step can see, so attention reads
+        (and its cost follows) the live context rather than max_model_len."""
+        width = table_width([live_pages(r, self.page_size) for r in rows], self.max_pages_per_seq,
+                            self.min_table_width)
+        tables = np.zeros((b, width), np.int32)
         for i, r in enumerate(rows):
-            tables[i, :len(r.block_table)] = r.block_table
+            n = min(width, len(r.block_table))
+            tables[i, :n] = r.block_table[:n]
         return jnp.asarray(tables)
 
     def _run_verify(self, rows: list[Row]) -> list[RowResult]:

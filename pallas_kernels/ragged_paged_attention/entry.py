@@ -43,8 +43,10 @@ def ragged_paged_attention(
         padding (out 0, lse -inf, nothing written).
       k, v: [total_q_tokens, num_kv_heads, head_dim], q's dtype: the new tokens' K/V.
       k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim], q's dtype.
-      block_tables: int32 [num_seqs, max_pages_per_seq]; entries past a sequence's last
-        page are never read. Written slots must not be shared with another sequence.
+      block_tables: int32 [num_seqs, max_pages_per_seq]; the first ceil(kv_len / page_size)
+        entries of a sequence must be pages in [0, num_pages) (checked when concrete; the
+        reference drops writes to any other entry), later ones are never read. Written
+        slots must not be shared with another sequence.
       cu_q_lens: int32 [num_seqs + 1], nondecreasing from 0, cu_q_lens[-1] <= total_q_tokens.
       kv_lens: int32 [num_seqs], tokens of each sequence after this step (including the
         new ones), q_len_s <= kv_len_s <= max_pages_per_seq * page_size.
@@ -82,6 +84,7 @@ def ragged_paged_attention(
     validate.check_shape("kv_lens", kv_lens, (num_seqs,))
     validate.check_dtype("kv_lens", kv_lens, [jnp.int32])
     validate.check_positive("sliding_window", sliding_window)
+    validate.check_block_tables(block_tables, k_pages.shape[0], kv_lens, page_size)
     static = dict(
         sliding_window=None if sliding_window is None else int(sliding_window),
         **validate.attention_options(head_dim, num_q_heads, sm_scale, soft_cap, sinks, variant),

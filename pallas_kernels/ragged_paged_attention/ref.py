@@ -29,6 +29,7 @@ def write_new_kv(k_pages, v_pages, k, v, block_tables, seq, pos):
     s = jnp.minimum(seq, block_tables.shape[0] - 1)
     p = jnp.maximum(pos, 0)
     page = block_tables[s, p // page_size]
+    valid &= (page >= 0) & (page < num_pages)  # a bad entry never wraps into another page
     page = jnp.where(valid, page, num_pages)  # out of bounds: dropped
     slot = p % page_size
     k_pages = k_pages.at[page, slot].set(k, mode="drop")

@@ -74,6 +74,27 @@ def test_sequence_longer_than_cache_names_context():
         model.forward(params, config, tokens, jnp.arange(17)[None], cache)
 
 
+def test_block_table_entries_must_be_pages_of_the_pool():
+    config = tiny_config()
+    params = model.init_params(config, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 4 is not a page"):
+        model.init_paged_cache(config, 4, 8, jnp.float32, jnp.asarray([[0, 4]], jnp.int32))
+    cache = model.init_paged_cache(config, 4, 8, jnp.float32, jnp.asarray([[0, 1], [2, 3]], jnp.int32))
+    tokens = jnp.ones((2, 12), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+    bad = model.KVCache(cache.layers, jnp.asarray([[0, -1], [2, 3]], jnp.int32), cache.page_size)
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = -1 is not a page"):
+        model.forward(params, config, tokens, positions, bad)
+    # Traced tables are not checked, but sequence 0's -1 entry drops its writes (positions
+    # 8..11) instead of wrapping to the last page, sequence 1's (which it leaves empty).
+    positions = positions.at[1, 8:].set(-1)
+    _, got = jax.jit(model.forward, static_argnums=1)(params, config, tokens, positions, bad)
+    for layer in got.layers:
+        for name in ("k", "v"):
+            assert np.all(np.asarray(layer[name][3]) == 0) and np.all(np.asarray(layer[name][1]) == 0)
+            assert np.any(np.asarray(layer[name][0]) != 0) and np.any(np.asarray(layer[name][2]) != 0)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(num_heads=3), "multiple of"), (dict(head_dim=5), "even"),
     (dict(layer_kinds=()), "at least one"), (dict(layer_kinds=("sliding_attention",)), "sliding_window"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -147,6 +148,23 @@ def test_validation_errors():
         ragged_paged_attention(q[:, :3], k, v, kp, vp, bt, cu, kl)
     with pytest.raises(ValueError, match="sinks must have shape"):
         ragged_paged_attention(*args, sinks=sinks[:2])
+    with pytest.raises(ValueError, match=r"block_tables\[1, 1\] = -1 is not a page"):
+        ragged_paged_attention(q, k, v, kp, vp, bt.at[1, 1].set(-1), cu, kl)
+
+
+def test_reference_drops_writes_through_bad_block_table_entries():
+    """Inside jit nothing checks values: a -1 entry must not wrap to the last page."""
+    args, _ = _mixed_batch(5)
+    q, k, v, kp, vp, bt, cu, kl = args
+    bad = bt.at[1, 1].set(-1)  # sequence 1 writes positions 7..11, page 1 holds 8..11
+    run = jax.jit(lambda *a: ragged_paged_attention(*a, interpret=None))
+    _, _, k_new, v_new = run(q, k, v, kp, vp, bad, cu, kl)
+    _, _, k_ok, _ = run(q, k, v, kp, vp, bt, cu, kl)
+    lost = int(bt[1, 1])
+    untouched = np.ones(kp.shape[0], bool)
+    untouched[lost] = False
+    np.testing.assert_array_equal(np.asarray(k_new)[untouched], np.asarray(k_ok)[untouched])
+    np.testing.assert_array_equal(np.asarray(v_new)[lost], np.asarray(vp)[lost])  # not written
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -65,6 +65,31 @@ def test_warm_engine_never_recompiles(make_llm):
     assert llm.runner.num_compilations() == warm
 
 
+def test_step_block_tables_follow_the_live_context(make_llm):
+    """A step's block tables are cut to the bucketed live page count, not max_model_len,
+    and the cut changes no token: full tables, the default cut and a one-page minimum agree."""
+    from serving.runner import Row
+
+    outputs = []
+    for min_width in (32, None, 1):  # 32 pages = max_model_len 512: no cut
+        llm = make_llm(max_model_len=512)
+        if min_width is not None:
+            llm.runner.min_table_width = min_width
+        outputs.append(ids(llm.generate(prompts(3, length=20, seed=4), GREEDY)))
+    assert outputs[0] == outputs[1] == outputs[2]
+    runner = llm.runner  # min width 1
+    table = list(range(100, 132))
+    rows = [Row([1] * 20, 0, table, sample=True), Row([1], 40, table, sample=True),
+            Row([1], 7, table[:1], sample=True)]
+    tables = np.asarray(runner._tables(rows, 4))
+    assert tables.shape == (4, 4)  # position 40 is on page 3: 3 live pages -> bucket 4
+    assert tables[:2].tolist() == [table[:4]] * 2 and tables[2].tolist() == [100, 0, 0, 0]
+    tree = Row([1], 40, table, sample=True, tree=(np.zeros(30), np.zeros(30), np.zeros(30)))
+    assert np.asarray(runner._tables([tree], 1)).shape == (1, 8)  # tree slots 40..69: 5 pages
+    runner.min_table_width = 16
+    assert np.asarray(runner._tables(rows, 4)).shape == (4, 16)
+
+
 def test_abort_frees_pages_immediately(make_llm):
     llm = make_llm(enable_prefix_caching=False)
     stream = llm.stream(prompts(2), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))

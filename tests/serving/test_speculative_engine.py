@@ -75,6 +75,19 @@ def test_greedy_speculation_equals_plain_greedy(make_llm, spec_llm):
     spec_llm.engine.kv.check()  # every page of the rejected branches came back
 
 
+def test_speculation_over_block_tables_cut_to_the_live_pages(make_llm):
+    """With one-page table buckets, verify rows (whose tree slots reach past the sequence's
+    last token), KV compaction and the draft's catch-up read cut tables: still lossless."""
+    rng = np.random.default_rng(1)
+    requests = [{"prompt_token_ids": rng.integers(0, VOCAB, n).tolist()} for n in (14, 30)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in make_llm(speculative=False).generate(requests, params)]
+    spec = make_llm()
+    spec.runner.min_table_width = 1
+    assert [o.outputs[0].token_ids for o in spec.generate(requests, params)] == plain
+    spec.engine.kv.check()
+
+
 def test_engine_tree_equals_a_draft_run_from_scratch(target, draft_dir, spec_llm):
     """After prefill, prefix hits and several verify steps (each moving KV and catching
     the draft up in pieces), the tree the engine holds equals `grow_tree` driven by the
