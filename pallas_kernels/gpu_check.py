@@ -123,7 +123,10 @@ def probe_device(python: str) -> dict:
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         return dict(error=f"`import jax` failed in {python}:\n{done.stderr.strip()[-2000:]}")
-    info = json.loads(lines[-1])
+    try:
+        info = json.loads(lines[-1])
+    except ValueError:
+        return dict(error=f"unexpected output from {python}: {lines[-1][:500]}")
     info["warnings"] = done.stderr.strip()[-1000:]
     return info
 
