@@ -57,11 +57,11 @@ from quant.lloyd_max import sphere_codebook, sphere_codebook_mse
 from quant.packing import pack_bits, pack_nibbles, unpack_bits, unpack_nibbles
 
 if TYPE_CHECKING:
-    from quant.turboquant import TurboCodes, TurboQuant
+    from quant.turboquant import SplitCodes, TurboCodes, TurboQuant, TurboQuantSplit
 
 # quant.turboquant is imported on first use: eagerly importing it here would make
 # `python -m quant.turboquant --table` find its own module already loaded (runpy warns).
-_LAZY = {"TurboCodes": "quant.turboquant", "TurboQuant": "quant.turboquant"}
+_LAZY = {name: "quant.turboquant" for name in ("SplitCodes", "TurboCodes", "TurboQuant", "TurboQuantSplit")}
 
 
 def __getattr__(name: str):
@@ -90,8 +90,10 @@ __all__ = [
     "METHODS",
     "MXFP4",
     "NVFP4",
+    "SplitCodes",
     "TurboCodes",
     "TurboQuant",
+    "TurboQuantSplit",
     "bytes_per_row",
     "default_linear_predicate",
     "e2m1_decode",

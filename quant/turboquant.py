@@ -10,11 +10,17 @@ For x in R^d with norm n = ||x|| and u = x / n:
   x_hat = n * (u_mse + sqrt(pi/2) / d * ||r|| * S^T sign(S r)). Unbiased inner products.
   At b = 1 the MSE stage has 0 bits (its codebook is {0}) and only QJL is stored.
 
-Fractional rates split the rotated coordinates: bits = b + 0.5 puts the first d/2 rotated
-coordinates at b + 1 bits and the other d/2 at b bits (2.5 = 3 + 2, 3.5 = 4 + 3). After a
-Haar rotation every coordinate has the same distribution, so a split by index is as good
-as any; the paper's alternative (two independent instances on outlier and regular
-channels of the unrotated vector) is not implemented.
+Fractional rates, two ways:
+
+- TurboQuant(d, b + 0.5) puts the first d/2 *rotated* coordinates at b + 1 bits and the
+  other d/2 at b bits. After a Haar rotation every coordinate carries the same share of
+  the energy, so the error is the mean of the two rates' errors whatever x looks like.
+- TurboQuantSplit(d, b + 0.5, outliers) is the paper's scheme (TurboQuant, Zandieh et
+  al., 2025, Section 4.3): the d/2 outlier channels of the *unrotated* vector and the d/2
+  regular ones are two independent TurboQuant instances (own rotation, own norm) at b + 1
+  and b bits. When the outlier channels hold a share f of ||x||^2 the error is
+  f * D(b + 1) + (1 - f) * D(b) instead of the mean, so it pays wherever energy is skewed
+  across channels (keys of LLMs: model/kv_formats.py says which channels it picks).
 
 Attention trick: <q, x_hat> = n * (<Pi q, c[idx]> + sqrt(pi/2)/d * ||r|| * <S q, sign>),
 so score() rotates and projects the query once instead of de-rotating every key.
@@ -173,6 +179,68 @@ class TurboQuant:
         with keys [N] -> [M, N]). Returns float32 [..., N].
         """
         return _score(self._params, self._check(q, "TurboQuant.score"), self._check_codes(codes))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["outlier", "regular"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SplitCodes:
+    """TurboQuantSplit's codes of vectors [...]: outlier: TurboCodes of the outlier channels
+    (idx uint8 [..., n_out * b_hi / 8], norm f32 [...]); regular: TurboCodes of the rest."""
+
+    outlier: TurboCodes
+    regular: TurboCodes
+
+    @property
+    def nbytes(self) -> int:
+        return self.outlier.nbytes + self.regular.nbytes
+
+
+class TurboQuantSplit:
+    """TurboQuantSplit(dim, bits, outliers, seed=0): the paper's fractional rate.
+
+    bits = b + 0.5 (b in 1..7); outliers: dim / 2 distinct channel indices in [0, dim),
+    quantized by an mse-mode TurboQuant(dim / 2, b + 1, seed) after being gathered in the
+    given order; the other channels (ascending) by TurboQuant(dim / 2, b, seed + 1). Each
+    half keeps its own norm. dim must divide by 16 so both halves pack into whole bytes.
+    """
+
+    def __init__(self, dim: int, bits: float, outliers, seed: int = 0):
+        if not isinstance(dim, (int, np.integer)) or dim < 16 or dim % 16:
+            raise ValueError(f"TurboQuantSplit needs dim divisible by 16, got {dim!r}")
+        if not (isinstance(bits, (int, float)) and 1 < bits < _MAX_BITS and bits % 1 == 0.5):
+            raise ValueError(f"TurboQuantSplit bits must be b + 0.5 with b in 1..{_MAX_BITS - 1}, got {bits!r}")
+        out = tuple(int(c) for c in outliers)
+        if len(out) != dim // 2 or len(set(out)) != len(out) or not all(0 <= c < dim for c in out):
+            raise ValueError(f"outliers must be {dim // 2} distinct channels in [0, {dim}), got {outliers!r}")
+        self.dim, self.bits, self.seed = int(dim), float(bits), int(seed)
+        self.outliers = out
+        self.regular = tuple(c for c in range(self.dim) if c not in set(out))
+        self.hi = TurboQuant(self.dim // 2, math.ceil(bits), "mse", seed)
+        self.lo = TurboQuant(self.dim // 2, math.floor(bits), "mse", seed + 1)
+        # x_hat = concat(hi, lo)[..., _inverse] puts every channel back where it came from.
+        self._order = np.asarray(out + self.regular)
+        self._inverse = np.argsort(self._order)
+
+    def __repr__(self) -> str:
+        return (f"TurboQuantSplit(dim={self.dim}, bits={self.bits:g}, "
+                f"outliers={self.outliers}, seed={self.seed})")
+
+    def quantize(self, x: jax.Array) -> SplitCodes:
+        """Float [..., d] -> SplitCodes (leading shape [...])."""
+        x = jnp.asarray(x)
+        if x.ndim < 1 or x.shape[-1] != self.dim or not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"TurboQuantSplit.quantize: expected a float [..., {self.dim}] array, "
+                             f"got {x.dtype}{x.shape}")
+        half = self.dim // 2
+        x = x[..., self._order]
+        return SplitCodes(self.hi.quantize(x[..., :half]), self.lo.quantize(x[..., half:]))
+
+    def dequantize(self, codes: SplitCodes) -> jax.Array:
+        """SplitCodes -> x_hat float32 [..., d]."""
+        if not isinstance(codes, SplitCodes):
+            raise ValueError("codes were not made by a TurboQuantSplit")
+        both = jnp.concatenate([self.hi.dequantize(codes.outlier), self.lo.dequantize(codes.regular)], -1)
+        return both[..., self._inverse]
 
 
 def _rotated_centroids(p: _Params, idx: jax.Array) -> jax.Array:

@@ -79,6 +79,67 @@ def test_fractional_rates_split_channels(bits, hi, lo):
     assert abs(mse / ((PAPER_MSE[hi] + PAPER_MSE[lo]) / 2) - 1) < 0.05
 
 
+OUTLIERS = tuple(range(D // 4, D // 2)) + tuple(range(3 * D // 4, D))  # any half works
+
+
+def _split_reference(x, split):
+    """TurboQuantSplit in float64 numpy, from the paper's definition."""
+    from quant.turboquant import _random_matrices
+
+    out = np.empty_like(x)
+    for channels, bits, seed in ((split.outliers, split.hi.bits, split.seed),
+                                 (split.regular, split.lo.bits, split.seed + 1)):
+        part = x[:, channels]
+        norm = np.linalg.norm(part, axis=-1, keepdims=True)
+        pi, _ = _random_matrices(len(channels), seed)
+        c = sphere_codebook(len(channels), int(bits))
+        y = (part / norm) @ pi.T
+        out[:, channels] = norm * (c[np.argmin(np.abs(y[..., None] - c), -1)] @ pi)
+    return out
+
+
+@pytest.mark.parametrize("bits", [2.5, 3.5])
+def test_split_equals_float64_reference(bits):
+    split = quant.TurboQuantSplit(D, bits, OUTLIERS, seed=5)
+    x = np.random.default_rng(11).standard_normal((512, D)) * np.linspace(0.2, 3, D)
+    codes = split.quantize(jnp.asarray(x, jnp.float32))
+    hi, lo = math.ceil(bits), math.floor(bits)
+    assert codes.outlier.idx.shape == (512, D // 2 * hi // 8)
+    assert codes.regular.idx.shape == (512, D // 2 * lo // 8)
+    assert codes.nbytes == 512 * (D * bits / 8 + 8)  # + two f32 norms
+    got = np.asarray(split.dequantize(codes), np.float64)
+    want = _split_reference(x, split)
+    # f32 rounding may flip a coordinate that sits on a codebook boundary.
+    rows_equal = np.all(np.isclose(got, want, rtol=1e-4, atol=1e-4), axis=-1)
+    assert rows_equal.mean() > 0.99
+
+
+@pytest.mark.parametrize("bits", [2.5, 3.5])
+def test_split_error_follows_the_outlier_energy(bits):
+    """Outlier channels at 4x the scale hold f = 16/17 of the energy: the error is
+    f * D(b+1) + (1 - f) * D(b) of the half-size codebooks (TurboQuant, Section 4.3), well
+    below the mean of the two that an index split (or a wrong channel set) gives."""
+    split = quant.TurboQuantSplit(D, bits, OUTLIERS, seed=2)
+    scale = np.ones(D)
+    scale[list(OUTLIERS)] = 4.0
+    x = np.random.default_rng(3).standard_normal((8192, D)) * scale
+    got = np.asarray(split.dequantize(split.quantize(jnp.asarray(x, jnp.float32))), np.float64)
+    rel = np.mean(np.sum((got - x) ** 2, -1) / np.sum(x ** 2, -1))
+    hi, lo = (sphere_codebook_mse(D // 2, b) for b in (math.ceil(bits), math.floor(bits)))
+    f = 16 / 17
+    assert abs(rel / (f * hi + (1 - f) * lo) - 1) < 0.1
+    assert rel < 0.6 * (hi + lo) / 2
+
+
+def test_split_validation():
+    with pytest.raises(ValueError, match=r"b \+ 0.5"):
+        quant.TurboQuantSplit(D, 3, OUTLIERS)
+    with pytest.raises(ValueError, match="distinct channels"):
+        quant.TurboQuantSplit(D, 3.5, OUTLIERS[:-1] + (0, 0))
+    with pytest.raises(ValueError, match="divisible by 16"):
+        quant.TurboQuantSplit(40, 3.5, range(20))
+
+
 @pytest.mark.parametrize("mode", ["mse", "prod"])
 def test_score_equals_inner_product_with_dequantized_keys(mode):
     tq = quant.TurboQuant(64, 3, mode=mode, seed=3)
