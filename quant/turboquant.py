@@ -217,9 +217,9 @@ class TurboQuantSplit:
         self.regular = tuple(c for c in range(self.dim) if c not in set(out))
         self.hi = TurboQuant(self.dim // 2, math.ceil(bits), "mse", seed)
         self.lo = TurboQuant(self.dim // 2, math.floor(bits), "mse", seed + 1)
-        # x_hat = concat(hi, lo)[..., _inverse] puts every channel back where it came from.
+        # x_hat = concat(hi, lo)[..., inverse] puts every channel back where it came from.
         self._order = np.asarray(out + self.regular)
-        self._inverse = np.argsort(self._order)
+        self.inverse = tuple(int(i) for i in np.argsort(self._order))
 
     def __repr__(self) -> str:
         return (f"TurboQuantSplit(dim={self.dim}, bits={self.bits:g}, "
@@ -240,7 +240,7 @@ class TurboQuantSplit:
         if not isinstance(codes, SplitCodes):
             raise ValueError("codes were not made by a TurboQuantSplit")
         both = jnp.concatenate([self.hi.dequantize(codes.outlier), self.lo.dequantize(codes.regular)], -1)
-        return both[..., self._inverse]
+        return both[..., np.asarray(self.inverse)]
 
 
 def _rotated_centroids(p: _Params, idx: jax.Array) -> jax.Array:

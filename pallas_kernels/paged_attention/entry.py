@@ -110,14 +110,17 @@ def paged_attention_quantized(
         [..., head_dim / 16], scalar tensor_scale); "mxfp4" (quant.MXFP4: packed uint8
         [..., head_dim / 2], UE8M0 scales [..., head_dim / 32]); or an mse-mode
         quant.TurboQuant with bits 1, 2 or 4 (quant.TurboCodes: idx uint8
-        [..., head_dim * bits / 8], norm f32 [num_pages, page_size, num_kv_heads]).
+        [..., head_dim * bits / 8], norm f32 [num_pages, page_size, num_kv_heads]); or a
+        quant.TurboQuantSplit, the KV cache's turboquant-3.5 / -2.5 (quant.SplitCodes:
+        outlier and regular TurboCodes of head_dim / 2 channels each).
         kv_formats.resolve(kv_format).quantize(pages) builds such a container.
       k_pages, v_pages: containers of kv_format with the same leaf shapes.
       Everything else as paged_attention (q may be f32 or bf16, any float).
 
     Returns (out, lse) as paged_attention, equal to paged_attention on the dequantized pages.
     On TPU (or interpret=...) the Pallas kernel reads only the low-bit bytes; elsewhere
-    (CPU, GPU) the XLA reference dequantizes the pools and runs plain paged attention.
+    (CPU, GPU) the XLA reference gathers the pages the block tables name, dequantizes
+    those and runs plain paged attention.
     """
     fmt = kv_formats.resolve(kv_format)
     v.check_ndim("q", q, 3, "[batch, num_q_heads, head_dim]")

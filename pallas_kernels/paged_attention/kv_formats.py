@@ -14,6 +14,7 @@ with quant's own functions and runs plain paged attention on them.
 | "nvfp4"     | quant.NVFP4               | packed uint8 [.., D/2], scales e4m3 [.., D/16]   |
 | "mxfp4"     | quant.MXFP4               | packed uint8 [.., D/2], scales ue8m0 [.., D/32]  |
 | TurboQuant  | quant.TurboCodes          | idx uint8 [.., D*b/8], norm f32 [P, ps, H]       |
+| TQ split    | quant.SplitCodes          | outlier / regular: TurboCodes of D/2 channels    |
 
 Channel parts. Sub-byte codes are packed along head_dim (code 2i in the low nibble of
 byte i, 2i+1 in the high one; quant/packing.py). Un-interleaving them in the kernel would
@@ -31,6 +32,15 @@ so the kernel accumulates c[idx] * ||v|| in the rotated basis and the output is 
 back once at the end (Pi^T o, i.e. o Pi for a row vector). The codebook is a kernel input
 in SMEM and the lookup is a select chain over its 2^b scalars (Pallas kernels cannot
 capture a table).
+
+TurboQuantSplit (the KV cache's turboquant-3.5 / -2.5) is two such instances over
+channel halves, at b + 1 and b bits. Its query is gathered per half and rotated by each
+half's Pi, then concatenated [outlier | regular]; with parts = 8, part j of that is the
+outlier coordinates j::8 followed by the regular ones j::8, which are exactly code j of
+every 8-code group of each half's pack_bits stream. A group of 8 b-bit codes is b bytes
+and code j lies in its bytes (b*j) // 8 and, when it straddles, the next one; those
+strided bytes are picked with a 0/1 matmul (like the block scales below), so widths
+that straddle bytes (3) read as well as 2 and 4.
 
 NVFP4's f32 tensor scale multiplies every element, so it is folded into the query (keys)
 and the output (values) instead of into every tile.
@@ -57,7 +67,7 @@ from quant.blockscaled import (
 from quant.formats import e2m1_decode_arith
 from quant.kv_rows import RowQuantized, dequantize_rows, quantize_rows
 from quant.lloyd_max import sphere_codebook
-from quant.turboquant import TurboCodes, TurboQuant
+from quant.turboquant import SplitCodes, TurboCodes, TurboQuant, TurboQuantSplit
 
 # get(i) -> leaf i of one KV head of the current page: [page_size, n] for 4-D leaves,
 # [page_size, 1] for 3-D (per-token) leaves.
@@ -274,11 +284,99 @@ class Turbo:
         return jnp.dot(out, self.tq.rotation, precision=lax.Precision.HIGHEST)
 
 
+def _group_byte(packed, bits, k):
+    """uint8 [page_size, bits * g] -> f32 [page_size, g]: byte k of every group of `bits`
+    bytes (a strided lane gather as a 0/1 matmul, exact at HIGHEST for bytes)."""
+    n, g = packed.shape[1], packed.shape[1] // bits
+    row = lax.broadcasted_iota(jnp.int32, (n, g), 0)
+    col = lax.broadcasted_iota(jnp.int32, (n, g), 1)
+    onehot = (row == col * bits + k).astype(jnp.float32)
+    return jnp.dot(packed.astype(jnp.float32), onehot, precision=lax.Precision.HIGHEST)
+
+
+def group_codes(packed, bits, j):
+    """pack_bits codes of width `bits` (1..8), uint8 [page_size, n * bits / 8] -> int32
+    [page_size, n / 8]: the codes of channels j, j + 8, j + 16, ... (code j of each group)."""
+    first, shift = divmod(bits * j, 8)
+    word = _group_byte(packed, bits, first)
+    if shift + bits > 8:  # straddles into the group's next byte
+        word = word + 256.0 * _group_byte(packed, bits, first + 1)
+    return (word.astype(jnp.int32) >> shift) & ((1 << bits) - 1)
+
+
+def _lookup(codes, codebook, size):
+    values = jnp.zeros(codes.shape, jnp.float32)
+    for i in range(size):
+        values = jnp.where(codes == i, codebook[i], values)
+    return values
+
+
+@dataclasses.dataclass(frozen=True)
+class TurboSplit:
+    """quant.TurboQuantSplit codes (outlier / regular channel halves); see the module docstring."""
+
+    tq: TurboQuantSplit  # hashed by identity: one compiled program per quantizer instance
+    label: str = "turboquant_split"
+    parts: int = 8
+
+    def quantize(self, x):
+        return self.tq.quantize(x)
+
+    def check(self, pages, head_dim, name):
+        if self.tq.dim != head_dim:
+            raise ValueError(f"TurboQuantSplit dim {self.tq.dim} != head_dim {head_dim}")
+        if not isinstance(pages, SplitCodes):
+            raise ValueError(f"{name} for a TurboQuantSplit kv_format must be quant.SplitCodes")
+        lead = None
+        for half, inst in (("outlier", self.tq.hi), ("regular", self.tq.lo)):
+            codes = getattr(pages, half)
+            if not isinstance(codes, TurboCodes) or codes.qjl is not None:
+                raise ValueError(f"{name}.{half} must be mse-mode quant.TurboCodes")
+            _check_leaf(f"{name}.{half}.idx", codes.idx, 4, inst.dim * int(inst.bits) // 8,
+                        lead, jnp.uint8)
+            lead = codes.idx.shape[:3]
+            _check_leaf(f"{name}.{half}.norm", codes.norm, 3, None, lead, jnp.float32)
+
+    def leaves(self, pages):
+        return (pages.outlier.idx, pages.outlier.norm, pages.regular.idx, pages.regular.norm)
+
+    def extras(self):
+        return tuple(jnp.asarray(sphere_codebook(inst.dim, int(inst.bits)), jnp.float32)
+                     for inst in (self.tq.hi, self.tq.lo))
+
+    def tile(self, get: Getter, part, extras):
+        halves = []
+        for i, inst in enumerate((self.tq.hi, self.tq.lo)):
+            bits = int(inst.bits)
+            codes = group_codes(get(2 * i), bits, part)
+            halves.append(_lookup(codes, extras[i], 1 << bits) * get(2 * i + 1))
+        return jnp.concatenate(halves, axis=1)
+
+    def dequantize(self, pages):
+        return self.tq.dequantize(pages)
+
+    def prepare_q(self, k_pages, q):
+        q32 = q.astype(jnp.float32)
+        rot = [jnp.dot(q32[..., list(channels)], inst.rotation.T, precision=lax.Precision.HIGHEST)
+               for channels, inst in ((self.tq.outliers, self.tq.hi), (self.tq.regular, self.tq.lo))]
+        return jnp.concatenate(rot, axis=-1).astype(q.dtype)
+
+    def finish_out(self, v_pages, out):
+        half = self.tq.dim // 2
+        hi = jnp.dot(out[..., :half], self.tq.hi.rotation, precision=lax.Precision.HIGHEST)
+        lo = jnp.dot(out[..., half:], self.tq.lo.rotation, precision=lax.Precision.HIGHEST)
+        channels = jnp.concatenate([hi, lo], axis=-1)
+        return channels[..., list(self.tq.inverse)]
+
+
 PLAIN = Plain()
 
 
 def resolve(kv_format: Any):
-    """The entry's kv_format (a name in NAMES or a TurboQuant) -> its format object."""
+    """The entry's kv_format (a name in NAMES, a TurboQuant or a TurboQuantSplit) -> its
+    format object."""
+    if isinstance(kv_format, TurboQuantSplit):
+        return TurboSplit(kv_format)
     if isinstance(kv_format, TurboQuant):
         if kv_format.mode != "mse" or kv_format.bits not in TURBO_BITS:
             raise ValueError(

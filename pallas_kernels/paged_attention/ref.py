@@ -92,13 +92,24 @@ def paged_attention_quantized_ref(
     sliding_window=None,
     variant=SOFTMAX,
 ):
-    """paged_attention_quantized's truth: dequantize the whole pools with quant's own
-    functions (kv_format: a kv_formats object), then plain paged attention in f32."""
+    """paged_attention_quantized's truth: gather each sequence's pages (only those its
+    block table names, never the whole pool), dequantize them with quant's own functions
+    (kv_format: a kv_formats object), then plain paged attention in f32."""
+    batch, max_pages = block_tables.shape
+    num_pages = kv_format.leaves(k_pages)[0].shape[0]
+    # Entries past a sequence's pages may hold anything: clamp them into the pool.
+    table = jnp.clip(block_tables, 0, num_pages - 1).reshape(-1)
+
+    def gathered(pages):
+        # Page-axis leaves are 3-D or 4-D; a scalar (NVFP4's tensor scale) stays as is.
+        return jax.tree.map(lambda a: a[table] if a.ndim >= 3 else a, pages)
+
+    own = jnp.arange(batch * max_pages, dtype=jnp.int32).reshape(batch, max_pages)
     return paged_attention_ref(
         q,
-        kv_format.dequantize(k_pages),
-        kv_format.dequantize(v_pages),
-        block_tables,
+        kv_format.dequantize(gathered(k_pages)),
+        kv_format.dequantize(gathered(v_pages)),
+        own,
         kv_lens,
         sinks,
         sm_scale=sm_scale,

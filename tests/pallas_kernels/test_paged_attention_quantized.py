@@ -15,7 +15,7 @@ from pallas_kernels.paged_attention.kernel_tpu import paged_attention_tpu
 from pallas_kernels.variant import resolve
 from quant.blockscaled import MXFP4
 from quant.lloyd_max import sphere_codebook_mse
-from quant.turboquant import TurboQuant
+from quant.turboquant import TurboQuant, TurboQuantSplit
 from tests.pallas_kernels.helpers import (
     TRITON_CALL,
     assert_close,
@@ -27,7 +27,11 @@ from tests.pallas_kernels.helpers import (
 
 D = 64
 TQ4, TQ1 = TurboQuant(D, 4, seed=3), TurboQuant(D, 1, seed=4)
-FORMATS = {"int8": "int8", "fp8": "fp8", "nvfp4": "nvfp4", "mxfp4": "mxfp4", "tq4": TQ4, "tq1": TQ1}
+# The KV cache's turboquant-3.5 / -2.5: channel halves at 4 + 3 / 3 + 2 bits (3 straddles bytes).
+OUTLIERS = tuple(range(D // 4, D // 2)) + tuple(range(3 * D // 4, D))
+TQ35, TQ25 = TurboQuantSplit(D, 3.5, OUTLIERS, seed=5), TurboQuantSplit(D, 2.5, OUTLIERS[::-1], seed=6)
+FORMATS = {"int8": "int8", "fp8": "fp8", "nvfp4": "nvfp4", "mxfp4": "mxfp4", "tq4": TQ4, "tq1": TQ1,
+           "tq3.5": TQ35, "tq2.5": TQ25}
 SINKS = (0.5, -1.0, 2.0, 0.0)
 
 
@@ -216,3 +220,39 @@ def test_lowers_for_tpu_reads_low_bit_leaves_and_cuda_uses_xla(name):
     page_avals = [x.aval for x in call.invars if x.aval.ndim >= 3 and x.aval.shape[0] == num_pages]
     leaves = [x.aval for x in fmt.leaves(kq) + fmt.leaves(vq)]
     assert [(a.shape, a.dtype) for a in page_avals] == [(a.shape, a.dtype) for a in leaves]
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_group_codes_reads_pack_bits_streams(bits):
+    """Code j of every 8-code group, read with the kernel's byte picks, equals unpack_bits'
+    codes of channels j::8 (3, 5, 6, 7 straddle bytes)."""
+    from quant.packing import pack_bits
+
+    codes = np.random.default_rng(bits).integers(0, 1 << bits, (5, 64))
+    packed = pack_bits(jnp.asarray(codes), bits)
+    for j in range(8):
+        got = kv_formats.group_codes(packed, bits, j)
+        np.testing.assert_array_equal(np.asarray(got), codes[:, j::8])
+
+
+def test_reference_dequantizes_only_the_block_tables_pages():
+    """The engine hands the entry a block table cut to the live pages of a large pool: the
+    reference must not dequantize the pages no sequence names."""
+    args, _ = _problem("tq3.5", seed=8, kv_lens=(5, 16))
+    q, kq, vq, bt, kl = args
+    big = lambda c: jax.tree.map(lambda a: jnp.concatenate([a] * 50, 0), c)  # 50x the pages
+    seen = []
+
+    class Recording(kv_formats.TurboSplit):
+        def dequantize(self, pages):
+            seen.append(pages.outlier.norm.shape[0])
+            return super().dequantize(pages)
+
+    from pallas_kernels.paged_attention.entry import paged_attention_quantized_ref
+
+    fmt = Recording(TQ35)
+    got = paged_attention_quantized_ref(q, big(kq), big(vq), bt, kl, kv_format=fmt, sm_scale=D**-0.5,
+                                        variant=resolve(None, None))
+    want = paged_attention_quantized(*args, kv_format=TQ35)
+    assert seen == [bt.size, bt.size]
+    assert_close(got[0], want[0])
