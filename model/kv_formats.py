@@ -314,6 +314,22 @@ def read_kv(cache: KVPages, ctx, dtype=None) -> tuple[jax.Array, jax.Array]:
     return FORMATS[cache.kv_cache_dtype].read(cache, ctx, dtype)
 
 
+def kernel_pages(cache: KVPages):
+    """(kv_format, k_pages, v_pages) in the containers pallas_kernels.paged_attention_quantized
+    reads, or None for formats it does not (float pages go to paged_attention; KIVI's exact
+    newest page lives outside the pages)."""
+    name = cache.kv_cache_dtype
+    if name in ("fp8", "int8"):
+        return name, cache["k"], cache["v"]
+    if name == "nvfp4":
+        wrap = lambda p: quant.NVFP4(p["packed"], p["scales"], jnp.float32(1.0))
+        return name, wrap(cache["k"]), wrap(cache["v"])
+    if name.startswith("turboquant-"):
+        head_dim = 2 * cache["k"].outlier.idx.shape[-1] * 8 // math.ceil(float(name[11:]))
+        return turboquant(head_dim, float(name[11:])), cache["k"], cache["v"]
+    return None
+
+
 def plain_pages(cache: KVPages, dtype) -> bool:
     """Whether cache["k"], cache["v"] are plain float pages of `dtype` (what paged_attention reads)."""
     return cache.kv_cache_dtype in FLOAT_FORMATS and cache.pages["k"].dtype == dtype

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 
 from model.config import ModelConfig
 from model.context import ForwardContext, TokenTree
-from model.kv_formats import KVPages, plain_pages, read_kv, write_kv
-from pallas_kernels import paged_attention
+from model.kv_formats import KVPages, kernel_pages, plain_pages, read_kv, write_kv
+from pallas_kernels import paged_attention, paged_attention_quantized
 from quant import linear  # float [in, out] weights or quantized containers alike
 from model.rope import apply_rope
 
@@ -67,9 +67,11 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     """Self-attention sublayer: project, rotate, write K/V into the pages, attend, project back.
 
     cache: one layer's KVPages; K/V are stored in its kv_cache_dtype (model/kv_formats.py).
-    Decode steps (one token per sequence) over float pages go through
-    pallas_kernels.paged_attention; longer chunks and quantized pages read each sequence's
-    pages back as float (after this chunk's write) and attend densely.
+    Decode steps (one token per sequence) go through pallas_kernels.paged_attention over
+    float pages and paged_attention_quantized over fp8 / int8 / nvfp4 / turboquant pages
+    (the kernel reads the low-bit bytes; on CPU its reference gathers the block table's
+    pages and dequantizes those). Longer chunks, token trees and KIVI pages read each
+    sequence's pages back as float (after this chunk's write) and attend densely.
     """
     b, t, _ = x.shape
     hd = config.head_dim
@@ -79,12 +81,17 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     cos, sin = ctx.rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cache = write_kv(cache, k, v, ctx)
-    if t == 1 and ctx.tree is None and plain_pages(cache, q.dtype):
-        # Low-bit pages take the read_kv path below until paged_attention reads them
-        # itself; this is the call site to switch (pallas_kernels.paged_attention_quantized).
+    decode = t == 1 and ctx.tree is None
+    quantized = kernel_pages(cache) if decode else None
+    if decode and (quantized is not None or plain_pages(cache, q.dtype)):
         kv_lens = jnp.maximum(ctx.positions[:, 0] + 1, 0).astype(jnp.int32)
-        out, _ = paged_attention(q[:, 0], cache["k"], cache["v"], ctx.block_tables, kv_lens,
-                                 sm_scale=hd ** -0.5, sliding_window=sliding_window)
+        kw = dict(sm_scale=hd ** -0.5, sliding_window=sliding_window)
+        if quantized is None:
+            out, _ = paged_attention(q[:, 0], cache["k"], cache["v"], ctx.block_tables, kv_lens, **kw)
+        else:
+            kv_format, k_pages, v_pages = quantized
+            out, _ = paged_attention_quantized(q[:, 0], k_pages, v_pages, ctx.block_tables, kv_lens,
+                                               kv_format=kv_format, **kw)
         out = out[:, None]
     else:
         k_all, v_all = read_kv(cache, ctx, q.dtype)

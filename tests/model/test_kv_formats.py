@@ -268,3 +268,24 @@ def test_int8_weights_and_int8_kv_cache_still_answer_paris(default_model, defaul
         logits, cache = model.forward(params, config, jnp.asarray([[out[-1]]]), jnp.asarray([[p]]), cache)
         out.append(int(jnp.argmax(logits[0, -1])))
     assert "Paris" in tok.decode(out), tok.decode(out)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "nvfp4", "turboquant-3.5", "turboquant-2.5", "kivi-int4"])
+def test_quantized_decode_goes_through_the_kernel_entry(tiny, monkeypatch, fmt):
+    """Decode rows over low-bit pages call paged_attention_quantized (the kernel on TPU);
+    KIVI, whose newest page lives outside the pages, reads through read_kv."""
+    import model.layers
+
+    config, params = tiny
+    calls = []
+    real = model.layers.paged_attention_quantized
+
+    def recording(*args, **kw):
+        calls.append(kw["kv_format"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(model.layers, "paged_attention_quantized", recording)
+    cache = model.init_cache(config, 1, 32, kv_cache_dtype=fmt)
+    tokens = jax.random.randint(jax.random.key(2), (1, 1), 0, config.vocab_size)
+    model.forward(params, config, tokens, jnp.zeros((1, 1), jnp.int32), cache)
+    assert len(calls) == (0 if fmt.startswith("kivi") else config.num_layers)
