@@ -214,13 +214,40 @@ def _pct(x: np.ndarray, q: float) -> float:
 
 def bench_trace(args) -> None:
     from serving.llm import LLM
-    from serving.simulator import fit_cost_model, measure_engine_steps, simulate
+    from serving.simulator import (decode_layout, fit_cost_model, measure_engine_steps, prefill_layout,
+                                   simulate)
 
     if not os.path.exists(args.path):
         raise SystemExit(f"trace {args.path} does not exist")
-    llm = LLM(args.model, max_model_len=1024, max_num_seqs=16, num_kv_blocks=256)
-    cost = fit_cost_model(*measure_engine_steps(llm))
-    print(f"cost model fitted on {_device()}: prefill a,b,c = {cost.prefill}; decode a,b,c = {cost.decode}")
+    llm = LLM(args.model, max_model_len=2048, max_num_seqs=16, num_kv_blocks=256)
+    # Held-out steps, never fitted, timed in the same rounds as the fitted ones: shapes
+    # between and beside the fitted ones, on and off the runner's power-of-two buckets.
+    held_prefill = [(128, 0), (48, 0), (200, 0), (96, 640)]
+    held_decode = [(2, 1024), (8, 512), (8, 300), (8, 1500), (12, 700)]
+    fit_prefill, fit_decode = prefill_layout(llm.max_model_len), decode_layout(llm.max_model_len)
+    start = time.perf_counter()
+    prefill, decode = measure_engine_steps(llm, fit_prefill + held_prefill, fit_decode + held_decode)
+    held_prefill, held_decode = prefill[len(fit_prefill):], decode[len(fit_decode):]
+    prefill, decode = prefill[:len(fit_prefill)], decode[:len(fit_decode)]
+    cost = fit_cost_model(prefill, decode)
+    print(f"cost model fitted on {_device()} from {len(prefill)} prefill and {len(decode)} decode steps "
+          f"(these and {len(held_prefill) + len(held_decode)} held-out steps measured in "
+          f"{time.perf_counter() - start:.0f} s):")
+    a, b, c = cost.prefill
+    print(f"  prefill: {a * 1e3:.2f} ms + {b * 1e3:.3f} ms/token + {c * 1e6:.3f} us per token x context")
+    a, b, c = cost.decode
+    print(f"  decode:  {a * 1e3:.2f} ms + {b * 1e6:.2f} us/context token + {c * 1e3:.2f} ms/row")
+    print("held-out steps (not in the fit): measured vs predicted")
+    print("| step | measured ms | predicted ms | error |")
+    print("|---|---:|---:|---:|")
+    for lens, ends, t in held_prefill:
+        p = cost.prefill_time(lens, ends)
+        print(f"| prefill {lens[0]} tokens at {ends[0] - lens[0]} | {t * 1e3:.1f} | {p * 1e3:.1f} | "
+              f"{p / t - 1:+.1%} |")
+    for contexts, t in held_decode:
+        p = cost.decode_time(contexts)
+        print(f"| decode {len(contexts)} x context {contexts[0]} | {t * 1e3:.1f} | {p * 1e3:.1f} | "
+              f"{p / t - 1:+.1%} |")
     requests, optimum = load_trace(args.path, args.num_requests, args.block_tokens,
                                    args.max_model_len - 64, args.output_scale)
     # Stretch arrivals so the offered load is `load` of what one engine can serve.

@@ -248,9 +248,9 @@ def measure_engine_steps(llm, prefill_steps: list[tuple[int, int]] | None = None
 
     prefill_steps: (chunk length, start) per step, default `prefill_layout`; decode_steps:
     (batch, context) per step, default `decode_layout`, contexts at most max_model_len - 1.
-    Each step runs once to compile, then `repeats` times; the fastest run is kept (other
-    work on the machine only ever adds time). Each row gets the pages its context needs,
-    different pages per row where the pool has enough."""
+    Each step runs once to compile, then once in each of `repeats` rounds over all the
+    steps; its fastest run is kept (other work on the machine only ever adds time). Each
+    row gets the pages its context needs, different pages per row where the pool has enough."""
     rng = np.random.default_rng(seed)
     runner = llm.runner
     ps, pool = runner.page_size, runner.num_pages
@@ -273,21 +273,20 @@ def measure_engine_steps(llm, prefill_steps: list[tuple[int, int]] | None = None
         first_page = (first_page + need) % pool
         return pages
 
-    def fastest(rows: list[Row]) -> float:
+    steps = [[Row(rng.integers(0, llm.config.vocab_size, n).tolist(), s, table(s + n), sample=True)]
+             for n, s in prefill_steps]
+    steps += [[Row([int(rng.integers(0, llm.config.vocab_size))], c - 1, table(c), sample=True)
+               for _ in range(b)] for b, c in decode_steps]
+    for rows in steps:  # compile
         runner.execute(rows)
-        times = []
-        for _ in range(repeats):
+    # Rounds over every step rather than repeats of one: a burst of other work on the
+    # machine then spoils one run of many steps, not every run of one.
+    best = [float("inf")] * len(steps)
+    for _ in range(repeats):
+        for k, rows in enumerate(steps):
             start = time.perf_counter()
             runner.execute(rows)
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    prefill, decode = [], []
-    for n, s in prefill_steps:
-        row = Row(rng.integers(0, llm.config.vocab_size, n).tolist(), s, table(s + n), sample=True)
-        prefill.append(([n], [s + n], fastest([row])))
-    for b, c in decode_steps:
-        rows = [Row([int(rng.integers(0, llm.config.vocab_size))], c - 1, table(c), sample=True)
-                for _ in range(b)]
-        decode.append(([c] * b, fastest(rows)))
+            best[k] = min(best[k], time.perf_counter() - start)
+    prefill = [([n], [s + n], t) for (n, s), t in zip(prefill_steps, best)]
+    decode = [([c] * b, t) for (b, c), t in zip(decode_steps, best[len(prefill_steps):])]
     return prefill, decode
