@@ -1,5 +1,6 @@
 """The engine's jitted decode step lowers to a Pallas kernel in every attention layer,
-for TPU and CUDA, checked by jax.export from this CPU host (no device needed).
+for TPU and CUDA, checked by jax.export from this CPU host (no device needed). Low-bit
+pools are read by the TPU kernel; CUDA has no kernel for them yet (XLA reference).
 
 Prefill chunks and draft-tree verification still take the dense XLA path (their
 kernel, ragged_paged_attention with a tree mask, is not wired into the model yet)."""
@@ -42,3 +43,9 @@ def test_float_pool_decode_step_calls_the_kernel_in_every_layer(tiny):
     fn, specs = _decode_step_specs(*tiny, "auto")
     assert export_tpu(fn, *specs).count("tpu_custom_call") == LAYERS
     assert export_cuda(fn, *specs).count(TRITON_CALL) == LAYERS
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "nvfp4", "turboquant-3.5"])
+def test_quantized_pool_decode_step_calls_the_tpu_kernel_in_every_layer(tiny, kv_cache_dtype):
+    fn, specs = _decode_step_specs(*tiny, kv_cache_dtype)
+    assert export_tpu(fn, *specs).count("tpu_custom_call") == LAYERS
