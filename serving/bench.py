@@ -3,6 +3,8 @@
     python -m serving.bench decode     [--batch-sizes 1 16] [--new-tokens 64]
     python -m serving.bench offline    [--num-prompts 16] [--new-tokens 64]
     python -m serving.bench trace PATH [--num-requests 1500]
+    python -m serving.bench context    [--batch 16] [--contexts 256 1024 4096]
+    python -m serving.bench kv-dtypes  [--batch 16] [--context 2048]
     python -m serving.bench scheduler  [--running 256 1024]
     python -m serving.bench speculative --draft DIR [--batch-sizes 1 8] [--new-tokens 64]
 
@@ -11,6 +13,10 @@ per second, prefill included, after a warm-up run that compiles), against
 transformers' `generate` on the same GGUF weights when transformers is installed.
 trace: replays a Mooncake-format trace through the scheduler and radix cache in the
 simulator with a cost model fitted from this engine's measured steps.
+context: decode tokens/s (prefill excluded) as the live context grows at the default
+max_model_len, and one context under max_model_len 512 against the default: a step
+reads the pages the sequences hold, so the two should match.
+kv-dtypes: decode tokens/s at one long context for each kv_cache_dtype against float32.
 scheduler: microseconds per `schedule` call with N running requests.
 speculative: EAGLE-3 tree speculation against plain decoding on the same engine and
 prompts: tokens/s both ways, mean accepted length tau, acceptance by draft position,
@@ -93,7 +99,7 @@ def _llm(args, max_num_seqs: int):
 
     # No prefix caching: the timed run would hit the warm-up's prompts, run prefill
     # chunks of other shapes (compiling inside the timing) and skip work the peer does.
-    return LLM(args.model, max_model_len=512, max_num_seqs=max_num_seqs,
+    return LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=max_num_seqs,
                max_num_batched_tokens=max(512, 64 * max_num_seqs), enable_prefix_caching=False)
 
 
@@ -125,6 +131,86 @@ def bench_offline(args) -> None:
     _table(f"offline: {args.num_prompts} different chat prompts ({min(map(len, prompts))}-"
            f"{max(map(len, prompts))} tokens), {args.new_tokens} new tokens each, greedy, {_device()}",
            [(str(args.num_prompts), ours, peer)])
+
+
+def _decode_rate(llm, prompt: list[int], batch: int, new_tokens: int) -> float:
+    """Decode tokens/s of `batch` copies of `prompt` (prefill excluded).
+
+    One request first fills the prefix cache with the prompt (one prefill, not `batch`);
+    a warm-up batch then compiles the decode steps at every table width the run crosses;
+    the timed batch starts from the cached prefix and is timed from its first token on.
+    """
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))
+    llm.generate([{"prompt_token_ids": prompt}] * batch, params)
+    engine = llm.engine
+    ids = [f"bench-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, prompt, params)
+    while any(not engine.seqs[f"{rid}#0"].output for rid in ids):
+        engine.step()
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    elapsed = time.perf_counter() - start
+    done = sum(len(engine.seqs[f"{rid}#0"].output) - 1 for rid in ids)
+    for rid in ids:
+        engine.release(rid)
+    assert done == batch * (new_tokens - 1)
+    return done / elapsed
+
+
+def _random_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(100, vocab_size, length).tolist()
+
+
+def bench_context(args) -> None:
+    """Decode cost follows the live context: a sweep at the default max_model_len, and one
+    context under max_model_len 512 against the default (the same work, two pool widths)."""
+    from serving.llm import LLM
+
+    llm = LLM(args.model, enable_prefix_caching=True, max_num_seqs=args.batch)
+    print(f"\ncontext sweep: {args.model}, batch {args.batch}, {args.new_tokens} new tokens, "
+          f"max_model_len {llm.max_model_len}, greedy, float32, {_device()}")
+    print("| live tokens | decode tok/s | vs shortest |")
+    print("|---:|---:|---:|")
+    first = None
+    for live in args.contexts:
+        rate = _decode_rate(llm, _random_prompt(llm.config.vocab_size, live - args.new_tokens),
+                            args.batch, args.new_tokens)
+        first = first or rate
+        print(f"| {live} | {rate:.1f} | {rate / first:.2f}x |", flush=True)
+    live = 256
+    prompt = _random_prompt(llm.config.vocab_size, live - args.new_tokens, seed=1)
+    rates = {}
+    for max_model_len in (512, None):
+        one = llm if max_model_len is None else LLM(args.model, max_model_len=max_model_len,
+                                                   max_num_seqs=args.batch)
+        rates[one.max_model_len] = _decode_rate(one, prompt, args.batch, args.new_tokens)
+    (short, rate_short), (long, rate_long) = sorted(rates.items())
+    print(f"\nsame work ({live} live tokens), two max_model_len: batch {args.batch}")
+    print(f"| max_model_len {short} tok/s | max_model_len {long} tok/s | ratio |")
+    print("|---:|---:|---:|")
+    print(f"| {rate_short:.1f} | {rate_long:.1f} | {rate_long / rate_short:.2f}x |")
+
+
+def bench_kv_dtypes(args) -> None:
+    """Decode tokens/s per kv_cache_dtype at one long live context, against float32."""
+    from serving.llm import LLM
+
+    print(f"\nKV formats: {args.model}, batch {args.batch}, {args.context} live tokens, "
+          f"{args.new_tokens} new tokens, greedy, float32 weights, {_device()}")
+    print("| kv_cache_dtype | decode tok/s | vs float32 |")
+    print("|---|---:|---:|")
+    base = None
+    for fmt in args.kv_cache_dtypes:
+        llm = LLM(args.model, max_model_len=args.context + args.new_tokens, max_num_seqs=args.batch,
+                  kv_cache_dtype=fmt)
+        rate = _decode_rate(llm, _random_prompt(llm.config.vocab_size, args.context - args.new_tokens),
+                            args.batch, args.new_tokens)
+        base = base or rate
+        print(f"| {fmt} | {rate:.1f} | {rate / base:.2f}x |", flush=True)
+        del llm
 
 
 def bench_speculative(args) -> None:
@@ -303,6 +389,7 @@ def main(argv: list[str] | None = None) -> None:
         p = sub.add_parser(name)
         p.add_argument("--model", default="default")
         p.add_argument("--new-tokens", type=int, default=64)
+        p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
         if name == "decode":
             p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
         else:
@@ -318,6 +405,18 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--load", type=float, default=0.8)
     t.add_argument("--ttft-slo", type=float, default=30.0)
     t.add_argument("--tpot-slo", type=float, default=1.0)
+    c = sub.add_parser("context")
+    c.add_argument("--model", default="default")
+    c.add_argument("--batch", type=int, default=16)
+    c.add_argument("--new-tokens", type=int, default=32)
+    c.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
+    k = sub.add_parser("kv-dtypes")
+    k.add_argument("--model", default="default")
+    k.add_argument("--batch", type=int, default=16)
+    k.add_argument("--context", type=int, default=2048)
+    k.add_argument("--new-tokens", type=int, default=32)
+    k.add_argument("--kv-cache-dtypes", nargs="+",
+                   default=["float32", "fp8", "int8", "nvfp4", "turboquant-3.5"])
     s = sub.add_parser("scheduler")
     s.add_argument("--running", type=int, nargs="+", default=[256, 1024])
     sp = sub.add_parser("speculative")
@@ -336,6 +435,11 @@ def main(argv: list[str] | None = None) -> None:
         (bench_decode if args.command == "decode" else bench_offline)(args)
     elif args.command == "trace":
         bench_trace(args)
+    elif args.command in ("context", "kv-dtypes"):
+        contexts = args.contexts if args.command == "context" else [args.context]
+        if args.batch <= 0 or args.new_tokens < 2 or any(c <= args.new_tokens for c in contexts):
+            parser.error("--batch must be > 0, --new-tokens >= 2 and every context > --new-tokens")
+        (bench_context if args.command == "context" else bench_kv_dtypes)(args)
     elif args.command == "speculative":
         if args.new_tokens <= 0 or any(b <= 0 for b in args.batch_sizes):
             parser.error("--new-tokens and batch sizes must be > 0")
