@@ -88,10 +88,14 @@ class EngineCore:
                     arrival: float | None = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        total = min(len(prompt_ids) + params.max_tokens, self.max_model_len) + self.config.num_lookahead_slots
-        if self.kv.pages_for(total) > self.kv.pool.num_pages:
-            raise ValueError(f"prompt + max_tokens needs {self.kv.pages_for(total)} KV pages, the pool "
-                             f"has {self.kv.pool.num_pages}; lower max_tokens or raise num_kv_blocks")
+        seq = self._sched_seq(f"{request_id}#0", prompt_ids, params, 0.0)
+        need = self.kv.pages_for(seq.max_total_tokens + self.config.num_lookahead_slots)
+        what = "prompt + max_tokens"
+        if self.config.capacity_policy != sched.MAX_UTILIZATION:
+            need, what = sched.reserved_pages(seq, self.config), f"{what} (all n={params.n} samples)"
+        if need > self.kv.pool.num_pages:
+            raise ValueError(f"{what} needs {need} KV pages, the pool has {self.kv.pool.num_pages}; "
+                             f"lower max_tokens or raise num_kv_blocks")
         arrival = self.clock() if arrival is None else arrival
         seq_ids = [f"{request_id}#{i}" for i in range(params.n)]
         self.requests[request_id] = RequestState(request_id, list(prompt_ids), params, arrival, seq_ids)
@@ -106,7 +110,7 @@ class EngineCore:
 
     def _sched_seq(self, seq_id, tokens, params, arrival) -> sched.Seq:
         total = min(len(tokens) + params.max_tokens, self.max_model_len)
-        return sched.Seq(seq_id, tuple(tokens), total, arrival)
+        return sched.Seq(seq_id, tuple(tokens), total, arrival, num_forks=params.n - 1)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its pages."""

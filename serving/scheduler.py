@@ -74,7 +74,9 @@ class Seq:
 
     tokens: every token whose KV the sequence needs (prompt + generated so far);
     num_computed_tokens: how many of them have KV in its pages; num_pages: pages held;
-    max_total_tokens: prompt + max_tokens (what GUARANTEED_NO_EVICT reserves).
+    max_total_tokens: prompt + max_tokens (what GUARANTEED_NO_EVICT reserves);
+    num_forks: samples that will fork from it after its first token (n - 1 of parallel
+    sampling; 0 once they have), whose pages the reserving policies count in advance.
     """
 
     seq_id: str
@@ -84,6 +86,7 @@ class Seq:
     num_computed_tokens: int = 0
     num_pages: int = 0
     started: int = -1  # step at which it last started running
+    num_forks: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -160,9 +163,23 @@ def update(state: SchedulerState, plan: StepPlan, new_tokens: Mapping[str, tuple
 
 
 def fork(state: SchedulerState, parent_id: str, child: Seq) -> SchedulerState:
-    """Add a running child sharing the parent's computed KV (parallel sampling)."""
+    """Add a running child sharing the parent's computed KV (parallel sampling); the
+    parent's reservation for it passes to the child."""
     i = next(i for i, s in enumerate(state.running) if s.seq_id == parent_id)
-    return dataclasses.replace(state, running=state.running[:i + 1] + (child,) + state.running[i + 1:])
+    parent = state.running[i]
+    parent = dataclasses.replace(parent, num_forks=max(parent.num_forks - 1, 0))
+    return dataclasses.replace(state, running=state.running[:i] + (parent, child) + state.running[i + 1:])
+
+
+def reserved_pages(seq: Seq, config: SchedulerConfig) -> int:
+    """Pages a sequence holds at completion under the reserving policies
+    (GUARANTEED_NO_EVICT, STATIC_BATCH): its own, plus each future fork's. A fork shares
+    the prompt's pages before the one holding the prompt's last token (which it copies
+    on write), so it adds only the rest."""
+    ps = config.page_size
+    total = _pages(seq.max_total_tokens + config.num_lookahead_slots, ps)
+    shared = (len(seq.tokens) - 1) // ps if seq.num_forks else 0  # tokens = the prompt until it forks
+    return total + seq.num_forks * (total - shared)
 
 
 def _order_waiting(waiting: tuple[Seq, ...], order: str, cached: Mapping[str, int]) -> list[Seq]:
@@ -245,7 +262,7 @@ def _pages_needed(seqs: list[Seq], tokens: Mapping[str, int], config: SchedulerC
             need += n if n > 0 else 0
     else:
         for s in seqs:
-            n = -(-(s.max_total_tokens + ahead) // ps) - s.num_pages
+            n = reserved_pages(s, config) - s.num_pages
             need += n if n > 0 else 0
     return need
 

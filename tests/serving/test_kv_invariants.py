@@ -102,3 +102,28 @@ def test_fcfs_no_starvation(n_requests, policy):
     assert sorted(order, key=int) == [str(i) for i in range(n_requests)]
     if policy != sched.MAX_UTILIZATION:  # MAX_UTILIZATION may pause the newest and reorder
         assert order == sorted(order, key=int)
+
+
+def test_parallel_samples_are_reserved_under_the_reserving_policies():
+    """n > 1 under GUARANTEED_NO_EVICT / STATIC_BATCH: the forks' pages are counted at
+    admission, so a small pool admits fewer requests instead of running out (it used to
+    raise NoFreePages when the samples forked), and a request whose samples can never
+    fit is rejected up front."""
+    for policy in (sched.GUARANTEED_NO_EVICT, sched.STATIC_BATCH):
+        engine = make_engine(policy, RECOMPUTE, num_pages=12, prefix=False)
+        for rid, prompt in enumerate(([0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0])):
+            engine.add_request(str(rid), prompt, SamplingParams(max_tokens=7, n=3, temperature=0,
+                                                                ignore_eos=True))
+        for _ in range(200):
+            if not engine.has_unfinished():
+                break
+            engine.step()
+            check(engine)
+        assert not engine.has_unfinished()
+        assert all(len(engine.seqs[f"{r}#{i}"].output) == 7 for r in "012" for i in range(3))
+        try:
+            engine.add_request("big", [0] * 20, SamplingParams(max_tokens=7, n=3, ignore_eos=True))
+        except ValueError as e:
+            assert "all n=3 samples" in str(e)
+        else:
+            raise AssertionError("a request whose samples cannot fit the pool was accepted")
