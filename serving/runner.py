@@ -81,11 +81,12 @@ def bucket(n: int, minimum: int = 1) -> int:
 MIN_TABLE_POSITIONS = 256
 
 
-def live_pages(row: Row, page_size: int) -> int:
-    """Pages holding the positions a row's step reads or writes: [0, start + its tokens),
-    or [0, start + tree nodes) for a verify row (the tree sits in slots start + i)."""
-    n = len(row.tree[0]) if row.tree is not None else len(row.tokens)
-    return -(-(row.start + n) // page_size)
+def live_pages(row: Row, page_size: int, lookahead: int = 0) -> int:
+    """Pages holding the positions a row's step reads or writes: [0, start + its tokens
+    + lookahead). With speculation the lookahead (TreeSpec.lookahead, what the engine
+    allocates) covers the tree a verify row scores (slots start + i) and the draft's
+    next tree, grown in slots past the root after up to `depth` accepted tokens."""
+    return -(-(row.start + len(row.tokens) + lookahead) // page_size)
 
 
 def table_width(live: list[int], max_pages: int, minimum: int) -> int:
@@ -255,8 +256,9 @@ class ModelRunner:
     def _tables(self, rows: list[Row], b: int) -> jax.Array:
         """Block tables [b, width] cut to the pages this step can see, so attention reads
         (and its cost follows) the live context rather than max_model_len."""
-        width = table_width([live_pages(r, self.page_size) for r in rows], self.max_pages_per_seq,
-                            self.min_table_width)
+        ahead = self.draft.spec.lookahead if self.draft is not None else 0
+        width = table_width([live_pages(r, self.page_size, ahead) for r in rows],
+                            self.max_pages_per_seq, self.min_table_width)
         tables = np.zeros((b, width), np.int32)
         for i, r in enumerate(rows):
             n = min(width, len(r.block_table))

@@ -77,15 +77,32 @@ def test_greedy_speculation_equals_plain_greedy(make_llm, spec_llm):
 
 def test_speculation_over_block_tables_cut_to_the_live_pages(make_llm):
     """With one-page table buckets, verify rows (whose tree slots reach past the sequence's
-    last token), KV compaction and the draft's catch-up read cut tables: still lossless."""
+    last token), KV compaction, the draft's catch-up and its tree growth (in slots past the
+    root) read cut tables: output still lossless, and every draft tree equal to the one
+    grown over full-width tables."""
     rng = np.random.default_rng(1)
     requests = [{"prompt_token_ids": rng.integers(0, VOCAB, n).tolist()} for n in (14, 30)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in make_llm(speculative=False).generate(requests, params)]
-    spec = make_llm()
-    spec.runner.min_table_width = 1
-    assert [o.outputs[0].token_ids for o in spec.generate(requests, params)] == plain
-    spec.engine.kv.check()
+    trees = []
+    for min_width in (1, 64):  # 64 pages: never cut
+        spec = make_llm()
+        spec.runner.min_table_width = min_width
+        grown, execute = [], spec.runner.execute
+
+        def recording(rows, execute=execute, grown=grown):
+            results = execute(rows)
+            grown.extend(r.tree for r in results if r is not None and r.tree is not None)
+            return results
+        spec.runner.execute = recording
+        assert [o.outputs[0].token_ids for o in spec.generate(requests, params)] == plain
+        spec.engine.kv.check()
+        trees.append(grown)
+    assert len(trees[0]) == len(trees[1]) > 10
+    for cut, full in zip(*trees):
+        np.testing.assert_array_equal(cut[0], full[0])  # tokens
+        np.testing.assert_array_equal(cut[1], full[1])  # parents
+        np.testing.assert_allclose(cut[2], full[2], rtol=1e-5, atol=1e-5)  # scores
 
 
 def test_engine_tree_equals_a_draft_run_from_scratch(target, draft_dir, spec_llm):
