@@ -168,13 +168,17 @@ def turboquant(head_dim: int, bits: float) -> quant.TurboQuantSplit:
         return quant.TurboQuantSplit(head_dim, bits, rope_outlier_channels(head_dim), seed=0)
 
 
+def _turbo_head_dim(codes, bits: float) -> int:
+    """head_dim of TurboQuantSplit codes: the outlier half packs d/2 codes of ceil(bits) bits."""
+    return 2 * codes.outlier.idx.shape[-1] * 8 // math.ceil(bits)
+
+
 def _turbo_codec(bits: float) -> RowCodec:
     def encode(x):
         return turboquant(x.shape[-1], bits).quantize(x)
 
     def decode(codes, dtype):
-        head_dim = 2 * codes.outlier.idx.shape[-1] * 8 // math.ceil(bits)  # bytes = d/2 * b_hi / 8
-        return turboquant(head_dim, bits).dequantize(codes).astype(dtype or jnp.float32)
+        return turboquant(_turbo_head_dim(codes, bits), bits).dequantize(codes).astype(dtype or jnp.float32)
 
     def check(head_dim, page_size):
         turboquant(head_dim, bits)  # TurboQuantSplit's own ValueError names the constraint
@@ -325,8 +329,8 @@ def kernel_pages(cache: KVPages):
         wrap = lambda p: quant.NVFP4(p["packed"], p["scales"], jnp.float32(1.0))
         return name, wrap(cache["k"]), wrap(cache["v"])
     if name.startswith("turboquant-"):
-        head_dim = 2 * cache["k"].outlier.idx.shape[-1] * 8 // math.ceil(float(name[11:]))
-        return turboquant(head_dim, float(name[11:])), cache["k"], cache["v"]
+        bits = float(name.removeprefix("turboquant-"))
+        return turboquant(_turbo_head_dim(cache["k"], bits), bits), cache["k"], cache["v"]
     return None
 
 

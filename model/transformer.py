@@ -20,6 +20,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from model.config import ATTENTION, SLIDING_ATTENTION, ModelConfig
 from model.context import ForwardContext, TokenTree
@@ -127,8 +128,6 @@ def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int, dtype,
                      block_tables: jax.Array, kv_cache_dtype: str = "auto") -> KVCache:
     """A cache over a pool of `num_pages` pages, addressed through `block_tables`."""
     check_kv_cache_dtype(kv_cache_dtype, config, page_size)
-    if set(config.layer_kinds) <= {ATTENTION, SLIDING_ATTENTION}:
-        check_block_tables(block_tables, num_pages)
     layout = CacheLayout(block_tables.shape[0], num_pages, page_size, kv_cache_dtype)
     layers = [_kind(kind).init_cache(config, layout, dtype) for kind in config.layer_kinds]
     return KVCache(layers, block_tables, page_size)
@@ -215,15 +214,18 @@ def forward(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: j
 
     tokens, positions: int32 [batch, seq]. A negative position marks a padding
     token: its K/V is not written and it attends to nothing. cache: a KVCache from
-    `init_cache` / `init_paged_cache` (donated); its block table entries must be pages
-    of its pool (checked when the tables are concrete).
+    `init_cache` / `init_paged_cache` (donated); the block table entries that hold a
+    sequence's positions [0, its largest position] must be pages of the pool (checked
+    when tables and positions are concrete; later entries are never read).
     logits_indices: optional int32 [batch]; if given, logits only at those sequence
     indices ([batch, V]) instead of every token ([batch, seq, V]).
     tree: score draft-tree nodes in one pass (speculative decoding, model/context.py).
     """
     paged = [layer for layer in getattr(cache, "layers", ()) if isinstance(layer, KVPages)]
-    if paged:  # CSA2 layers (model/deepseek) keep per-sequence rows, not pages
-        check_block_tables(cache.block_tables, jax.tree.leaves(paged[0].pages)[0].shape[0])
+    if paged and not isinstance(positions, jax.core.Tracer):  # CSA2 layers keep rows, not pages
+        kv_lens = np.maximum(np.asarray(positions).max(axis=1, initial=-1) + 1, 0)
+        check_block_tables(cache.block_tables, jax.tree.leaves(paged[0].pages)[0].shape[0], kv_lens,
+                           cache.page_size)
     return _forward(params, config, tokens, positions, cache, logits_indices, tree)
 
 

@@ -26,12 +26,10 @@ when that folder holds any, they are installed first with
 `pip install --no-index --no-deps --target <tmp>/kvfold-gpu-check-site` and put on the
 steps' PYTHONPATH.
 
-On this project's lent H200 (device tool; python3 there has jax 0.11.2 with CUDA and the
-packages above, no package registry), one call, with the log coming back as a file:
+On a GPU machine with jax (CUDA) and the packages above but no package registry, from
+the repository root (copy a .whl folder along when wheels must travel):
 
-    run(command='python3 -m pallas_kernels.gpu_check --log-dir "$OUT"', timeout_s=570)
-
-add carry=[".whl"] when wheels must travel.
+    python3 -m pallas_kernels.gpu_check --log-dir DIR    # DIR/gpu_check.log: the whole log
 """
 
 from __future__ import annotations

@@ -164,53 +164,48 @@ def _random_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(100, vocab_size, length).tolist()
 
 
+def _rates_table(label: str, rows: list[tuple[str, float]]) -> None:
+    """Decode tok/s per row and its ratio to the first row."""
+    print(f"| {label} | decode tok/s | vs {rows[0][0]} |")
+    print("|---|---:|---:|")
+    for name, rate in rows:
+        print(f"| {name} | {rate:.1f} | {rate / rows[0][1]:.2f}x |", flush=True)
+
+
 def bench_context(args) -> None:
     """Decode cost follows the live context: a sweep at the default max_model_len, and one
     context under max_model_len 512 against the default (the same work, two pool widths)."""
     from serving.llm import LLM
 
     llm = LLM(args.model, enable_prefix_caching=True, max_num_seqs=args.batch)
+    vocab = llm.config.vocab_size
     print(f"\ncontext sweep: {args.model}, batch {args.batch}, {args.new_tokens} new tokens, "
           f"max_model_len {llm.max_model_len}, greedy, float32, {_device()}")
-    print("| live tokens | decode tok/s | vs shortest |")
-    print("|---:|---:|---:|")
-    first = None
-    for live in args.contexts:
-        rate = _decode_rate(llm, _random_prompt(llm.config.vocab_size, live - args.new_tokens),
-                            args.batch, args.new_tokens)
-        first = first or rate
-        print(f"| {live} | {rate:.1f} | {rate / first:.2f}x |", flush=True)
-    live = 256
-    prompt = _random_prompt(llm.config.vocab_size, live - args.new_tokens, seed=1)
-    rates = {}
-    for max_model_len in (512, None):
-        one = llm if max_model_len is None else LLM(args.model, max_model_len=max_model_len,
-                                                   max_num_seqs=args.batch)
-        rates[one.max_model_len] = _decode_rate(one, prompt, args.batch, args.new_tokens)
-    (short, rate_short), (long, rate_long) = sorted(rates.items())
-    print(f"\nsame work ({live} live tokens), two max_model_len: batch {args.batch}")
-    print(f"| max_model_len {short} tok/s | max_model_len {long} tok/s | ratio |")
-    print("|---:|---:|---:|")
-    print(f"| {rate_short:.1f} | {rate_long:.1f} | {rate_long / rate_short:.2f}x |")
+    _rates_table("live tokens", [(str(live), _decode_rate(llm, _random_prompt(vocab, live - args.new_tokens),
+                                                          args.batch, args.new_tokens))
+                                 for live in args.contexts])
+    live = min(args.contexts)
+    short = LLM(args.model, max_model_len=max(512, live), max_num_seqs=args.batch)
+    prompt = _random_prompt(vocab, live - args.new_tokens, seed=1)
+    print(f"\nsame work ({live} live tokens) under two max_model_len, batch {args.batch}")
+    _rates_table("max_model_len", [(str(one.max_model_len), _decode_rate(one, prompt, args.batch, args.new_tokens))
+                                   for one in (short, llm)])
 
 
 def bench_kv_dtypes(args) -> None:
-    """Decode tokens/s per kv_cache_dtype at one long live context, against float32."""
+    """Decode tokens/s per kv_cache_dtype at one long live context, against the first listed."""
     from serving.llm import LLM
 
     print(f"\nKV formats: {args.model}, batch {args.batch}, {args.context} live tokens, "
           f"{args.new_tokens} new tokens, greedy, float32 weights, {_device()}")
-    print("| kv_cache_dtype | decode tok/s | vs float32 |")
-    print("|---|---:|---:|")
-    base = None
+    rows = []
     for fmt in args.kv_cache_dtypes:
         llm = LLM(args.model, max_model_len=args.context + args.new_tokens, max_num_seqs=args.batch,
                   kv_cache_dtype=fmt)
-        rate = _decode_rate(llm, _random_prompt(llm.config.vocab_size, args.context - args.new_tokens),
-                            args.batch, args.new_tokens)
-        base = base or rate
-        print(f"| {fmt} | {rate:.1f} | {rate / base:.2f}x |", flush=True)
+        prompt = _random_prompt(llm.config.vocab_size, args.context - args.new_tokens)
+        rows.append((fmt, _decode_rate(llm, prompt, args.batch, args.new_tokens)))
         del llm
+    _rates_table("kv_cache_dtype", rows)
 
 
 def bench_speculative(args) -> None:

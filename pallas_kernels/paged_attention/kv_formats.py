@@ -268,10 +268,7 @@ class Turbo:
     def tile(self, get: Getter, part, extras):
         (codebook,) = extras
         codes = (get(0).astype(jnp.int32) >> (self.bits * part)) & ((1 << self.bits) - 1)
-        values = jnp.zeros(codes.shape, jnp.float32)
-        for i in range(1 << self.bits):
-            values = jnp.where(codes == i, codebook[i], values)
-        return values * get(1)
+        return _lookup(codes, codebook, 1 << self.bits) * get(1)
 
     def dequantize(self, pages):
         return self.tq.dequantize(pages)
@@ -305,6 +302,8 @@ def group_codes(packed, bits, j):
 
 
 def _lookup(codes, codebook, size):
+    """codebook[codes] as a select chain over its `size` scalars (Pallas kernels cannot
+    capture a table)."""
     values = jnp.zeros(codes.shape, jnp.float32)
     for i in range(size):
         values = jnp.where(codes == i, codebook[i], values)

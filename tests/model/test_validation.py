@@ -77,11 +77,16 @@ def test_sequence_longer_than_cache_names_context():
 def test_block_table_entries_must_be_pages_of_the_pool():
     config = tiny_config()
     params = model.init_params(config, jax.random.key(0))
-    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 4 is not a page"):
-        model.init_paged_cache(config, 4, 8, jnp.float32, jnp.asarray([[0, 4]], jnp.int32))
     cache = model.init_paged_cache(config, 4, 8, jnp.float32, jnp.asarray([[0, 1], [2, 3]], jnp.int32))
     tokens = jnp.ones((2, 12), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+    with pytest.raises(ValueError, match=r"block_tables\[1, 1\] = 4 is not a page"):
+        model.forward(params, config, tokens, positions,
+                      model.KVCache(cache.layers, jnp.asarray([[0, 1], [2, 4]], jnp.int32), 8))
+    # Entries past a sequence's positions are never read: padding them with -1 is fine.
+    short = jnp.asarray([[0, -1], [2, -1]], jnp.int32)
+    model.forward(params, config, tokens[:, :8], positions[:, :8], model.KVCache(cache.layers, short, 8))
+    cache = model.init_paged_cache(config, 4, 8, jnp.float32, jnp.asarray([[0, 1], [2, 3]], jnp.int32))
     bad = model.KVCache(cache.layers, jnp.asarray([[0, -1], [2, 3]], jnp.int32), cache.page_size)
     with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = -1 is not a page"):
         model.forward(params, config, tokens, positions, bad)
