@@ -1,6 +1,7 @@
 """pallas_kernels.paged_attention: the one entry for paged decode attention, over plain
 pages (paged_attention) or quantized ones (paged_attention_quantized); both share the
-checks, the Pallas TPU kernel and the reference."""
+checks, the Pallas TPU kernel and the XLA path (xla.py, blocked online softmax; ref.py
+is the dense statement it and the kernels are tested against)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pallas_kernels.dispatch import dispatch
 from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.paged_attention.kernel_gpu import gpu_supported, paged_attention_gpu
 from pallas_kernels.paged_attention.kernel_tpu import paged_attention_tpu
-from pallas_kernels.paged_attention.ref import paged_attention_quantized_ref, paged_attention_ref
+from pallas_kernels.paged_attention.xla import paged_attention_xla
 from pallas_kernels.variant import AttentionVariant
 
 
@@ -47,7 +48,7 @@ def paged_attention(
       sinks: f32 [num_q_heads] attention-sink logits added to the softmax denominator.
       variant: an AttentionVariant (logits transform and/or weighting), traced into the kernel.
       interpret: True or a pltpu.InterpretParams runs the Pallas TPU kernel in interpret
-        mode (any backend); None runs Mosaic on TPU, Triton on GPU, the XLA reference on CPU.
+        mode (any backend); None runs Mosaic on TPU, Triton on GPU, the XLA path on CPU.
 
     Returns:
       out: [batch, num_q_heads, head_dim] in q.dtype.
@@ -79,7 +80,7 @@ def paged_attention(
         block_tables,
         kv_lens,
         sinks,
-        ref=functools.partial(paged_attention_ref, **static),
+        ref=functools.partial(paged_attention_xla, **static),
         tpu=functools.partial(paged_attention_tpu, **static),
         gpu=gpu,
         interpret=interpret,
@@ -119,8 +120,8 @@ def paged_attention_quantized(
 
     Returns (out, lse) as paged_attention, equal to paged_attention on the dequantized pages.
     On TPU (or interpret=...) the Pallas kernel reads only the low-bit bytes; elsewhere
-    (CPU, GPU) the XLA reference gathers the pages the block tables name, dequantizes
-    those and runs plain paged attention.
+    (CPU, GPU) the XLA path gathers and dequantizes a block of the table's pages at a time
+    (xla.py), never the whole pool.
     """
     fmt = kv_formats.resolve(kv_format)
     v.check_ndim("q", q, 3, "[batch, num_q_heads, head_dim]")
@@ -142,7 +143,7 @@ def paged_attention_quantized(
         block_tables,
         kv_lens,
         sinks,
-        ref=functools.partial(paged_attention_quantized_ref, kv_format=fmt, **static),
+        ref=functools.partial(paged_attention_xla, kv_format=fmt, **static),
         tpu=functools.partial(paged_attention_tpu, kv_format=fmt, **static),
         gpu=None,  # CUDA runs the reference (see tests: no Triton kernel for these formats)
         interpret=interpret,

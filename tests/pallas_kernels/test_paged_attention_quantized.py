@@ -235,9 +235,10 @@ def test_group_codes_reads_pack_bits_streams(bits):
         np.testing.assert_array_equal(np.asarray(got), codes[:, j::8])
 
 
-def test_reference_dequantizes_only_the_block_tables_pages():
+def test_cpu_path_dequantizes_only_the_block_tables_pages():
     """The engine hands the entry a block table cut to the live pages of a large pool: the
-    reference must not dequantize the pages no sequence names."""
+    XLA path the entry runs on CPU must not dequantize the pages no sequence names (it
+    dequantizes one block of the table's pages per scan step)."""
     args, _ = _problem("tq3.5", seed=8, kv_lens=(5, 16))
     q, kq, vq, bt, kl = args
     big = lambda c: jax.tree.map(lambda a: jnp.concatenate([a] * 50, 0), c)  # 50x the pages
@@ -245,14 +246,14 @@ def test_reference_dequantizes_only_the_block_tables_pages():
 
     class Recording(kv_formats.TurboSplit):
         def dequantize(self, pages):
-            seen.append(pages.outlier.norm.shape[0])
+            seen.append(pages.outlier.norm.shape[:2])
             return super().dequantize(pages)
 
-    from pallas_kernels.paged_attention.entry import paged_attention_quantized_ref
+    from pallas_kernels.paged_attention.xla import paged_attention_xla
 
     fmt = Recording(TQ35)
-    got = paged_attention_quantized_ref(q, big(kq), big(vq), bt, kl, kv_format=fmt, sm_scale=D**-0.5,
-                                        variant=resolve(None, None))
+    got = paged_attention_xla(q, big(kq), big(vq), bt, kl, kv_format=fmt, sm_scale=D**-0.5,
+                              variant=resolve(None, None))
     want = paged_attention_quantized(*args, kv_format=TQ35)
-    assert seen == [bt.size, bt.size]
+    assert seen == [tuple(bt.shape)] * 2  # K and V: [batch, pages of the table] (one block here)
     assert_close(got[0], want[0])
