@@ -69,8 +69,8 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     cache: one layer's KVPages; K/V are stored in its kv_cache_dtype (model/kv_formats.py).
     Decode steps (one token per sequence) go through pallas_kernels.paged_attention over
     float pages and paged_attention_quantized over fp8 / int8 / nvfp4 / turboquant pages
-    (the kernel reads the low-bit bytes; on CPU its reference gathers the block table's
-    pages and dequantizes those). Longer chunks, token trees and KIVI pages read each
+    (the kernel reads the low-bit bytes; on CPU the entry's XLA path dequantizes a block
+    of the table's pages at a time). Longer chunks, token trees and KIVI pages read each
     sequence's pages back as float (after this chunk's write) and attend densely.
     """
     b, t, _ = x.shape

@@ -221,7 +221,8 @@ def forward(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: j
     indices ([batch, V]) instead of every token ([batch, seq, V]).
     tree: score draft-tree nodes in one pass (speculative decoding, model/context.py).
     """
-    paged = [layer for layer in getattr(cache, "layers", ()) if isinstance(layer, KVPages)]
+    _check_inputs(config, tokens, positions, cache)  # shapes first: the value check needs them
+    paged = [layer for layer in cache.layers if isinstance(layer, KVPages)]
     if paged and not isinstance(positions, jax.core.Tracer):  # CSA2 layers keep rows, not pages
         kv_lens = np.maximum(np.asarray(positions).max(axis=1, initial=-1) + 1, 0)
         check_block_tables(cache.block_tables, jax.tree.leaves(paged[0].pages)[0].shape[0], kv_lens,

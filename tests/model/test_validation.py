@@ -74,6 +74,13 @@ def test_sequence_longer_than_cache_names_context():
         model.forward(params, config, tokens, jnp.arange(17)[None], cache)
 
 
+def test_positions_of_the_wrong_shape_are_named_before_block_tables_are_read():
+    config = tiny_config()
+    params = model.init_params(config, jax.random.key(0))
+    with pytest.raises(ValueError, match="positions"):
+        model.forward(params, config, jnp.ones((1, 4), jnp.int32), jnp.arange(4), model.init_cache(config, 1, 16))
+
+
 def test_block_table_entries_must_be_pages_of_the_pool():
     config = tiny_config()
     params = model.init_params(config, jax.random.key(0))
