@@ -178,15 +178,21 @@ def ragged_paged_attention_tpu(
     cu_q_lens,
     kv_lens,
     sinks=None,
+    tree_bits=None,
     *,
     sm_scale: float,
     sliding_window: int | None = None,
     variant: AttentionVariant,
+    kv_format=None,
     block_q: int = 8,
     interpret=False,
 ):
     """Shapes as pallas_kernels.ragged_paged_attention; block_q: query tokens per tile
     (a multiple of 8, the sublane tile)."""
+    if tree_bits is not None:
+        raise ValueError("ragged_paged_attention_tpu: tree_bits is not supported yet")
+    if kv_format is not None:
+        raise ValueError("ragged_paged_attention_tpu: kv_format is not supported yet")
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     max_pages = block_tables.shape[1]
