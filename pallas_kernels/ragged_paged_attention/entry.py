@@ -9,8 +9,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import validate
 from pallas_kernels.dispatch import dispatch
+from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
-from pallas_kernels.ragged_paged_attention.ref import ragged_paged_attention_ref
+from pallas_kernels.ragged_paged_attention.tree import TreeMask
+from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 from pallas_kernels.variant import AttentionVariant
 
 
@@ -29,6 +31,9 @@ def ragged_paged_attention(
     soft_cap=None,
     sinks=None,
     variant: AttentionVariant | None = None,
+    tree: TreeMask | None = None,
+    kv_format=None,
+    max_q_len: int | None = None,
     interpret=None,
 ):
     """One step of a mixed batch: prefill chunks and decode rows, with the KV write fused.
@@ -42,7 +47,9 @@ def ragged_paged_attention(
       q: [total_q_tokens, num_q_heads, head_dim], float. Tokens past cu_q_lens[-1] are
         padding (out 0, lse -inf, nothing written).
       k, v: [total_q_tokens, num_kv_heads, head_dim], q's dtype: the new tokens' K/V.
-      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim], q's dtype.
+      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim], q's dtype; or,
+        with kv_format, that format's containers (as paged_attention_quantized): the new
+        rows are quantized into them and pages are read low-bit.
       block_tables: int32 [num_seqs, max_pages_per_seq]; the first ceil(kv_len / page_size)
         entries of a sequence must be pages in [0, num_pages) (checked when concrete; the
         reference drops writes to any other entry), later ones are never read. Written
@@ -64,14 +71,25 @@ def ragged_paged_attention(
     validate.check_ndim("q", q, 3, "[total_q_tokens, num_q_heads, head_dim]")
     validate.check_float("q", q)
     num_tokens, num_q_heads, head_dim = q.shape
-    validate.check_ndim("k_pages", k_pages, 4, "[num_pages, page_size, num_kv_heads, head_dim]")
-    _, page_size, num_kv_heads, _ = k_pages.shape
-    if k_pages.shape[-1] != head_dim:
-        raise ValueError(f"k_pages head_dim {k_pages.shape[-1]} != q head_dim {head_dim}")
-    validate.check_shape("v_pages", v_pages, k_pages.shape)
+    fmt = None if kv_format is None else kv_formats.resolve(kv_format)
+    if fmt is None:
+        validate.check_ndim("k_pages", k_pages, 4, "[num_pages, page_size, num_kv_heads, head_dim]")
+        if k_pages.shape[-1] != head_dim:
+            raise ValueError(f"k_pages head_dim {k_pages.shape[-1]} != q head_dim {head_dim}")
+        validate.check_shape("v_pages", v_pages, k_pages.shape)
+        lead = k_pages.shape
+    else:
+        fmt.check(k_pages, head_dim, "k_pages")
+        fmt.check(v_pages, head_dim, "v_pages")
+        k_shapes = [x.shape for x in fmt.leaves(k_pages)]
+        if [x.shape for x in fmt.leaves(v_pages)] != k_shapes:
+            raise ValueError(f"v_pages leaf shapes differ from k_pages leaf shapes {k_shapes}")
+        lead = k_shapes[0]
+    num_pages, page_size, num_kv_heads = lead[:3]
     validate.check_shape("k", k, (num_tokens, num_kv_heads, head_dim))
     validate.check_shape("v", v, (num_tokens, num_kv_heads, head_dim))
-    for name, x in (("k", k), ("v", v), ("k_pages", k_pages), ("v_pages", v_pages)):
+    pairs = (("k", k), ("v", v)) + ((("k_pages", k_pages), ("v_pages", v_pages)) if fmt is None else ())
+    for name, x in pairs:
         validate.check_dtype(name, x, [q.dtype])
     validate.check_heads(num_q_heads, num_kv_heads)
     validate.check_ndim("block_tables", block_tables, 2, "[num_seqs, max_pages_per_seq]")
@@ -84,9 +102,20 @@ def ragged_paged_attention(
     validate.check_shape("kv_lens", kv_lens, (num_seqs,))
     validate.check_dtype("kv_lens", kv_lens, [jnp.int32])
     validate.check_positive("sliding_window", sliding_window)
-    validate.check_block_tables(block_tables, k_pages.shape[0], kv_lens, page_size)
+    validate.check_block_tables(block_tables, num_pages, kv_lens, page_size)
+    if tree is not None:
+        if not isinstance(tree, TreeMask):
+            raise ValueError(f"tree must be a ragged_paged_attention.TreeMask, got {type(tree).__name__}")
+        validate.check_shape("tree.start", tree.start, (num_seqs,))
+        validate.check_dtype("tree.start", tree.start, [jnp.int32])
+        validate.check_ndim("tree.bits", tree.bits, 2, "[total_q_tokens, words]")
+        validate.check_shape("tree.bits", tree.bits, (num_tokens, tree.bits.shape[1]))
+        validate.check_dtype("tree.bits", tree.bits, [jnp.int32])
+    if max_q_len is not None and (not isinstance(max_q_len, int) or max_q_len < 1):
+        raise ValueError(f"max_q_len must be a positive int or None, got {max_q_len!r}")
     static = dict(
         sliding_window=None if sliding_window is None else int(sliding_window),
+        kv_format=fmt,
         **validate.attention_options(head_dim, num_q_heads, sm_scale, soft_cap, sinks, variant),
     )
     if interpret is True:
@@ -101,7 +130,8 @@ def ragged_paged_attention(
         cu_q_lens,
         kv_lens,
         sinks,
-        ref=functools.partial(ragged_paged_attention_ref, **static),
+        tree,
+        ref=functools.partial(ragged_paged_attention_xla, max_q_len=max_q_len, **static),
         tpu=functools.partial(ragged_paged_attention_tpu, **static),
         gpu=None,
         interpret=interpret,

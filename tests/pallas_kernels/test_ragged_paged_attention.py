@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from model import kv_formats
 from pallas_kernels import AttentionVariant, ragged_paged_attention
+from pallas_kernels.paged_attention import kv_formats as pk_formats
+from pallas_kernels.ragged_paged_attention import TreeMask, pack_mask
 from tests.pallas_kernels.helpers import (
     TRITON_CALL,
     assert_close,
@@ -178,3 +181,111 @@ def test_lowers_for_tpu_and_reference_for_cuda(dtype):
     assert "tpu_custom_call" in mlir
     # No GPU kernel yet: CUDA lowers the XLA reference (scatter + gather + dense).
     assert TRITON_CALL not in export_cuda(lambda *a: fn(*a[:8], sinks=a[8]), *specs, spec(sinks))
+
+
+def _ref(*args, **kw):
+    """The dense reference (no max_q_len: the XLA path defers to it)."""
+    return ragged_paged_attention(*args, **kw)
+
+
+@pytest.mark.parametrize("max_q_len,window,with_sinks", [(6, None, False), (8, 4, True), (64, 3, False)])
+def test_blocked_xla_path_matches_the_reference(max_q_len, window, with_sinks):
+    """Query tiles of one sequence and a page-block scan give the dense reference's
+    outputs, lse and pages, for tiles smaller than, equal to and larger than a chunk."""
+    args, sinks = _mixed_batch(6, max_pages=5)
+    kw = dict(sliding_window=window, sinks=sinks if with_sinks else None)
+    want = _ref(*args, **kw)
+    got = ragged_paged_attention(*args, max_q_len=max_q_len, **kw)
+    for g, w in zip(got, want):
+        assert_close(g, w)
+    _assert_pages(got[2], got[3], args)
+
+
+def _tree_batch(seed):
+    """Sequence 0 verifies a branching 6-node tree rooted at position 9 (slots 9..14);
+    sequence 1 is a plain 5-token chunk; sequence 2 a decode row; one padding token."""
+    rng = np.random.default_rng(seed)
+    parents = [-1, 0, 0, 1, 1, 2]  # node 3 and 4 under 1, node 5 under 2
+    anc = np.zeros((6, 6), bool)
+    for i, p in enumerate(parents):
+        anc[i] = anc[p] if p >= 0 else False
+        anc[i, i] = True
+    q_lens, kv_lens = np.array([6, 5, 1], np.int32), np.array([15, 12, 20], np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t, num_pages, hq, hkv, d = int(cu[-1]) + 1, 12, 4, 2, 32
+    table = rng.permutation(num_pages)[:9].reshape(3, 3).astype(np.int32)
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    args = (f32(t, hq, d), f32(t, hkv, d), f32(t, hkv, d), f32(num_pages, PAGE_SIZE, hkv, d),
+            f32(num_pages, PAGE_SIZE, hkv, d), jnp.asarray(table), jnp.asarray(cu),
+            jnp.asarray(kv_lens))
+    mask = np.zeros((t, 6), bool)
+    mask[:6] = anc
+    start = jnp.asarray([9, 12, 20], jnp.int32)  # no region for the others: start = kv_len
+    tree = TreeMask(start, pack_mask(jnp.asarray(mask)))
+    depth = anc.sum(1) - 1
+    return args, tree, anc, depth
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_tree_rows_see_their_prefix_and_their_ancestors(window):
+    """A verify row attends to the accepted prefix (window counted from its RoPE
+    position, 9 + depth) and to its ancestors only; other rows stay causal. Checked
+    against float64 attention over exactly those positions, for the reference and the
+    blocked XLA path."""
+    args, tree, anc, depth = _tree_batch(7)
+    want = _ref(*args, tree=tree, sliding_window=window)
+    got = ragged_paged_attention(*args, tree=tree, sliding_window=window, max_q_len=8)
+    for g, w in zip(got, want):
+        assert_close(g, w)
+    k64, v64, tokens = _numpy_scatter(args)
+    table, d = np.asarray(args[5]), args[0].shape[-1]
+    for t, s, pos in tokens:
+        if s == 0:  # node t: prefix 0..8, then its ancestors among slots 9..14
+            logical = 9 + depth[t]
+            rows = np.concatenate([np.arange(9), 9 + np.flatnonzero(anc[t])])
+            mask = (rows >= 9) | (rows > logical - window) if window else np.ones(len(rows), bool)
+        else:
+            rows = np.arange(pos + 1)
+            mask = rows > pos - window if window else np.ones(len(rows), bool)
+        kr = k64[table[s, rows // PAGE_SIZE], rows % PAGE_SIZE]
+        vr = v64[table[s, rows // PAGE_SIZE], rows % PAGE_SIZE]
+        o64, _ = dense_attention_f64(args[0][t], kr, vr, mask, d**-0.5, None, None)
+        assert_close(want[0][t], o64)
+
+
+def test_pack_mask_bits():
+    mask = np.random.default_rng(0).random((3, 40)) < 0.5
+    bits = np.asarray(pack_mask(jnp.asarray(mask))).view(np.uint32)
+    assert bits.shape == (3, 2)
+    unpacked = (bits[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
+    np.testing.assert_array_equal(unpacked.reshape(3, 64)[:, :40], mask)
+    assert not unpacked.reshape(3, 64)[:, 40:].any()
+
+
+def _quantized(fmt_name, pages):
+    if fmt_name == "turboquant-3.5":
+        return kv_formats.turboquant(pages.shape[-1], 3.5)
+    return fmt_name
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8", "nvfp4", "turboquant-3.5"])
+def test_low_bit_pages_are_written_quantized_and_read_as_their_values(fmt_name):
+    """The new rows land in the pages as the format's own quantize makes them, and the
+    attention equals float attention over the dequantized pages (the new rows
+    dequantized too); the blocked XLA path equals the reference."""
+    args, _ = _mixed_batch(8, max_pages=5)
+    q, k, v, kp, vp, table, cu, kl = args
+    fmt_arg = _quantized(fmt_name, kp)
+    fmt = pk_formats.resolve(fmt_arg)
+    qk, qv = fmt.quantize(kp), fmt.quantize(vp)
+    want = _ref(q, k, v, qk, qv, table, cu, kl, kv_format=fmt_arg)
+    got = ragged_paged_attention(q, k, v, qk, qv, table, cu, kl, kv_format=fmt_arg, max_q_len=8)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(g, w)
+    # float attention over the dequantized pages, with the new rows quantized round trip
+    rt = lambda x: fmt.dequantize(fmt.quantize(x)).astype(jnp.float32)
+    plain = ragged_paged_attention(q, rt(k), rt(v), fmt.dequantize(qk).astype(jnp.float32),
+                                   fmt.dequantize(qv).astype(jnp.float32), table, cu, kl)
+    assert_close(want[0], plain[0])
+    assert_close(fmt.dequantize(want[2]), plain[2])
+    assert_close(fmt.dequantize(want[3]), plain[3])
