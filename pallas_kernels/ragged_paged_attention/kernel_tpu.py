@@ -3,17 +3,37 @@ with the new K/V written into the pages inside the kernel.
 
 Plan, then run (FlashInfer's split): outside the kernel, in XLA, each sequence's query
 tokens are cut into tiles of `block_q` tokens of that one sequence (a decode row is a
-tile with one live row), and q is gathered into head-major tiles [tile, Hq, block_q, D].
-The number of tiles is bounded statically by ceil(T / block_q) + num_seqs; spare tiles
-have length 0 and do nothing.
+tile with one live row), and q is gathered into head-major tiles
+[tile, parts, Hq, block_q, D / parts]. The number of tiles is bounded statically by
+ceil(T / block_q) + num_seqs; spare tiles have length 0 and do nothing.
 
 Grid (tile, page), both sequential ("arbitrary"): at page step 0 a tile DMAs its own
-tokens' K/V rows from HBM into their page slots (k_pages/v_pages stay in HBM, aliased
-input -> output, so the cache is updated in place), then every step DMAs one page of
-the sequence (clamped to the causal / sliding-window range of the tile) into VMEM and
-folds it into the running softmax. A later tile of the same sequence reads what an
-earlier tile wrote, which is why the tile axis must not be "parallel". Page reads are
-not double-buffered yet (each step waits on its own DMA).
+tokens' K/V rows from HBM into their page slots (the pages stay in HBM, aliased input ->
+output, so the cache is updated in place; a block-table entry outside [0, num_pages)
+drops the write, as the reference does), then every step DMAs one page of the sequence
+(clamped to the causal / sliding-window range of the tile) into VMEM and folds it into
+the running softmax. A later tile of the same sequence reads what an earlier tile wrote,
+which is why the tile axis must not be "parallel". Page reads are not double-buffered
+yet (each step waits on its own DMA).
+
+KV formats (kv_format: None for plain float pages, or a kv_formats object). The page
+container's page-axis leaves (codes, scales, norms) each get their own DMA and VMEM
+buffer, and every KV head's tile is decoded in VMEM with the format's `tile` right
+before its dot, exactly as the paged decode kernel (pallas_kernels/paged_attention/
+kernel_tpu.py) does: the query is moved into the format's basis (`prepare_q`) and split
+into channel `parts` outside the kernel, and the f32 output is merged and moved back
+(`finish_out`) after it. The new K/V rows are quantized in XLA before the kernel with
+the format's own quantizer (NVFP4 with the pages' tensor scale), one row per (token,
+head) so no row depends on another; the kernel then writes every leaf of those rows into
+its page slot with the same fused DMAs as plain rows. Plain pages are the format
+kv_formats.PLAIN (one leaf, one part), so both run the same kernel body.
+
+Tree attention (tree, a tree.TreeMask; the rule is tree.py's docstring): a sequence's
+region start is read in the kernel, each query's region bits ride along as a
+[tile, Hq * block_q, words] block beside its query tile and, with a sliding window, its
+logical (RoPE) position as a [tile, Hq * block_q, 1] block (computed in XLA: the window
+of a tree node counts from it, not from its slot). The first page a tile reads comes
+from the plan: the lowest position any of its rows may see.
 """
 
 from __future__ import annotations
@@ -27,7 +47,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import online_softmax
+from pallas_kernels.paged_attention import kv_formats
+from pallas_kernels.paged_attention.kv_formats import merge_parts, split_parts
+from pallas_kernels.ragged_paged_attention import tree as tree_mask
+from pallas_kernels.ragged_paged_attention.ref import token_layout
 from pallas_kernels.variant import AttentionVariant
+from quant.blockscaled import nvfp4_quantize
 
 
 def plan_tiles(cu_q_lens, num_tokens, block_q):
@@ -57,14 +82,47 @@ def plan_tiles(cu_q_lens, num_tokens, block_q):
     )
 
 
-def _tile_range(kv_len, q_len, start, length, page_size, sliding_window):
-    """Positions of the tile's first query and [first, last] pages it reads."""
-    q_first = kv_len - q_len + start
-    last = jnp.maximum(q_first + length - 1, 0) // page_size
+def _lowest_seen(tok, tile_len, pos, logical, region_start, sliding_window):
+    """int32 [num_tiles]: the lowest KV position any live row of a tile may see.
+
+    tok: int32 [num_tiles, block_q], each row's token; pos, logical, region_start: int32
+    [T], each token's slot, logical position and tree region start (None: no tree). The
+    window counts from the logical position and never cuts positions from the region
+    start on, so a tree node reaches back to min(its window's start, the region start)."""
     if sliding_window is None:
-        return q_first, 0, last
-    first = jnp.maximum(q_first - sliding_window + 1, 0) // page_size
-    return q_first, jnp.minimum(first, last), last
+        return jnp.zeros(tok.shape[:1], jnp.int32)
+    lo = jnp.maximum(logical - sliding_window + 1, 0)
+    if region_start is not None:
+        lo = jnp.where(pos >= region_start, jnp.minimum(lo, region_start), lo)
+    live = jnp.arange(tok.shape[1])[None, :] < tile_len[:, None]
+    return jnp.min(jnp.where(live, lo[tok], jnp.iinfo(jnp.int32).max), axis=1)
+
+
+def _head_getter(bufs, h):
+    """kv_formats.Getter over one page's VMEM leaf buffers, for KV head h: [page_size, n]
+    for 4-D leaves, [page_size, 1] for 3-D (per-token) ones."""
+    return lambda i: bufs[i][:, h, :] if len(bufs[i].shape) == 3 else bufs[i][:, h : h + 1]
+
+
+def _visible(q_pos, kv_pos, sliding_window, region_start, bits, logical):
+    """bool [rows, C]: which positions kv_pos [1, C] queries at slots q_pos [rows, 1] see
+    (tree.visible's rule). Without a tree (region_start None): causal and the window.
+    With one: bits int32 [rows, words] over the region from region_start (a scalar);
+    logical [rows, 1], the positions the window counts from (None without a window)."""
+    seen = kv_pos <= q_pos
+    if region_start is None:
+        return seen if sliding_window is None else seen & (kv_pos > q_pos - sliding_window)
+    near = True if sliding_window is None else kv_pos > logical - sliding_window
+    offset = kv_pos - region_start
+    in_bits = jnp.zeros(jnp.broadcast_shapes(q_pos.shape, kv_pos.shape), jnp.bool_)
+    for w in range(bits.shape[1]):
+        word_offset = offset - w * tree_mask.WORD_BITS
+        shift = jnp.clip(word_offset, 0, tree_mask.WORD_BITS - 1)
+        word = jnp.broadcast_to(bits[:, w : w + 1], in_bits.shape)
+        bit = lax.shift_right_logical(word, jnp.broadcast_to(shift, in_bits.shape)) & 1
+        in_bits |= (word_offset >= 0) & (word_offset < tree_mask.WORD_BITS) & (bit != 0)
+    in_region = (offset >= 0) & (offset < bits.shape[1] * tree_mask.WORD_BITS)
+    return seen & jnp.where(offset < 0, near, jnp.where(in_region, in_bits, True))
 
 
 def _kernel(
@@ -74,98 +132,158 @@ def _kernel(
     tile_seq_ref,
     tile_start_ref,
     tile_len_ref,
+    tile_lo_ref,
     q_ref,
-    k_new_hbm,
-    v_new_hbm,
-    k_pages_in,
-    v_pages_in,
-    *rest_refs,
+    *refs,
+    kv_format,
+    num_leaves,
+    num_extras,
     variant,
     sm_scale,
     sliding_window,
+    has_tree,
     has_sinks,
 ):
-    # k_pages_in/v_pages_in alias k_pages/v_pages (the outputs): all page traffic goes
-    # through the output refs, so reads see this call's writes.
-    del k_pages_in, v_pages_in
-    rest = list(rest_refs)
-    sinks_ref = rest.pop(0) if has_sinks else None
-    out_ref, lse_ref, k_pages, v_pages, k_buf, v_buf, sem, m_ref, l_ref, acc_ref = rest
+    refs = list(refs)
+
+    def take(n):
+        taken = refs[:n]
+        del refs[:n]
+        return taken
+
+    if has_tree:
+        region_start_ref, bits_ref = take(2)
+        logical_ref = take(1)[0] if sliding_window is not None else None
+    sinks_ref = take(1)[0] if has_sinks else None
+    extras = take(num_extras)
+    new_rows = take(2 * num_leaves)  # k leaves, then v leaves: [T, Hkv, ...] in HBM
+    # The aliased page inputs: all page traffic goes through the output refs, so reads
+    # see this call's writes.
+    take(2 * num_leaves)
+    out_ref, lse_ref = take(2)
+    pages = take(2 * num_leaves)
+    bufs = take(2 * num_leaves)
+    sem, m_ref, l_ref, acc_ref = refs
+    k_bufs, v_bufs = bufs[:num_leaves], bufs[num_leaves:]
+
     j, p = pl.program_id(0), pl.program_id(1)
-    num_q_heads, block_q, _ = q_ref.shape
-    page_size, num_kv_heads, _ = k_buf.shape
+    parts, num_q_heads, block_q, _ = q_ref.shape
+    num_pages = pages[0].shape[0]
+    page_size, num_kv_heads = k_bufs[0].shape[:2]
+    rows = num_q_heads * block_q
     seq = jnp.maximum(tile_seq_ref[j], 0)
     start, length = tile_start_ref[j], tile_len_ref[j]
     kv_len = kv_lens_ref[seq]
     q_len = cu_q_lens_ref[seq + 1] - cu_q_lens_ref[seq]
-    q_first, first, last = _tile_range(kv_len, q_len, start, length, page_size, sliding_window)
+    q_first = kv_len - q_len + start
+    last = jnp.maximum(q_first + length - 1, 0) // page_size
+    first = jnp.minimum(jnp.maximum(tile_lo_ref[j], 0) // page_size, last)
+    max_pages = block_tables_ref.shape[1]
     live = length > 0
 
     @pl.when(p == 0)
     def _init():
-        m0, l0, acc0 = online_softmax.init_state(*acc_ref.shape)
-        m_ref[...], l_ref[...], acc_ref[...] = m0, l0, acc0
+        m0, l0, acc0 = online_softmax.init_state(rows, acc_ref.shape[-1])
+        m_ref[...], l_ref[...] = m0, l0
+        for part in range(parts):
+            acc_ref[part] = acc0
 
     def write_copies(i):
         token = cu_q_lens_ref[seq] + start + i
         pos = q_first + i
-        page = block_tables_ref[seq, pos // page_size]
+        index = pos // page_size
+        page = block_tables_ref[seq, jnp.minimum(index, max_pages - 1)]
         slot = pos % page_size
-        return (
-            pltpu.make_async_copy(k_new_hbm.at[token], k_pages.at[page, slot], sem.at[2]),
-            pltpu.make_async_copy(v_new_hbm.at[token], v_pages.at[page, slot], sem.at[3]),
-        )
+        copies = [
+            pltpu.make_async_copy(src.at[token], dst.at[page, slot], sem.at[1, n])
+            for n, (src, dst) in enumerate(zip(new_rows, pages))
+        ]
+        return (index < max_pages) & (page >= 0) & (page < num_pages), copies
 
     @pl.when((p == 0) & live)
     def _write_new_kv():
-        def start_copies(i, c):
-            for cp in write_copies(i):
-                cp.start()
-            return c
+        def each_copy(method):
+            def body(i, c):
+                in_pool, copies = write_copies(i)
 
-        def wait_copies(i, c):
-            for cp in write_copies(i):
-                cp.wait()
-            return c
+                @pl.when(in_pool)  # a bad block-table entry drops the row, as the reference
+                def _():
+                    for cp in copies:
+                        getattr(cp, method)()
 
-        lax.fori_loop(0, length, start_copies, 0)
-        lax.fori_loop(0, length, wait_copies, 0)
+                return c
+
+            return body
+
+        lax.fori_loop(0, length, each_copy("start"), 0)
+        lax.fori_loop(0, length, each_copy("wait"), 0)
 
     @pl.when(live & (p >= first) & (p <= last))
     def _step():
-        page = block_tables_ref[seq, p]
-        reads = (
-            pltpu.make_async_copy(k_pages.at[page], k_buf, sem.at[0]),
-            pltpu.make_async_copy(v_pages.at[page], v_buf, sem.at[1]),
-        )
+        page = jnp.clip(block_tables_ref[seq, p], 0, num_pages - 1)
+        reads = [
+            pltpu.make_async_copy(src.at[page], buf, sem.at[0, n])
+            for n, (src, buf) in enumerate(zip(pages, bufs))
+        ]
         for cp in reads:
             cp.start()
         for cp in reads:
             cp.wait()
         prec = online_softmax.dot_precision(q_ref.dtype)
-        rows = num_q_heads * block_q
-        q = q_ref[...].reshape(rows, q_ref.shape[-1])
-        s = online_softmax.grouped_scores(q, lambda h: k_buf[:, h, :], num_kv_heads, prec)
+
+        def decoded(leaf_bufs, part):
+            return lambda h: kv_format.tile(_head_getter(leaf_bufs, h), part, extras).astype(
+                q_ref.dtype
+            )
+
+        s = None
+        for part in range(parts):
+            q = q_ref[part].reshape(rows, q_ref.shape[-1])
+            d = online_softmax.grouped_scores(q, decoded(k_bufs, part), num_kv_heads, prec)
+            s = d if s is None else s + d
         s = s * sm_scale
         row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
         q_row = row % block_q
         q_pos = q_first + q_row
         kv_pos = p * page_size + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
         s = variant.transform(s, q_pos, kv_pos, row // block_q)
-        mask = (kv_pos <= q_pos) & (q_row < length)
-        if sliding_window is not None:
-            mask &= kv_pos > q_pos - sliding_window
+        if has_tree:
+            logical = None if logical_ref is None else logical_ref[...]
+            tree = (region_start_ref[seq], bits_ref[...], logical)
+        else:
+            tree = (None, None, None)
+        mask = _visible(q_pos, kv_pos, sliding_window, *tree) & (q_row < length)
         m_new, l_new, alpha, probs = online_softmax.update(variant, m_ref[...], l_ref[...], s, mask)
-        pv = online_softmax.grouped_pv(probs, lambda h: v_buf[:, h, :], num_kv_heads, prec)
+        for part in range(parts):
+            pv = online_softmax.grouped_pv(probs, decoded(v_bufs, part), num_kv_heads, prec)
+            acc_ref[part] = alpha * acc_ref[part] + pv
         m_ref[...], l_ref[...] = m_new, l_new
-        acc_ref[...] = alpha * acc_ref[...] + pv
 
     @pl.when(p == pl.num_programs(1) - 1)
     def _finish():
         sinks = None if sinks_ref is None else sinks_ref[...]
-        out, lse = online_softmax.finalize(variant, m_ref[...], l_ref[...], acc_ref[...], sinks)
-        out_ref[...] = out.reshape(out_ref.shape).astype(out_ref.dtype)
+        m, l = m_ref[...], l_ref[...]
+        for part in range(parts):
+            out, lse = online_softmax.finalize(variant, m, l, acc_ref[part], sinks)
+            out_ref[part] = out.reshape(out_ref.shape[1:]).astype(out_ref.dtype)
         lse_ref[...] = lse
+
+
+def _new_rows(kv_format, pages, x):
+    """The new tokens' rows x [T, Hkv, D] as the format's leaves [T, Hkv, ...], quantized
+    as the pages hold them (NVFP4 pages with a scalar tensor scale: at that scale)."""
+    if kv_format is kv_formats.PLAIN:
+        return (x,)
+    tensor_scale = getattr(pages, "tensor_scale", None)
+    new = kv_format.quantize(x) if tensor_scale is None else nvfp4_quantize(x, tensor_scale)
+    return kv_format.leaves(new)
+
+
+def _with_leaves(kv_format, pages, new_leaves):
+    """The container `pages` with its page-axis leaves replaced by new_leaves."""
+    swap = {id(old): new for old, new in zip(kv_format.leaves(pages), new_leaves)}
+    flat, treedef = jax.tree.flatten(pages)
+    return jax.tree.unflatten(treedef, [swap.get(id(x), x) for x in flat])
 
 
 def ragged_paged_attention_tpu(
@@ -178,7 +296,7 @@ def ragged_paged_attention_tpu(
     cu_q_lens,
     kv_lens,
     sinks=None,
-    tree_bits=None,
+    tree=None,
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -187,82 +305,125 @@ def ragged_paged_attention_tpu(
     block_q: int = 8,
     interpret=False,
 ):
-    """Shapes as pallas_kernels.ragged_paged_attention; block_q: query tokens per tile
-    (a multiple of 8, the sublane tile)."""
-    if tree_bits is not None:
-        raise ValueError("ragged_paged_attention_tpu: tree_bits is not supported yet")
-    if kv_format is not None:
-        raise ValueError("ragged_paged_attention_tpu: kv_format is not supported yet")
+    """Shapes as pallas_kernels.ragged_paged_attention; tree: a tree.TreeMask or None;
+    kv_format: None (plain pages) or a kv_formats object whose containers k_pages and
+    v_pages are; block_q: query tokens per tile (a multiple of 8, the sublane tile).
+    Returns (out, lse, k_pages, v_pages), the pages in their own container."""
+    fmt = kv_formats.PLAIN if kv_format is None else kv_format
     num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    k_leaves, v_leaves = fmt.leaves(k_pages), fmt.leaves(v_pages)
+    num_leaves = len(k_leaves)
+    page_size = k_leaves[0].shape[1]
     max_pages = block_tables.shape[1]
     num_seqs = kv_lens.shape[0]
+    parts = fmt.parts
+    part_dim = head_dim // parts
+    rows = num_q_heads * block_q
     tile_seq, tile_start, tile_len, tile_first = plan_tiles(cu_q_lens, num_tokens, block_q)
     num_tiles = tile_seq.shape[0]
-    # Head-major query tiles: token rows of a tile are contiguous per head.
     seq_c = jnp.maximum(tile_seq, 0)
     tok = cu_q_lens[seq_c][:, None] + tile_start[:, None] + jnp.arange(block_q)[None, :]
-    q_tiles = q[jnp.clip(tok, 0, num_tokens - 1)].transpose(0, 2, 1, 3)
+    tok = jnp.clip(tok, 0, num_tokens - 1)  # [tile, block_q]: each row's token
 
-    tile_map = lambda j, p, *_: (j, 0, 0, 0)
+    def row_tiles(x):
+        """Per-token x [T, n] -> [tile, Hq * block_q, n], rows head-major like the query."""
+        x = jnp.broadcast_to(x[tok][:, None], (num_tiles, num_q_heads, block_q, x.shape[1]))
+        return x.reshape(num_tiles, rows, x.shape[-1])
+
+    # Head-major query tiles in the format's basis and channel parts:
+    # [tile, parts, Hq, block_q, part_dim]; token rows of a tile are contiguous per head.
+    qp = split_parts(fmt.prepare_q(k_pages, q), parts)  # [parts, T, Hq, part_dim]
+    q_tiles = qp[:, tok].transpose(1, 0, 3, 2, 4)
+
+    tile_map = lambda j, p, *_: (j, 0, 0, 0, 0)
+    row_map = lambda j, p, *_: (j, 0, 0)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    in_specs = [pl.BlockSpec((None, num_q_heads, block_q, head_dim), tile_map)] + [any_spec] * 4
-    operands = [q_tiles, k, v, k_pages, v_pages]
+    smem_spec = pl.BlockSpec(memory_space=pltpu.SMEM)
+    in_specs = [pl.BlockSpec((None, parts, num_q_heads, block_q, part_dim), tile_map)]
+    operands = [q_tiles]
+    seq_tok, pos_tok = token_layout(cu_q_lens, kv_lens, num_tokens)
+    logical = tree_mask.logical_positions(tree, seq_tok, pos_tok)
+    region_start = None
+    if tree is not None:
+        region_start = tree.start[jnp.minimum(seq_tok, num_seqs - 1)]
+        words = tree.bits.shape[1]
+        in_specs += [smem_spec, pl.BlockSpec((None, rows, words), row_map)]
+        operands += [tree.start, row_tiles(tree.bits)]
+        if sliding_window is not None:
+            in_specs.append(pl.BlockSpec((None, rows, 1), row_map))
+            operands.append(row_tiles(logical[:, None]))
+    tile_lo = _lowest_seen(tok, tile_len, pos_tok, logical, region_start, sliding_window)
     if sinks is not None:
-        in_specs.append(pl.BlockSpec((num_q_heads * block_q, 1), lambda j, p, *_: (0, 0)))
+        in_specs.append(pl.BlockSpec((rows, 1), lambda j, p, *_: (0, 0)))
         operands.append(jnp.repeat(sinks.astype(jnp.float32), block_q)[:, None])
-    rows = num_q_heads * block_q
+    extras = fmt.extras()
+    in_specs += [smem_spec for _ in extras]
+    operands += extras
+    new_rows = _new_rows(fmt, k_pages, k) + _new_rows(fmt, v_pages, v)
+    page_leaves = k_leaves + v_leaves
+    in_specs += [any_spec] * (len(new_rows) + len(page_leaves))
+    first_page_operand = len(operands) + len(new_rows)
+    operands += [*new_rows, *page_leaves]
+
     kernel = functools.partial(
         _kernel,
+        kv_format=fmt,
+        num_leaves=num_leaves,
+        num_extras=len(extras),
         variant=variant,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
+        has_tree=tree is not None,
         has_sinks=sinks is not None,
     )
-    num_prefetch = 6
-    out, lse, k_pages, v_pages = pl.pallas_call(
+    # Quantized pages: the output may still be rotated / scaled, so keep it f32 until then.
+    out_dtype = q.dtype if fmt is kv_formats.PLAIN else jnp.float32
+    num_prefetch = 7
+    out, lse, *page_leaves = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=num_prefetch,
             grid=(num_tiles, max_pages),
             in_specs=in_specs,
             out_specs=[
-                pl.BlockSpec((None, num_q_heads, block_q, head_dim), tile_map),
-                pl.BlockSpec((None, rows, 1), lambda j, p, *_: (j, 0, 0)),
-                any_spec,
-                any_spec,
-            ],
-            scratch_shapes=[
-                pltpu.VMEM((page_size, num_kv_heads, head_dim), k_pages.dtype),
-                pltpu.VMEM((page_size, num_kv_heads, head_dim), v_pages.dtype),
-                pltpu.SemaphoreType.DMA((4,)),
+                pl.BlockSpec((None, parts, num_q_heads, block_q, part_dim), tile_map),
+                pl.BlockSpec((None, rows, 1), row_map),
+            ]
+            + [any_spec] * len(page_leaves),
+            scratch_shapes=[pltpu.VMEM((page_size, *x.shape[2:]), x.dtype) for x in page_leaves]
+            + [
+                pltpu.SemaphoreType.DMA((2, len(page_leaves))),  # [read | write, leaf]
                 pltpu.VMEM((rows, 1), jnp.float32),
                 pltpu.VMEM((rows, 1), jnp.float32),
-                pltpu.VMEM((rows, head_dim), jnp.float32),
+                pltpu.VMEM((parts, rows, part_dim), jnp.float32),
             ],
         ),
         out_shape=[
-            jax.ShapeDtypeStruct((num_tiles, num_q_heads, block_q, head_dim), q.dtype),
+            jax.ShapeDtypeStruct(q_tiles.shape, out_dtype),
             jax.ShapeDtypeStruct((num_tiles, rows, 1), jnp.float32),
-            jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
-        ],
-        input_output_aliases={num_prefetch + 3: 2, num_prefetch + 4: 3},
+        ]
+        + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in page_leaves],
+        input_output_aliases={
+            num_prefetch + first_page_operand + n: 2 + n for n in range(len(page_leaves))
+        },
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=interpret,
-        name="kvfold_ragged_paged_attention",
-    )(block_tables, cu_q_lens, kv_lens, tile_seq, tile_start, tile_len, *operands)
+        name="kvfold_ragged_paged_attention"
+        if fmt is kv_formats.PLAIN
+        else "kvfold_ragged_paged_attention_" + fmt.label,
+    )(block_tables, cu_q_lens, kv_lens, tile_seq, tile_start, tile_len, tile_lo, *operands)
+    k_pages = _with_leaves(fmt, k_pages, page_leaves[:num_leaves])
+    v_pages = _with_leaves(fmt, v_pages, page_leaves[num_leaves:])
 
     # Un-tile: token t of sequence s is row (t - cu[s]) % block_q of tile
     # tile_first[s] + (t - cu[s]) // block_q. Padding tokens get out 0, lse -inf.
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.sum(token[:, None] >= cu_q_lens[None, 1:], axis=1)
-    padding = seq >= num_seqs
-    seq = jnp.minimum(seq, num_seqs - 1)
-    offset = token - cu_q_lens[seq]
+    padding = seq_tok == num_seqs
+    seq = jnp.minimum(seq_tok, num_seqs - 1)
+    offset = jnp.arange(num_tokens, dtype=jnp.int32) - cu_q_lens[seq]
     tile, row = tile_first[seq] + offset // block_q, offset % block_q
     tile = jnp.clip(tile, 0, num_tiles - 1)
-    out = out[tile, :, row]  # [T, Hq, D]
+    out = jnp.moveaxis(out[tile, :, :, row], 1, 0)  # [parts, T, Hq, part_dim]
+    out = fmt.finish_out(v_pages, merge_parts(out))
     lse = lse[:, :, 0].reshape(num_tiles, num_q_heads, block_q)[tile, :, row]
     out = jnp.where(padding[:, None, None], 0, out).astype(q.dtype)
     lse = jnp.where(padding[:, None], -jnp.inf, lse)
