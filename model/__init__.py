@@ -1,18 +1,18 @@
 """What the network computes: configs, layers, the pure forward pass, loaders."""
 
 from model.config import ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeScaling
-from model.context import ForwardContext, TokenTree
+from model.context import ForwardContext, RaggedLayout, TokenTree
 from model.kv_cache import CacheLayout, KVCache
 from model.kv_formats import KV_CACHE_DTYPES, KVPages
 from model.loader import default_model_path, load, load_tokenizer
 from model.tokenizer import Tokenizer
-from model.transformer import (LAYER_KINDS, LayerKind, forward, forward_hidden, init_cache, init_paged_cache,
-                               init_params, lm_head)
+from model.transformer import (LAYER_KINDS, LayerKind, forward, forward_hidden, forward_packed,
+                               init_cache, init_paged_cache, init_params, lm_head)
 
 __all__ = [
     "ATTENTION", "SLIDING_ATTENTION", "LAYER_KINDS", "CacheLayout", "ForwardContext", "KVCache",
-    "KV_CACHE_DTYPES", "KVPages",
+    "KV_CACHE_DTYPES", "KVPages", "RaggedLayout",
     "LayerKind", "ModelConfig", "RopeScaling", "Tokenizer", "TokenTree", "default_model_path", "forward",
-    "forward_hidden", "init_cache", "init_paged_cache", "init_params",
+    "forward_hidden", "forward_packed", "init_cache", "init_paged_cache", "init_params",
     "lm_head", "load", "load_tokenizer",
 ]

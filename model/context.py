@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
+import jax.numpy as jnp
+
+from pallas_kernels.ragged_paged_attention import TreeMask, pack_mask
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -28,6 +32,31 @@ class TokenTree:
     mask: jax.Array
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["cu_q_lens", "kv_lens", "order", "unorder", "tree"],
+                   meta_fields=["max_q_len"])
+@dataclasses.dataclass(frozen=True)
+class RaggedLayout:
+    """A step's tokens as the ragged attention kernel sees them (pallas_kernels.
+    ragged_paged_attention): sequence s owns packed tokens [cu_q_lens[s], cu_q_lens[s+1]),
+    at positions kv_lens[s] - q_len_s .. kv_lens[s] - 1; packed tokens past
+    cu_q_lens[-1] are padding.
+
+    cu_q_lens: int32 [S + 1]; kv_lens: int32 [S];
+    order: int32 [N] flat token index of each packed token, unorder: int32 [N] its
+      inverse (both None when the tokens are already packed, as the engine builds them);
+    tree: a pallas_kernels TreeMask over the packed tokens, or None;
+    max_q_len: static bound on any q_len_s (1 for a decode-only step).
+    """
+
+    cu_q_lens: jax.Array
+    kv_lens: jax.Array
+    order: jax.Array | None
+    unorder: jax.Array | None
+    tree: Any
+    max_q_len: int
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardContext:
     """Per-step inputs computed once and read by every layer.
@@ -36,6 +65,7 @@ class ForwardContext:
     block_tables: int32 [B, pages_per_seq]; slots: int32 [B, T] flat KV slot of each
     token (past the pool for padding); page_size: positions per page.
     tree: a TokenTree when the chunk is draft-tree nodes (speculative decoding), else None.
+    layout: the same tokens as a RaggedLayout (what attention layers hand the kernel).
     shared: state a layer publishes for later layers (cross-layer KV reuse); a layer
     returns a new context with `dataclasses.replace(ctx, shared={...})`.
     """
@@ -46,4 +76,24 @@ class ForwardContext:
     slots: jax.Array
     page_size: int
     tree: TokenTree | None = None
+    layout: RaggedLayout | None = None
     shared: dict = dataclasses.field(default_factory=dict)
+
+
+def ragged_layout(positions: jax.Array, tree: TokenTree | None = None) -> RaggedLayout:
+    """The RaggedLayout of a [B, T] batch: row b is sequence b, its tokens with a
+    position >= 0 (which must be consecutive: p, p + 1, ...; any padding anywhere) packed
+    in row order. A tree's region starts at tree.start; a row without a tree, at its
+    kv_len."""
+    b, t = positions.shape
+    valid = positions >= 0
+    q_lens = jnp.sum(valid, axis=1, dtype=jnp.int32)
+    kv_lens = jnp.where(q_lens > 0, jnp.max(positions, axis=1) + 1, 0).astype(jnp.int32)
+    cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
+    order = jnp.argsort(~valid.reshape(-1), stable=True).astype(jnp.int32)
+    unorder = jnp.argsort(order).astype(jnp.int32)
+    mask = None
+    if tree is not None:
+        bits = pack_mask(tree.mask).reshape(b * t, -1)[order]
+        mask = TreeMask(tree.start.astype(jnp.int32), bits)
+    return RaggedLayout(cu_q_lens, kv_lens, order, unorder, mask, t)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
-from model.context import ForwardContext, TokenTree
+from model.context import ForwardContext, TokenTree, ragged_layout
 from model.kv_formats import KVPages, kernel_pages, plain_pages, read_kv, write_kv
-from pallas_kernels import paged_attention, paged_attention_quantized
-from quant import linear  # float [in, out] weights or quantized containers alike
+from pallas_kernels import ragged_paged_attention
+from pallas_kernels.paged_attention.kv_formats import resolve as resolve_format
+from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
+from quant import NVFP4, linear  # float [in, out] weights or quantized containers alike
 from model.rope import apply_rope
 
 
@@ -62,16 +67,65 @@ def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, q_positions: jnp.ndar
     return out.reshape(b, t, hq, d)
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """The static arguments of one ragged attention call."""
+
+    sm_scale: float
+    sliding_window: int | None
+    kv_format: object  # None, a kv_formats name or a TurboQuant(Split)
+    max_q_len: int
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ragged_attention(options: AttentionOptions, q, k, v, k_pages, v_pages, block_tables, cu_q_lens,
+                      kv_lens, tree):
+    """(out, k_pages, v_pages) of pallas_kernels.ragged_paged_attention. Differentiable:
+    the Pallas kernels have no autodiff rule, so gradients (training the EAGLE-3 draft)
+    come from the XLA path, which computes the same function in plain jnp."""
+    out, _, k_pages, v_pages = ragged_paged_attention(
+        q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sm_scale=options.sm_scale,
+        sliding_window=options.sliding_window, tree=tree, kv_format=options.kv_format,
+        max_q_len=options.max_q_len)
+    return out, k_pages, v_pages
+
+
+def _ragged_xla(options: AttentionOptions, *args):
+    fmt = None if options.kv_format is None else resolve_format(options.kv_format)
+    out, _, k_pages, v_pages = ragged_paged_attention_xla(
+        *args[:8], None, args[8], sm_scale=options.sm_scale, sliding_window=options.sliding_window,
+        kv_format=fmt, max_q_len=options.max_q_len)
+    return out, k_pages, v_pages
+
+
+def _ragged_fwd(options, *args):
+    return _ragged_attention(options, *args), args
+
+
+def _ragged_bwd(options, args, cotangents):
+    return jax.vjp(functools.partial(_ragged_xla, options), *args)[1](cotangents)
+
+
+_ragged_attention.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def with_kernel_pages(cache: KVPages, k_pages, v_pages) -> KVPages:
+    """cache with the pages the kernel returned (the inverse of kv_formats.kernel_pages)."""
+    unwrap = lambda p: {"packed": p.packed, "scales": p.scales} if isinstance(p, NVFP4) else p
+    return dataclasses.replace(cache, pages={"k": unwrap(k_pages), "v": unwrap(v_pages)})
+
+
 def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KVPages,
                     ctx: ForwardContext, sliding_window: int | None) -> tuple[jnp.ndarray, KVPages]:
     """Self-attention sublayer: project, rotate, write K/V into the pages, attend, project back.
 
     cache: one layer's KVPages; K/V are stored in its kv_cache_dtype (model/kv_formats.py).
-    Decode steps (one token per sequence) go through pallas_kernels.paged_attention over
-    float pages and paged_attention_quantized over fp8 / int8 / nvfp4 / turboquant pages
-    (the kernel reads the low-bit bytes; on CPU the entry's XLA path dequantizes a block
-    of the table's pages at a time). Longer chunks, token trees and KIVI pages read each
-    sequence's pages back as float (after this chunk's write) and attend densely.
+    Every step — prefill chunks, decode rows, draft-tree nodes — goes through
+    pallas_kernels.ragged_paged_attention, which writes the new K/V into the pages and
+    reads float, fp8, int8, nvfp4 and turboquant pages itself (on TPU inside the kernel;
+    on CPU its XLA path walks the block table a block of pages at a time). Only KIVI
+    pages (their exact newest page lives outside the pages) and float pages of another
+    dtype than the activations are read back whole and attended densely.
     """
     b, t, _ = x.shape
     hd = config.head_dim
@@ -80,20 +134,22 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     v = linear(x, params["wv"], params.get("bv")).reshape(b, t, config.num_kv_heads, hd)
     cos, sin = ctx.rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    cache = write_kv(cache, k, v, ctx)
-    decode = t == 1 and ctx.tree is None
-    quantized = kernel_pages(cache) if decode else None
-    if decode and (quantized is not None or plain_pages(cache, q.dtype)):
-        kv_lens = jnp.maximum(ctx.positions[:, 0] + 1, 0).astype(jnp.int32)
-        kw = dict(sm_scale=hd ** -0.5, sliding_window=sliding_window)
-        if quantized is None:
-            out, _ = paged_attention(q[:, 0], cache["k"], cache["v"], ctx.block_tables, kv_lens, **kw)
-        else:
-            kv_format, k_pages, v_pages = quantized
-            out, _ = paged_attention_quantized(q[:, 0], k_pages, v_pages, ctx.block_tables, kv_lens,
-                                               kv_format=kv_format, **kw)
-        out = out[:, None]
-    else:
+    pages = kernel_pages(cache)
+    if pages is None and plain_pages(cache, q.dtype):
+        pages = (None, cache["k"], cache["v"])
+    if pages is None:
+        cache = write_kv(cache, k, v, ctx)
         k_all, v_all = read_kv(cache, ctx, q.dtype)
         out = attend(q, k_all, v_all, ctx.positions, sliding_window, hd ** -0.5, ctx.tree)
-    return linear(out.reshape(b, t, -1), params["wo"]), cache
+        return linear(out.reshape(b, t, -1), params["wo"]), cache
+    layout = ctx.layout or ragged_layout(ctx.positions, ctx.tree)
+    pack = lambda a: a.reshape(b * t, *a.shape[2:]) if layout.order is None else \
+        a.reshape(b * t, *a.shape[2:])[layout.order]
+    kv_format, k_pages, v_pages = pages
+    options = AttentionOptions(hd ** -0.5, sliding_window, kv_format, layout.max_q_len)
+    out, k_pages, v_pages = _ragged_attention(
+        options, pack(q), pack(k), pack(v), k_pages, v_pages, ctx.block_tables, layout.cu_q_lens,
+        layout.kv_lens, layout.tree)
+    if layout.unorder is not None:
+        out = out[layout.unorder]
+    return linear(out.reshape(b, t, -1), params["wo"]), with_kernel_pages(cache, k_pages, v_pages)

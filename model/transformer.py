@@ -23,9 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ATTENTION, SLIDING_ATTENTION, ModelConfig
-from model.context import ForwardContext, TokenTree
+from model.context import ForwardContext, RaggedLayout, TokenTree, ragged_layout
 from model.kv_cache import CacheLayout, KVCache, contiguous_block_tables, slot_mapping
-from model.kv_formats import KVPages, check_kv_cache_dtype, default_page_size, init_kv_pages
+from model.kv_formats import (KiviCodec, KVPages, check_kv_cache_dtype, default_page_size, get_format,
+                              init_kv_pages)
 from model.layers import attention_block, mlp, rms_norm
 from model.rope import rope_tables
 from pallas_kernels.validate import check_block_tables
@@ -160,7 +161,7 @@ def forward_context(config: ModelConfig, positions: jnp.ndarray, cache: KVCache,
     return ForwardContext(
         positions=positions, rope=rope_tables(config, rope_positions), block_tables=cache.block_tables,
         slots=slot_mapping(positions, cache.block_tables, cache.page_size, _num_pages(cache)),
-        page_size=cache.page_size, tree=tree)
+        page_size=cache.page_size, tree=tree, layout=ragged_layout(positions, tree))
 
 
 def _check_tree(config: ModelConfig, tokens, tree: TokenTree) -> None:
@@ -190,15 +191,50 @@ def forward_hidden(params: dict, config: ModelConfig, tokens: jnp.ndarray, posit
         _check_tree(config, tokens, tree)
     x = params["embed"][tokens]
     ctx = forward_context(config, positions, cache, tree)
+    hidden, layers, captured = _run_layers(params, config, x, cache.layers, ctx, capture_layers)
+    return hidden, KVCache(layers, cache.block_tables, cache.page_size), captured
+
+
+def _run_layers(params, config, x, layers, ctx, capture_layers):
+    """(final-norm hidden, new layer caches, residual streams entering capture_layers)."""
     new_layers, captured = [], {}
-    for i, (kind, layer, layer_cache) in enumerate(zip(config.layer_kinds, params["layers"],
-                                                       cache.layers)):
+    for i, (kind, layer, layer_cache) in enumerate(zip(config.layer_kinds, params["layers"], layers)):
         captured[i] = x
         x, layer_cache, ctx = LAYER_KINDS[kind].apply(layer, config, x, layer_cache, ctx)
         new_layers.append(layer_cache)
     hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
-    return (hidden, KVCache(new_layers, cache.block_tables, cache.page_size),
-            tuple(captured[i] for i in capture_layers))
+    return hidden, new_layers, tuple(captured[i] for i in capture_layers)
+
+
+def forward_packed(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: jnp.ndarray,
+                   cache: KVCache, layout: RaggedLayout, capture_layers: tuple[int, ...] = ()
+                   ) -> tuple[jnp.ndarray, KVCache, tuple[jnp.ndarray, ...]]:
+    """forward_hidden over a packed step, the serving engine's layout (not jitted).
+
+    tokens, positions: int32 [N], every sequence's tokens back to back as `layout`
+    (model/context.py RaggedLayout, order None) describes them: prefill chunks, decode
+    rows and draft-tree nodes alike (positions are RoPE positions; a tree node's KV slot
+    comes from the layout). cache.block_tables: [S, pages] for the layout's S sequences.
+    Returns hidden [N, H], the cache and captured residual streams [N, H].
+    """
+    if tokens.ndim != 1 or positions.shape != tokens.shape:
+        raise ValueError(f"packed tokens {tokens.shape} and positions {positions.shape} must be "
+                         "equal 1-D shapes")
+    if layout.cu_q_lens.shape != (cache.batch_size + 1,) or layout.order is not None:
+        raise ValueError(f"layout must be packed (order None) with cu_q_lens [{cache.batch_size + 1}]"
+                         f" for block tables of {cache.batch_size} sequences")
+    other = sorted(set(config.layer_kinds) - {ATTENTION, SLIDING_ATTENTION})
+    if other:
+        raise ValueError(f"packed steps need standard attention layers; this model has {other}")
+    if any(isinstance(layer, KVPages) and isinstance(get_format(layer.kv_cache_dtype), KiviCodec)
+           for layer in cache.layers):
+        raise ValueError("packed steps cannot use KIVI pages (their newest page is kept per batch row)")
+    ctx = ForwardContext(positions=positions[None], rope=rope_tables(config, positions[None]),
+                         block_tables=cache.block_tables, slots=None, page_size=cache.page_size,
+                         layout=layout)
+    hidden, layers, captured = _run_layers(params, config, params["embed"][tokens][None], cache.layers,
+                                           ctx, capture_layers)
+    return hidden[0], KVCache(layers, cache.block_tables, cache.page_size), tuple(c[0] for c in captured)
 
 
 def lm_head(params: dict, config: ModelConfig, hidden: jnp.ndarray) -> jnp.ndarray:

@@ -72,6 +72,38 @@ class Drafter:
     spec: TreeSpec
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tokens", "positions", "cu_q_lens", "kv_lens", "block_tables",
+                                "logits_indices", "seeds", "counters", "temperature", "top_k",
+                                "top_p", "min_p"],
+                   meta_fields=["max_q_len"])
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One engine step's rows, packed back to back: what the jitted step reads.
+
+    N is the bucketed token count, S the bucketed row count; rows past the real ones
+    have no tokens (q_len 0, kv_len 0) and tokens past cu_q_lens[-1] are padding.
+    """
+
+    tokens: jax.Array  # int32 [N]: every row's new tokens, row after row
+    positions: jax.Array  # int32 [N]: each token's position (-1 for padding)
+    cu_q_lens: jax.Array  # int32 [S + 1]: row s owns tokens [cu_q_lens[s], cu_q_lens[s + 1])
+    kv_lens: jax.Array  # int32 [S]: the row's sequence length after the step
+    block_tables: jax.Array  # int32 [S, W]: pages of each row, cut to the live width
+    logits_indices: jax.Array  # int32 [S]: index of each row's last token (its logits)
+    seeds: jax.Array  # uint32 [S]: per-request sampling seed
+    counters: jax.Array  # uint32 [S]: tokens generated so far (the per-step key)
+    temperature: jax.Array  # float32 [S]; 0 = greedy
+    top_k: jax.Array  # int32 [S]; 0 = off
+    top_p: jax.Array  # float32 [S]; 1 = off
+    min_p: jax.Array  # float32 [S]; 0 = off
+    max_q_len: int  # static: bucketed longest row (1 for a decode-only step)
+
+    @property
+    def layout(self) -> model.RaggedLayout:
+        return model.RaggedLayout(self.cu_q_lens, self.kv_lens, None, None, None, self.max_q_len)
+
+
 def bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
@@ -97,11 +129,14 @@ def table_width(live: list[int], max_pages: int, minimum: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("config", "page_size", "want_logprobs"),
                    donate_argnames=("pool",))
-def _step(params, config, page_size, pool, block_tables, tokens, positions, last_index, seeds,
-          counters, temperature, top_k, top_p, min_p, want_logprobs):
-    cache = KVCache(pool, block_tables, page_size)
-    logits, cache = model.forward(params, config, tokens, positions, cache, last_index)
-    next_tokens = sample(logits, row_keys(seeds, counters), temperature, top_k, top_p, min_p)
+def _step(params, config, page_size, pool, batch: StepBatch, want_logprobs):
+    """One engine step of prefill chunks and decode rows: (sampled [S], logprob extras, pool)."""
+    cache = KVCache(pool, batch.block_tables, page_size)
+    hidden, cache, _ = model.forward_packed(params, config, batch.tokens, batch.positions, cache,
+                                            batch.layout)
+    logits = lm_head(params, config, hidden[batch.logits_indices])
+    keys = row_keys(batch.seeds, batch.counters)
+    next_tokens = sample(logits, keys, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
     extra = _logprobs(logits, next_tokens) if want_logprobs else ()
     return next_tokens, extra, cache.layers
 
@@ -235,10 +270,13 @@ class ModelRunner:
         """Compute every row; returns a result for rows with `sample`, else None."""
         results: list[RowResult | None] = [None] * len(rows)
         verify = [i for i, r in enumerate(rows) if r.tree is not None]
-        prefill = [i for i, r in enumerate(rows) if r.tree is None and len(r.tokens) > 1]
-        decode = [i for i, r in enumerate(rows) if r.tree is None and len(r.tokens) == 1]
-        for group, run in ((prefill, self._run_group), (decode, self._run_group),
-                           (verify, self._run_verify)):
+        if self.draft is None:  # one packed call for every row
+            groups = [(list(range(len(rows))), self._run_packed)]
+        else:
+            prefill = [i for i, r in enumerate(rows) if r.tree is None and len(r.tokens) > 1]
+            decode = [i for i, r in enumerate(rows) if r.tree is None and len(r.tokens) == 1]
+            groups = [(prefill, self._run_group), (decode, self._run_group), (verify, self._run_verify)]
+        for group, run in groups:
             for i, res in zip(group, run([rows[i] for i in group])):
                 results[i] = res
         return results
@@ -294,7 +332,49 @@ class ModelRunner:
             out.append(res)
         return out
 
+    def step_batch(self, rows: list[Row]) -> StepBatch:
+        """Pack rows (none with a tree) into a StepBatch: tokens to a power of two (at least
+        16 when any row is a chunk), rows to a power of two, tables to the live width."""
+        lens = [len(r.tokens) for r in rows]
+        decode_only = max(lens) == 1
+        n = bucket(sum(lens), minimum=1 if decode_only else 16)
+        s = bucket(len(rows))
+        tokens, positions = np.zeros(n, np.int32), np.full(n, -1, np.int32)
+        cu_q_lens, kv_lens = np.zeros(s + 1, np.int32), np.zeros(s, np.int32)
+        for i, r in enumerate(rows):
+            start, end = cu_q_lens[i], cu_q_lens[i] + len(r.tokens)
+            tokens[start:end] = r.tokens
+            positions[start:end] = np.arange(r.start, r.start + len(r.tokens))
+            kv_lens[i] = r.start + len(r.tokens)
+            cu_q_lens[i + 1:] = end
+        seeds, counters, temperature, top_k, top_p, min_p = self._sampling_arrays(rows, s)
+        return StepBatch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(cu_q_lens),
+                         jnp.asarray(kv_lens), self._tables(rows, s),
+                         jnp.asarray(np.maximum(cu_q_lens[1:] - 1, 0)), seeds, counters, temperature,
+                         top_k, top_p, min_p, max_q_len=bucket(max(lens)))
+
+    def _run_packed(self, rows: list[Row]) -> list[RowResult | None]:
+        if not rows:
+            return []
+        want_logprobs = any(r.logprobs and r.sample for r in rows)
+        next_tokens, extra, self.pool = _step(self.params, self.config, self.page_size, self.pool,
+                                              self.step_batch(rows), want_logprobs)
+        return self._results(rows, np.asarray(next_tokens), [np.asarray(e) for e in extra])
+
+    def _results(self, rows: list[Row], next_tokens, extra, tree=None) -> list[RowResult | None]:
+        out: list[RowResult | None] = []
+        for i, r in enumerate(rows):
+            if not r.sample:
+                out.append(None)
+                continue
+            res = RowResult(int(next_tokens[i]), tree=tuple(a[i] for a in tree) if tree else None)
+            if r.logprobs and extra:
+                res.logprob, res.top_logprobs = _logprob_entry(extra, i)
+            out.append(res)
+        return out
+
     def _run_group(self, rows: list[Row]) -> list[RowResult | None]:
+        """Prefill chunks or decode rows of a speculative runner: target, draft and a new tree."""
         if not rows:
             return []
         b = bucket(len(rows))
@@ -311,30 +391,13 @@ class ModelRunner:
             if not r.sample and r.next_token is not None:
                 next_known[i] = r.next_token
         inputs = (self._tables(rows, b), jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(last))
-        tree = None
         want_logprobs = any(r.logprobs and r.sample for r in rows)
-        if self.draft is None:
-            next_tokens, extra, self.pool = _step(
-                self.params, self.config, self.page_size, self.pool, *inputs,
-                *self._sampling_arrays(rows, b), want_logprobs)
-        else:
-            next_tokens, extra, tree, self.pool = _spec_chunk_step(
-                self.params, self.config, self.page_size, self.draft.params, self.draft.config,
-                self.draft.spec, self.pool, *inputs, jnp.asarray(next_known),
-                *self._sampling_arrays(rows, b), want_logprobs)
-            tree = [np.asarray(a) for a in tree]
-        next_tokens = np.asarray(next_tokens)
-        extra = [np.asarray(e) for e in extra]
-        out: list[RowResult | None] = []
-        for i, r in enumerate(rows):
-            if not r.sample:
-                out.append(None)
-                continue
-            res = RowResult(int(next_tokens[i]), tree=tuple(a[i] for a in tree) if tree else None)
-            if r.logprobs and extra:
-                res.logprob, res.top_logprobs = _logprob_entry(extra, i)
-            out.append(res)
-        return out
+        next_tokens, extra, tree, self.pool = _spec_chunk_step(
+            self.params, self.config, self.page_size, self.draft.params, self.draft.config,
+            self.draft.spec, self.pool, *inputs, jnp.asarray(next_known),
+            *self._sampling_arrays(rows, b), want_logprobs)
+        return self._results(rows, np.asarray(next_tokens), [np.asarray(e) for e in extra],
+                             [np.asarray(a) for a in tree])
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: page src -> page dst in every layer."""

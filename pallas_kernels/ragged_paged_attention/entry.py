@@ -10,6 +10,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import validate
 from pallas_kernels.dispatch import dispatch
 from pallas_kernels.paged_attention import kv_formats
+from pallas_kernels.ragged_paged_attention.kernel_gpu import decode_supported, ragged_decode_gpu
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_paged_attention.tree import TreeMask
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
@@ -60,8 +61,9 @@ def ragged_paged_attention(
       sm_scale, sliding_window, soft_cap, sinks, variant: as paged_attention (q_pos and
         kv_pos seen by the variant are absolute positions in the sequence).
       interpret: True or a pltpu.InterpretParams runs the TPU kernel in TPU interpret mode
-        (it uses DMAs, so True means InterpretParams()); None runs Mosaic on TPU and the XLA
-        reference elsewhere (no GPU kernel yet: CUDA runs the reference).
+        (it uses DMAs, so True means InterpretParams()); None runs Mosaic on TPU, on GPU the
+        Triton paged decode kernel for decode-only steps (max_q_len 1, float pages, no
+        tree) and the XLA path otherwise, and the XLA path (xla.py) on CPU.
 
     Returns:
       out [total_q_tokens, num_q_heads, head_dim] in q.dtype, lse f32 [total_q_tokens,
@@ -118,6 +120,9 @@ def ragged_paged_attention(
         kv_format=fmt,
         **validate.attention_options(head_dim, num_q_heads, sm_scale, soft_cap, sinks, variant),
     )
+    gpu = None  # no GPU ragged kernel: decode-only steps use the paged decode kernel
+    if decode_supported(num_tokens, num_seqs, page_size, head_dim, tree, fmt, max_q_len):
+        gpu = functools.partial(ragged_decode_gpu, **{k: x for k, x in static.items() if k != "kv_format"})
     if interpret is True:
         interpret = pltpu.InterpretParams()
     return dispatch(
@@ -133,6 +138,6 @@ def ragged_paged_attention(
         tree,
         ref=functools.partial(ragged_paged_attention_xla, max_q_len=max_q_len, **static),
         tpu=functools.partial(ragged_paged_attention_tpu, **static),
-        gpu=None,
+        gpu=gpu,
         interpret=interpret,
     )

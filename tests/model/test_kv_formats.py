@@ -271,21 +271,24 @@ def test_int8_weights_and_int8_kv_cache_still_answer_paris(default_model, defaul
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "nvfp4", "turboquant-3.5", "turboquant-2.5", "kivi-int4"])
-def test_quantized_decode_goes_through_the_kernel_entry(tiny, monkeypatch, fmt):
-    """Decode rows over low-bit pages call paged_attention_quantized (the kernel on TPU);
-    KIVI, whose newest page lives outside the pages, reads through read_kv."""
+def test_quantized_pages_go_through_the_kernel_entry(tiny, monkeypatch, fmt):
+    """Prefill chunks and decode rows over low-bit pages call ragged_paged_attention with
+    the pages' format (the kernel on TPU); KIVI, whose newest page lives outside the
+    pages, reads through read_kv."""
     import model.layers
 
     config, params = tiny
     calls = []
-    real = model.layers.paged_attention_quantized
+    real = model.layers.ragged_paged_attention
 
     def recording(*args, **kw):
         calls.append(kw["kv_format"])
         return real(*args, **kw)
 
-    monkeypatch.setattr(model.layers, "paged_attention_quantized", recording)
+    monkeypatch.setattr(model.layers, "ragged_paged_attention", recording)
+    jax.clear_caches()  # the jitted forward must trace again to see the recorder
     cache = model.init_cache(config, 1, 32, kv_cache_dtype=fmt)
-    tokens = jax.random.randint(jax.random.key(2), (1, 1), 0, config.vocab_size)
-    model.forward(params, config, tokens, jnp.zeros((1, 1), jnp.int32), cache)
+    tokens = jax.random.randint(jax.random.key(2), (1, 3), 0, config.vocab_size)
+    model.forward(params, config, tokens, jnp.arange(3)[None], cache)
     assert len(calls) == (0 if fmt.startswith("kivi") else config.num_layers)
+    assert all(c is not None for c in calls)

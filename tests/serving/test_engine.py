@@ -56,9 +56,11 @@ def test_greedy_identical_alone_batched_preempted_and_after_prefix_hit(make_llm)
 
 
 def test_warm_engine_never_recompiles(make_llm):
+    """Steps are bucketed by packed tokens, rows, longest row and table width: once a
+    workload's buckets have been seen, other prompts that fall in them compile nothing."""
     llm = make_llm()
-    work = prompts(3, length=17, seed=1)
-    llm.generate(work, GREEDY)
+    llm.generate(prompts(3, length=17, seed=1), GREEDY)
+    llm.generate(prompts(2, length=17, seed=4), GREEDY)
     warm = llm.runner.num_compilations()
     llm.generate(prompts(3, length=18, seed=2), GREEDY)  # same buckets, different content
     llm.generate(prompts(2, length=19, seed=3), GREEDY)
