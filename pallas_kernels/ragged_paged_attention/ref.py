@@ -50,9 +50,12 @@ def write_new_kv(k_pages, v_pages, k, v, block_tables, seq, pos, kv_format=None)
 
 
 def quantize_like(kv_format, pages, x):
-    """x [..., D] quantized into the container of `pages` (NVFP4: at the pages' tensor scale)."""
+    """x [..., D] quantized into the container of `pages` (NVFP4: at the pages' tensor
+    scale, 1.0 for pools that keep none)."""
     if isinstance(pages, NVFP4):
-        return nvfp4_quantize(x, pages.tensor_scale)
+        scale = pages.tensor_scale
+        q = nvfp4_quantize(x, 1.0 if scale is None else scale)
+        return NVFP4(q.packed, q.scales, scale)
     return kv_format.quantize(x)
 
 
