@@ -1,11 +1,14 @@
 """Runs the model for one engine step: padded buckets, one jitted function, pool donated.
 
-A step's rows are split into prefill chunks ([B, T] with T > 1) and decode rows
-([B, 1]); each group is padded to power-of-two buckets so a warm engine never
-recompiles. The block tables a step gets are cut to the bucketed largest live page
-count of its rows (`table_width`), so attention reads, and a step costs, what the
-sequences hold rather than max_model_len. The KV pool (one page pool per layer)
-lives here and is donated to every call.
+A step's rows — prefill chunks and decode rows alike — are packed back to back into one
+`StepBatch` (flat tokens and positions, cu_q_lens, kv_lens, block tables, sampling
+arrays) and run by one jitted call, `_step`, through `model.forward_packed`, whose
+attention layers are pallas_kernels.ragged_paged_attention. Tokens, rows and the longest
+row are padded to power-of-two buckets so a warm engine never recompiles. The block
+tables a step gets are cut to the bucketed largest live page count of its rows
+(`table_width`), so attention reads, and a step costs, what the sequences hold rather
+than max_model_len. The KV pool (one page pool per layer) lives here and is donated to
+every call.
 
 With an EAGLE-3 draft (speculative decoding) the pool holds one more layer, the
 draft's, addressed by the same block tables, so prefix caching, copy-on-write and
@@ -13,7 +16,9 @@ swapping carry the draft's KV along. Every chunk then also runs the draft over i
 positions and grows a draft tree from its last one; a sequence that has a tree is
 verified instead of decoded: the target scores the whole tree in one pass, the
 accepted nodes' KV moves into place, the draft catches up on them and grows the
-next tree — one jitted call per step (REFERENCES §9, serving/speculative.py).
+next tree (EAGLE-3; serving/speculative.py). A speculative step still makes up to
+three calls (prefill chunks, decode rows, verify rows), each through the same ragged
+attention (verify rows and the draft's tree growth pass their trees as ancestor bits).
 """
 
 from __future__ import annotations
