@@ -243,13 +243,23 @@ def lm_head(params: dict, config: ModelConfig, hidden: jnp.ndarray) -> jnp.ndarr
     return (hidden @ w).astype(jnp.float32)
 
 
+def _check_consecutive(positions: np.ndarray) -> None:
+    """ValueError unless each row's positions >= 0 run p, p + 1, ... (the ragged layout)."""
+    for b, row in enumerate(positions):
+        real = row[row >= 0]
+        if real.size and np.any(np.diff(real) != 1):
+            raise ValueError(f"positions of row {b} must be consecutive (p, p + 1, ...; negative = "
+                             f"padding anywhere), got {real.tolist()[:8]}")
+
+
 def forward(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: jnp.ndarray,
             cache: KVCache, logits_indices: jnp.ndarray | None = None,
             tree: TokenTree | None = None) -> tuple[jnp.ndarray, KVCache]:
     """Run the model over tokens and write their K/V into the cache (jitted, config static).
 
     tokens, positions: int32 [batch, seq]. A negative position marks a padding
-    token: its K/V is not written and it attends to nothing. cache: a KVCache from
+    token: its K/V is not written and it attends to nothing. A row's other positions
+    must be consecutive (checked when concrete). cache: a KVCache from
     `init_cache` / `init_paged_cache` (donated); the block table entries that hold a
     sequence's positions [0, its largest position] must be pages of the pool (checked
     when tables and positions are concrete; later entries are never read).
@@ -259,6 +269,8 @@ def forward(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: j
     """
     _check_inputs(config, tokens, positions, cache)  # shapes first: the value check needs them
     paged = [layer for layer in cache.layers if isinstance(layer, KVPages)]
+    if not isinstance(positions, jax.core.Tracer):
+        _check_consecutive(np.asarray(positions))
     if paged and not isinstance(positions, jax.core.Tracer):  # CSA2 layers keep rows, not pages
         kv_lens = np.maximum(np.asarray(positions).max(axis=1, initial=-1) + 1, 0)
         check_block_tables(cache.block_tables, jax.tree.leaves(paged[0].pages)[0].shape[0], kv_lens,

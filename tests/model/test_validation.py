@@ -125,3 +125,16 @@ def test_bad_chat_messages(default_tokenizer):
     for bad in ([], [{"role": "user"}], "hello", [{"role": "user", "content": 3}]):
         with pytest.raises(ValueError, match="message"):
             default_tokenizer.apply_chat_template(bad)
+
+
+def test_forward_rejects_gaps_in_a_row_of_positions():
+    """The attention kernel reads a row as one run of positions; a gap would put K/V in
+    the wrong slots, so it is a ValueError (padding may sit anywhere)."""
+    config = tiny_config()
+    params = model.init_params(config, jax.random.key(0))
+    tokens = jnp.ones((2, 4), jnp.int32)
+    ok = jnp.asarray([[-1, 3, 4, 5], [0, 1, -1, -1]])
+    model.forward(params, config, tokens, ok, model.init_cache(config, 2, 16))
+    with pytest.raises(ValueError, match="positions of row 1 must be consecutive"):
+        model.forward(params, config, tokens, jnp.asarray([[0, 1, 2, 3], [0, 2, 3, 4]]),
+                      model.init_cache(config, 2, 16))
