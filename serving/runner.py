@@ -184,18 +184,14 @@ def _target(params, config, draft: Drafter, pool, block_tables, page_size, token
     return hidden, eagle3.fuse_features(draft.params, jnp.concatenate(captured, -1)), cache.layers
 
 
-@functools.partial(jax.jit, static_argnames=("config", "page_size", "draft_config", "spec",
-                                             "want_logprobs"),
-                   donate_argnames=("pool",))
-def _spec_chunk_step(params, config, page_size, draft_params, draft_config, spec, pool, block_tables,
-                     tokens, positions, last_index, next_known, seeds, counters, temperature, top_k,
-                     top_p, min_p, want_logprobs):
+def _chunk_part(params, config, page_size, draft: Drafter, pool, block_tables, tokens, positions,
+                last_index, next_known, seeds, counters, temperature, top_k, top_p, min_p,
+                want_logprobs):
     """A chunk (prefill or plain decode) plus the draft over its positions and a new tree.
 
     The draft's row at position p reads token p + 1: the chunk's next token, then at the
     chunk's last position `next_known` (a prompt token) or, where it is -1, the sample.
     """
-    draft = Drafter(draft_config, draft_params, spec)
     hidden, features, layers = _target(params, config, draft, pool, block_tables, page_size,
                                        tokens, positions)
     rows = jnp.arange(tokens.shape[0])
@@ -209,15 +205,12 @@ def _spec_chunk_step(params, config, page_size, draft_params, draft_config, spec
     return sampled, extra, tree, list(layers) + list(draft_layers)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "page_size", "draft_config", "spec",
-                                             "want_logprobs"),
-                   donate_argnames=("pool",))
-def _verify_step(params, config, page_size, draft_params, draft_config, spec, pool, block_tables,
-                 tree_tokens, tree_parents, tree_scores, start, seeds, counters, temperature, top_k,
-                 top_p, min_p, want_logprobs):
+def _verify_part(params, config, page_size, draft: Drafter, pool, block_tables, tree_tokens,
+                 tree_parents, tree_scores, start, seeds, counters, temperature, top_k, top_p, min_p,
+                 want_logprobs):
     """Score each row's draft tree (root at position `start`, -1 for padding rows), accept
     a path, move its KV into place, catch the draft up and grow the next tree."""
-    draft = Drafter(draft_config, draft_params, spec)
+    spec = draft.spec
     b, n = tree_tokens.shape
     rows = jnp.arange(b)[:, None]
     depth, ancestors = tree_masks(tree_parents)
@@ -242,6 +235,24 @@ def _verify_step(params, config, page_size, draft_params, draft_config, spec, po
                                              draft_tokens, draft_positions, count, bonus)
     extra = _logprobs(logits[rows, nodes], draft_tokens) if want_logprobs else ()
     return accepted, count, bonus, extra, new_tree, list(layers) + list(draft_layers)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "page_size", "draft_config", "spec",
+                                             "want_logprobs"),
+                   donate_argnames=("pool",))
+def _spec_step(params, config, page_size, draft_params, draft_config, spec, pool, parts,
+               want_logprobs):
+    """One speculative engine step, one device call: parts maps "prefill", "decode" and
+    "verify" (each present only when the step has such rows) to their padded inputs.
+    Returns ({part: results without the pool}, pool)."""
+    draft = Drafter(draft_config, draft_params, spec)
+    results = {}
+    for name in ("prefill", "decode", "verify"):
+        if name in parts:
+            body = _verify_part if name == "verify" else _chunk_part
+            *results[name], pool = body(params, config, page_size, draft, pool, *parts[name],
+                                        want_logprobs)
+    return results, pool
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
@@ -274,17 +285,25 @@ class ModelRunner:
     def execute(self, rows: list[Row]) -> list[RowResult | None]:
         """Compute every row; returns a result for rows with `sample`, else None."""
         results: list[RowResult | None] = [None] * len(rows)
-        verify = [i for i, r in enumerate(rows) if r.tree is not None]
+        if not rows:
+            return results
         if self.draft is None:  # one packed call for every row
-            groups = [(list(range(len(rows))), self._run_packed)]
-        else:
-            prefill = [i for i, r in enumerate(rows) if r.tree is None and len(r.tokens) > 1]
-            decode = [i for i, r in enumerate(rows) if r.tree is None and len(r.tokens) == 1]
-            groups = [(prefill, self._run_group), (decode, self._run_group), (verify, self._run_verify)]
-        for group, run in groups:
-            for i, res in zip(group, run([rows[i] for i in group])):
-                results[i] = res
-        return results
+            return self._run_packed(rows)
+        groups = {"prefill": [i for i, r in enumerate(rows) if r.tree is None and len(r.tokens) > 1],
+                  "decode": [i for i, r in enumerate(rows) if r.tree is None and len(r.tokens) == 1],
+                  "verify": [i for i, r in enumerate(rows) if r.tree is not None]}
+        groups = {name: [rows[i] for i in idx] for name, idx in groups.items() if idx}
+        parts = {name: (self._verify_inputs(g) if name == "verify" else self._chunk_inputs(g))
+                 for name, g in groups.items()}
+        want_logprobs = any(r.logprobs for r in rows)
+        out, self.pool = _spec_step(self.params, self.config, self.page_size, self.draft.params,
+                                    self.draft.config, self.draft.spec, self.pool, parts, want_logprobs)
+        by_row = {}
+        for name, group in groups.items():
+            done = self._verify_results if name == "verify" else self._chunk_results
+            for r, res in zip(group, done(group, [jax.tree.map(np.asarray, x) for x in out[name]])):
+                by_row[id(r)] = res
+        return [by_row[id(r)] for r in rows]
 
     def _sampling_arrays(self, rows: list[Row], b: int) -> list[jax.Array]:
         """seeds, counters, temperature, top_k, top_p, min_p for `rows` padded to b."""
@@ -308,9 +327,7 @@ class ModelRunner:
             tables[i, :n] = r.block_table[:n]
         return jnp.asarray(tables)
 
-    def _run_verify(self, rows: list[Row]) -> list[RowResult]:
-        if not rows:
-            return []
+    def _verify_inputs(self, rows: list[Row]) -> tuple:
         b, n = bucket(len(rows)), self.draft.spec.num_tokens
         trees = [np.zeros((b, n), dt) for dt in (np.int32, np.int32, np.float32)]
         trees[1][:] = np.arange(n) - 1  # padding rows: a chain, never used
@@ -319,14 +336,12 @@ class ModelRunner:
             for arr, part in zip(trees, r.tree):
                 arr[i] = part
             start[i] = r.start
-        want_logprobs = any(r.logprobs for r in rows)
-        accepted, count, bonus, extra, tree, self.pool = _verify_step(
-            self.params, self.config, self.page_size, self.draft.params, self.draft.config,
-            self.draft.spec, self.pool, self._tables(rows, b), *map(jnp.asarray, trees),
-            jnp.asarray(start), *self._sampling_arrays(rows, b), want_logprobs)
-        accepted, count, bonus = np.asarray(accepted), np.asarray(count), np.asarray(bonus)
-        tree, extra = [np.asarray(a) for a in tree], [np.asarray(e) for e in extra]
-        out = []
+        return (self._tables(rows, b), *map(jnp.asarray, trees), jnp.asarray(start),
+                *self._sampling_arrays(rows, b))
+
+    def _verify_results(self, rows: list[Row], out) -> list[RowResult]:
+        accepted, count, bonus, extra, tree = out
+        results = []
         for i, r in enumerate(rows):
             res = RowResult(int(bonus[i]), accepted=accepted[i, :count[i]].tolist(),
                             tree=tuple(a[i] for a in tree))
@@ -334,8 +349,8 @@ class ModelRunner:
                 entries = [_logprob_entry(extra, i, j) for j in range(count[i] + 1)]
                 res.accepted_logprobs = entries[:-1]
                 res.logprob, res.top_logprobs = entries[-1]
-            out.append(res)
-        return out
+            results.append(res)
+        return results
 
     def step_batch(self, rows: list[Row]) -> StepBatch:
         """Pack rows (none with a tree) into a StepBatch: tokens to a power of two (at least
@@ -378,10 +393,8 @@ class ModelRunner:
             out.append(res)
         return out
 
-    def _run_group(self, rows: list[Row]) -> list[RowResult | None]:
-        """Prefill chunks or decode rows of a speculative runner: target, draft and a new tree."""
-        if not rows:
-            return []
+    def _chunk_inputs(self, rows: list[Row]) -> tuple:
+        """Prefill chunks or decode rows of a speculative runner as [b, t] arrays."""
         b = bucket(len(rows))
         t = bucket(max(len(r.tokens) for r in rows), minimum=1 if all(len(r.tokens) == 1 for r in rows) else 16)
         tokens = np.zeros((b, t), np.int32)
@@ -395,14 +408,12 @@ class ModelRunner:
             last[i] = n - 1
             if not r.sample and r.next_token is not None:
                 next_known[i] = r.next_token
-        inputs = (self._tables(rows, b), jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(last))
-        want_logprobs = any(r.logprobs and r.sample for r in rows)
-        next_tokens, extra, tree, self.pool = _spec_chunk_step(
-            self.params, self.config, self.page_size, self.draft.params, self.draft.config,
-            self.draft.spec, self.pool, *inputs, jnp.asarray(next_known),
-            *self._sampling_arrays(rows, b), want_logprobs)
-        return self._results(rows, np.asarray(next_tokens), [np.asarray(e) for e in extra],
-                             [np.asarray(a) for a in tree])
+        return (self._tables(rows, b), jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(last),
+                jnp.asarray(next_known), *self._sampling_arrays(rows, b))
+
+    def _chunk_results(self, rows: list[Row], out) -> list[RowResult | None]:
+        next_tokens, extra, tree = out
+        return self._results(rows, next_tokens, extra, tree)
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: page src -> page dst in every layer."""
@@ -420,4 +431,4 @@ class ModelRunner:
         self.pool = _write_pages(self.pool, jnp.asarray(pages, jnp.int32), data)
 
     def num_compilations(self) -> int:
-        return _step._cache_size() + _spec_chunk_step._cache_size() + _verify_step._cache_size()
+        return _step._cache_size() + _spec_step._cache_size()
