@@ -16,9 +16,10 @@ swapping carry the draft's KV along. Every chunk then also runs the draft over i
 positions and grows a draft tree from its last one; a sequence that has a tree is
 verified instead of decoded: the target scores the whole tree in one pass, the
 accepted nodes' KV moves into place, the draft catches up on them and grows the
-next tree (EAGLE-3; serving/speculative.py). A speculative step still makes up to
-three calls (prefill chunks, decode rows, verify rows), each through the same ragged
-attention (verify rows and the draft's tree growth pass their trees as ancestor bits).
+next tree (EAGLE-3; serving/speculative.py). A speculative step is one call too
+(`_spec_step`), whose prefill, decode and verify parts are still separate [rows, tokens]
+blocks (not packed), each through the same ragged attention (verify rows and the draft's
+tree growth pass their trees as ancestor bits).
 """
 
 from __future__ import annotations
