@@ -53,3 +53,34 @@ def test_mixed_prefill_and_decode_step_calls_the_tpu_kernel_in_every_layer(tiny,
     """A prefill chunk and a decode row in one packed step: one ragged kernel per layer."""
     fn, specs = _step_specs(*tiny, kv_cache_dtype, lens=(9, 1))
     assert export_tpu(fn, *specs).count("tpu_custom_call") == LAYERS
+
+
+def test_speculative_step_runs_every_attention_of_target_and_draft_on_the_tpu_kernel(tiny):
+    """One speculative step with a decode row and a verify row: the target's layers, the
+    draft's pass over the accepted tokens and each level of tree growth all call the
+    ragged kernel (trees as ancestor bits), for both parts, in one jitted call."""
+    import dataclasses
+
+    import numpy as np
+
+    from model import eagle3
+    from serving.runner import Drafter, _spec_step
+    from serving.speculative import TreeSpec
+
+    config = dataclasses.replace(tiny[0], layer_kinds=("attention",) * 4)  # EAGLE-3 needs 4
+    params = model.init_params(config, jax.random.key(0))
+    draft_config = eagle3.Eagle3Config(config, config.vocab_size, eagle3.feature_layers(4), "tiny")
+    draft_params = eagle3.init_draft_params(draft_config, params, np.arange(config.vocab_size),
+                                            jax.random.key(1))
+    spec_ = TreeSpec(depth=2, top_k=2, num_tokens=4)
+    runner = ModelRunner(config, params, num_pages=16, page_size=PAGE_SIZE, max_pages_per_seq=8,
+                         max_num_seqs=4, draft=Drafter(draft_config, draft_params, spec_))
+    tree = (np.array([3, 4, 5, 6]), np.array([-1, 0, 0, 1]), np.zeros(4, np.float32))
+    verify = Row(tokens=[3], start=5, block_table=[0, 1], sample=True, tree=tree)
+    decode = Row(tokens=[3], start=7, block_table=[2, 3], sample=True)
+    parts = {"decode": runner._chunk_inputs([decode]), "verify": runner._verify_inputs([verify])}
+    fn = lambda params, draft_params, pool, parts: _spec_step(
+        params, config, PAGE_SIZE, draft_params, draft_config, spec_, pool, parts, False)
+    specs = [jax.tree.map(spec, x) for x in (params, draft_params, runner.pool, parts)]
+    per_part = 4 + 1 + (spec_.depth - 1)  # target, draft over the chunk, tree levels
+    assert export_tpu(fn, *specs).count("tpu_custom_call") == 2 * per_part
