@@ -138,3 +138,22 @@ def test_forward_rejects_gaps_in_a_row_of_positions():
     with pytest.raises(ValueError, match="positions of row 1 must be consecutive"):
         model.forward(params, config, tokens, jnp.asarray([[0, 1, 2, 3], [0, 2, 3, 4]]),
                       model.init_cache(config, 2, 16))
+
+
+def test_forward_packed_names_bad_layouts():
+    config = tiny_config()
+    params = model.init_params(config, jax.random.key(0))
+    cache = model.init_cache(config, 2, 16)
+    layout = model.RaggedLayout(jnp.asarray([0, 2, 3], jnp.int32), jnp.asarray([2, 1], jnp.int32),
+                                None, None, None, 2)
+    tokens, positions = jnp.ones(4, jnp.int32), jnp.asarray([0, 1, 0, -1], jnp.int32)
+    hidden, _, _ = model.forward_packed(params, config, tokens, positions, cache, layout)
+    assert hidden.shape == (4, config.hidden_size)
+    with pytest.raises(ValueError, match="equal 1-D shapes"):
+        model.forward_packed(params, config, tokens[None], positions[None], cache, layout)
+    with pytest.raises(ValueError, match="cu_q_lens"):
+        model.forward_packed(params, config, tokens, positions, model.init_cache(config, 3, 16), layout)
+    wide = tiny_config(hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32)  # KIVI's group
+    with pytest.raises(ValueError, match="KIVI"):
+        model.forward_packed(model.init_params(wide, jax.random.key(0)), wide, tokens, positions,
+                             model.init_cache(wide, 2, 32, kv_cache_dtype="kivi-int4"), layout)
