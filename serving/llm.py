@@ -266,7 +266,7 @@ def _drafter(speculative_config: dict | None, config: model.ModelConfig, dtype) 
 
     Keys: method ("eagle3"), model (a draft directory), num_speculative_tokens (draft
     tokens the target scores per step), and the tree's depth (default 7) and top_k
-    (default 10) (REFERENCES §9).
+    (default 10) (the EAGLE-3 paper's tree).
     """
     if speculative_config is None:
         return None

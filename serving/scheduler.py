@@ -3,7 +3,7 @@
 State is immutable (frozen dataclasses, tuples); every transition returns a new
 state. The same function drives the real engine and the discrete-event simulator.
 
-Policies (TensorRT-LLM's batch manager, REFERENCES §5, with vLLM v1's token-budget
+Policies (TensorRT-LLM's batch manager, with vLLM v1's token-budget
 view of prefill, §3, and SGLang's cache-aware order, §4):
 - capacity: GUARANTEED_NO_EVICT reserves every running sequence's pages to
   completion and admits while the newcomer's total fits; MAX_UTILIZATION counts only

@@ -4,7 +4,7 @@ A draft tree's node 0 is the root: the last token the target accepted. Every oth
 node is a drafted token whose parent precedes it (parents before children), so a
 tree is three arrays. The target scores every node in one forward (tree attention:
 a node sees the sequence's KV and its own ancestors, `ancestor_mask`); verification
-walks down from the root (REFERENCES §9):
+walks down from the root (EAGLE-3, Li et al. 2025):
 
 - greedy: follow the child equal to the target's argmax; the target's argmax at the
   last accepted node is the bonus token. Output equals plain greedy decoding.
@@ -142,7 +142,7 @@ def verify_sampling(tree: DraftTree, target_probs: np.ndarray,
 
 @dataclasses.dataclass(frozen=True)
 class TreeSpec:
-    """Shape of the dynamic draft tree (REFERENCES §9: depth 7, top-k 10, 60 tokens)."""
+    """Shape of the dynamic draft tree (the EAGLE-3 paper: depth 7, top-k 10, 60 tokens)."""
 
     depth: int = 7
     top_k: int = 10

@@ -1,6 +1,6 @@
 """DeepSeek-V4.1-Flash (CSA2) configuration: the layer plan, presets and its KV accounting.
 
-The plan (REFERENCES §1) is four lists: `compress_ratios` (0 = SWA only, 1 or 2 =
+The plan (DeepSeek-V4.1-Flash technical report) is four lists: `compress_ratios` (0 = SWA only, 1 or 2 =
 compressed), `kv_sources` (Full layers: run the compressor and publish KV rows and index
 keys), `index_sources` (Full layers plus Reindex layers, which re-select with their own
 indexer) and `candidate_sources` (Full layers that also publish the hierarchical

@@ -1,4 +1,4 @@
-"""Lightning-indexer scores and top-k selection in plain jnp (REFERENCES §1).
+"""Lightning-indexer scores and top-k selection in plain jnp (DeepSeek-V4.1-Flash technical report).
 
 I(t, s) = sum_h w[t, h] * ReLU(q[t, h] . k[s]) over compressed rows s; row s is visible
 to the query at position p iff s < floor((p + 1) / compress_ratio). The selection

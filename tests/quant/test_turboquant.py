@@ -14,7 +14,7 @@ from quant.lloyd_max import sphere_codebook, sphere_codebook_mse
 from quant.turboquant import main, measure, prod_distortion_bound
 
 D = 128
-PAPER_CENTROIDS = {  # positive centroids * sqrt(d) at d = 128 (REFERENCES section 10)
+PAPER_CENTROIDS = {  # positive centroids * sqrt(d) at d = 128 (TurboQuant, Zandieh et al. 2025)
     1: [0.7994],
     2: [0.4525, 1.5052],
     3: [0.2444, 0.7533, 1.3366, 2.1315],
