@@ -5,9 +5,10 @@
 
 "Global" KV is what grows with the context and what a prefix / persistent tier keeps:
 sliding-window KV, compressor state and workspace are excluded (as the DeepSeek-V4.1-Flash
-technical report counts it). DeepSeek V4.1 presets are computed from their DeepSeekConfig and quant.bytes_per_row; the embedded
-default model (SmolLM2-135M) and Llama-3-8B from their ModelConfig (bf16 K and V); the
-other DeepSeek generations from the published arithmetic (the published reference points).
+technical report counts it). DeepSeek V4.1 presets are computed from their DeepSeekConfig
+and quant.bytes_per_row; the embedded default model (SmolLM2-135M) and Llama-3-8B from
+their ModelConfig (bf16 K and V); the other DeepSeek generations from the published
+arithmetic (the reports' reference points).
 """
 
 from __future__ import annotations
