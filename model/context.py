@@ -34,7 +34,7 @@ class TokenTree:
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["cu_q_lens", "kv_lens", "order", "unorder", "tree"],
-                   meta_fields=["max_q_len"])
+                   meta_fields=["max_q_len", "max_chunks"])
 @dataclasses.dataclass(frozen=True)
 class RaggedLayout:
     """A step's tokens as the ragged attention kernel sees them (pallas_kernels.
@@ -46,7 +46,8 @@ class RaggedLayout:
     order: int32 [N] flat token index of each packed token, unorder: int32 [N] its
       inverse (both None when the tokens are already packed, as the engine builds them);
     tree: a pallas_kernels TreeMask over the packed tokens, or None;
-    max_q_len: static bound on any q_len_s (1 for a decode-only step).
+    max_q_len: static bound on any q_len_s (1 for a decode-only step);
+    max_chunks: static bound on the sequences with q_len_s > 1.
     """
 
     cu_q_lens: jax.Array
@@ -55,6 +56,7 @@ class RaggedLayout:
     unorder: jax.Array | None
     tree: Any
     max_q_len: int
+    max_chunks: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,4 +98,4 @@ def ragged_layout(positions: jax.Array, tree: TokenTree | None = None) -> Ragged
     if tree is not None:
         bits = pack_mask(tree.mask).reshape(b * t, -1)[order]
         mask = TreeMask(tree.start.astype(jnp.int32), bits)
-    return RaggedLayout(cu_q_lens, kv_lens, order, unorder, mask, t)
+    return RaggedLayout(cu_q_lens, kv_lens, order, unorder, mask, t, b if t > 1 else 0)

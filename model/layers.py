@@ -75,6 +75,7 @@ class AttentionOptions:
     sliding_window: int | None
     kv_format: object  # None, a kv_formats name or a TurboQuant(Split)
     max_q_len: int
+    max_chunks: int
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -86,7 +87,7 @@ def _ragged_attention(options: AttentionOptions, q, k, v, k_pages, v_pages, bloc
     out, _, k_pages, v_pages = ragged_paged_attention(
         q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sm_scale=options.sm_scale,
         sliding_window=options.sliding_window, tree=tree, kv_format=options.kv_format,
-        max_q_len=options.max_q_len)
+        max_q_len=options.max_q_len, max_chunks=options.max_chunks)
     return out, k_pages, v_pages
 
 
@@ -94,7 +95,7 @@ def _ragged_xla(options: AttentionOptions, *args):
     fmt = None if options.kv_format is None else resolve_format(options.kv_format)
     out, _, k_pages, v_pages = ragged_paged_attention_xla(
         *args[:8], None, args[8], sm_scale=options.sm_scale, sliding_window=options.sliding_window,
-        kv_format=fmt, max_q_len=options.max_q_len)
+        kv_format=fmt, max_q_len=options.max_q_len, max_chunks=options.max_chunks)
     return out, k_pages, v_pages
 
 
@@ -146,7 +147,8 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     pack = lambda a: a.reshape(b * t, *a.shape[2:]) if layout.order is None else \
         a.reshape(b * t, *a.shape[2:])[layout.order]
     kv_format, k_pages, v_pages = pages
-    options = AttentionOptions(hd ** -0.5, sliding_window, kv_format, layout.max_q_len)
+    options = AttentionOptions(hd ** -0.5, sliding_window, kv_format, layout.max_q_len,
+                               layout.max_chunks)
     out, k_pages, v_pages = _ragged_attention(
         options, pack(q), pack(k), pack(v), k_pages, v_pages, ctx.block_tables, layout.cu_q_lens,
         layout.kv_lens, layout.tree)

@@ -82,7 +82,7 @@ class Drafter:
                    data_fields=["tokens", "positions", "cu_q_lens", "kv_lens", "block_tables",
                                 "logits_indices", "seeds", "counters", "temperature", "top_k",
                                 "top_p", "min_p"],
-                   meta_fields=["max_q_len"])
+                   meta_fields=["max_q_len", "max_chunks"])
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
     """One engine step's rows, packed back to back: what the jitted step reads.
@@ -104,10 +104,12 @@ class StepBatch:
     top_p: jax.Array  # float32 [S]; 1 = off
     min_p: jax.Array  # float32 [S]; 0 = off
     max_q_len: int  # static: bucketed longest row (1 for a decode-only step)
+    max_chunks: int  # static: bucketed count of rows with more than one token (0 if none)
 
     @property
     def layout(self) -> model.RaggedLayout:
-        return model.RaggedLayout(self.cu_q_lens, self.kv_lens, None, None, None, self.max_q_len)
+        return model.RaggedLayout(self.cu_q_lens, self.kv_lens, None, None, None, self.max_q_len,
+                                  self.max_chunks)
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -372,7 +374,8 @@ class ModelRunner:
         return StepBatch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(cu_q_lens),
                          jnp.asarray(kv_lens), self._tables(rows, s),
                          jnp.asarray(np.maximum(cu_q_lens[1:] - 1, 0)), seeds, counters, temperature,
-                         top_k, top_p, min_p, max_q_len=bucket(max(lens)))
+                         top_k, top_p, min_p, max_q_len=bucket(max(lens)),
+                         max_chunks=bucket(chunks) if (chunks := sum(n > 1 for n in lens)) else 0)
 
     def _run_packed(self, rows: list[Row]) -> list[RowResult | None]:
         if not rows:

@@ -35,6 +35,7 @@ def ragged_paged_attention(
     tree: TreeMask | None = None,
     kv_format=None,
     max_q_len: int | None = None,
+    max_chunks: int | None = None,
     interpret=None,
 ):
     """One step of a mixed batch: prefill chunks and decode rows, with the KV write fused.
@@ -115,6 +116,8 @@ def ragged_paged_attention(
         validate.check_dtype("tree.bits", tree.bits, [jnp.int32])
     if max_q_len is not None and (not isinstance(max_q_len, int) or max_q_len < 1):
         raise ValueError(f"max_q_len must be a positive int or None, got {max_q_len!r}")
+    if max_chunks is not None and (not isinstance(max_chunks, int) or max_chunks < 0):
+        raise ValueError(f"max_chunks must be an int >= 0 or None, got {max_chunks!r}")
     static = dict(
         sliding_window=None if sliding_window is None else int(sliding_window),
         kv_format=fmt,
@@ -136,7 +139,8 @@ def ragged_paged_attention(
         kv_lens,
         sinks,
         tree,
-        ref=functools.partial(ragged_paged_attention_xla, max_q_len=max_q_len, **static),
+        ref=functools.partial(ragged_paged_attention_xla, max_q_len=max_q_len, max_chunks=max_chunks,
+                              **static),
         tpu=functools.partial(ragged_paged_attention_tpu, **static),
         gpu=gpu,
         interpret=interpret,

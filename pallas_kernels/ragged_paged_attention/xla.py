@@ -6,12 +6,16 @@ cut into tiles of one sequence each, as the TPU kernel does (kernel_tpu.plan_til
 a `lax.scan` walks the block table a few pages at a time with online softmax (the
 FlashAttention recurrence): per step every tile gathers one block of its sequence's
 pages (decoding low-bit pages to f32 a block at a time), scores its queries against it
-and folds the result into a running (max, sum, output). A tile has min(max_q_len, 16)
-rows, so a decode-only step (max_q_len 1) is one query per tile and costs what paged
-decode attention costs. Tested against ref.py.
+and folds the result into a running (max, sum, output). Rows of one query token (decode)
+get tiles of one, so they cost what paged decode attention costs even in a step with
+prefill chunks; chunks get tiles of min(max_q_len, 16) tokens, at most
+ceil(tokens / 16) + max_chunks of them (a tile's work is paid even when it is spare, so
+the static bounds matter). Tested against ref.py.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -48,26 +52,53 @@ def ragged_paged_attention_xla(
     variant=SOFTMAX,
     kv_format=None,
     max_q_len=None,
+    max_chunks=None,
 ):
     """Same contract as ragged_paged_attention_ref. Without max_q_len (no bound on a
     sequence's query tokens) or for variants without softmax (no running normaliser to
-    carry), the dense reference runs instead."""
+    carry), the dense reference runs instead. max_chunks: static bound on the sequences
+    with more than one query token (None: any)."""
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, variant=variant,
               kv_format=kv_format, max_q_len=max_q_len)
     if max_q_len is None or not variant.uses_softmax:
         return ragged_paged_attention_ref(q, k, v, k_pages, v_pages, block_tables, cu_q_lens,
                                           kv_lens, sinks, tree, **kw)
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_seqs, max_pages = block_tables.shape
+    num_tokens = q.shape[0]
+    num_seqs = block_tables.shape[0]
     seq, q_pos = token_layout(cu_q_lens, kv_lens, num_tokens)
     k_pages, v_pages = write_new_kv(k_pages, v_pages, k, v, block_tables, seq, q_pos, kv_format)
+    attend = functools.partial(_attend_tiles, q, k_pages, v_pages, block_tables, cu_q_lens, seq,
+                               q_pos, sinks, tree, sm_scale=sm_scale, sliding_window=sliding_window,
+                               variant=variant, kv_format=kv_format)
+    if max_q_len == 1:  # decode only: one query per tile
+        return (*attend(cu_q_lens, 1, num_tokens), k_pages, v_pages)
+    # Rows of one token get tiles of one; chunks get tiles of block_q (at most max_chunks rows)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    only = lambda keep: jnp.concatenate([cu_q_lens[:1], jnp.cumsum(jnp.where(keep, q_lens, 0))])
+    block_q = min(1 << (max_q_len - 1).bit_length(), MAX_BLOCK_Q)
+    chunks = num_seqs if max_chunks is None else min(max_chunks, num_seqs)
+    out_d, lse_d = attend(only(q_lens == 1), 1, min(num_seqs, num_tokens))
+    if chunks == 0:
+        return out_d, lse_d, k_pages, v_pages
+    out_c, lse_c = attend(only(q_lens > 1), block_q, min(-(-num_tokens // block_q) + chunks, num_tokens))
+    chunk_token = (q_lens[jnp.minimum(seq, num_seqs - 1)] > 1)[:, None]
+    out = jnp.where(chunk_token[..., None], out_c, out_d)
+    return out, jnp.where(chunk_token, lse_c, lse_d), k_pages, v_pages
+
+
+def _attend_tiles(q, k_pages, v_pages, block_tables, cu_q_lens, seq, q_pos, sinks, tree, tile_cu,
+                  block_q, num_tiles, *, sm_scale, sliding_window, variant, kv_format):
+    """Attention of the query tokens of the sequences that tile_cu (cu_q_lens with the
+    other sequences' lengths set to 0) keeps, in at most num_tiles tiles of block_q tokens
+    of one sequence; (out, lse) over all tokens, 0 / -inf for tokens it does not keep."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_seqs, max_pages = block_tables.shape
     leaves = [k_pages] if kv_format is None else kv_format.leaves(k_pages)
     num_pages, page_size, num_kv_heads = leaves[0].shape[:3]
     group = num_q_heads // num_kv_heads
 
-    block_q = min(max(1, 1 << (max(max_q_len, 1) - 1).bit_length()), MAX_BLOCK_Q)
-    tile_seq, tile_start, tile_len, _ = plan_tiles(cu_q_lens, num_tokens, block_q)
-    num_tiles = min(tile_seq.shape[0], num_tokens)  # live tiles come first, one token at least
+    tile_seq, tile_start, tile_len, _ = plan_tiles(tile_cu, num_tokens, block_q)
+    num_tiles = min(tile_seq.shape[0], num_tiles)  # live tiles come first
     tile_seq, tile_start, tile_len = tile_seq[:num_tiles], tile_start[:num_tiles], tile_len[:num_tiles]
     s_of = jnp.maximum(tile_seq, 0)
     rows = jnp.arange(block_q, dtype=jnp.int32)[None, :]
@@ -123,4 +154,4 @@ def ragged_paged_attention_xla(
         out.transpose(0, 2, 1, 3).reshape(-1, num_q_heads, head_dim), mode="drop")
     lse = jnp.full((num_tokens, num_q_heads), -jnp.inf).at[dest].set(
         lse.transpose(0, 2, 1).reshape(-1, num_q_heads), mode="drop")
-    return out.astype(q.dtype), lse, k_pages, v_pages
+    return out.astype(q.dtype), lse

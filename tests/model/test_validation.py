@@ -145,7 +145,7 @@ def test_forward_packed_names_bad_layouts():
     params = model.init_params(config, jax.random.key(0))
     cache = model.init_cache(config, 2, 16)
     layout = model.RaggedLayout(jnp.asarray([0, 2, 3], jnp.int32), jnp.asarray([2, 1], jnp.int32),
-                                None, None, None, 2)
+                                None, None, None, 2, 1)
     tokens, positions = jnp.ones(4, jnp.int32), jnp.asarray([0, 1, 0, -1], jnp.int32)
     hidden, _, _ = model.forward_packed(params, config, tokens, positions, cache, layout)
     assert hidden.shape == (4, config.hidden_size)

@@ -188,14 +188,16 @@ def _ref(*args, **kw):
     return ragged_paged_attention(*args, **kw)
 
 
-@pytest.mark.parametrize("max_q_len,window,with_sinks", [(6, None, False), (8, 4, True), (64, 3, False)])
-def test_blocked_xla_path_matches_the_reference(max_q_len, window, with_sinks):
+@pytest.mark.parametrize("max_q_len,max_chunks,window,with_sinks",
+                         [(6, 2, None, False), (8, None, 4, True), (64, 2, 3, False)])
+def test_blocked_xla_path_matches_the_reference(max_q_len, max_chunks, window, with_sinks):
     """Query tiles of one sequence and a page-block scan give the dense reference's
-    outputs, lse and pages, for tiles smaller than, equal to and larger than a chunk."""
+    outputs, lse and pages, for tiles smaller than, equal to and larger than a chunk,
+    with decode rows in tiles of their own and the chunk tiles bounded by max_chunks."""
     args, sinks = _mixed_batch(6, max_pages=5)
     kw = dict(sliding_window=window, sinks=sinks if with_sinks else None)
     want = _ref(*args, **kw)
-    got = ragged_paged_attention(*args, max_q_len=max_q_len, **kw)
+    got = ragged_paged_attention(*args, max_q_len=max_q_len, max_chunks=max_chunks, **kw)
     for g, w in zip(got, want):
         assert_close(g, w)
     _assert_pages(got[2], got[3], args)
