@@ -126,3 +126,23 @@ def test_e2m1_arithmetic_decode_equals_table_decode_on_every_code():
     np.testing.assert_array_equal(arith, table)
     np.testing.assert_array_equal(np.signbit(arith), np.signbit(table))  # code 8 is -0.0
     np.testing.assert_array_equal(np.asarray(formats.e2m1_decode_arith(codes.astype(jnp.int32))), table)
+
+
+def test_e4m3_arithmetic_decode_equals_the_convert_on_every_code():
+    bits = np.arange(256, dtype=np.uint8)
+    want = np.asarray(formats.e4m3_decode(jnp.asarray(bits.view(ml_dtypes.float8_e4m3fn))))
+    for codes in (jnp.asarray(bits), jnp.asarray(bits.view(ml_dtypes.float8_e4m3fn))):
+        got = np.asarray(formats.e4m3_decode_arith(codes))
+        nan = np.isnan(want)
+        np.testing.assert_array_equal(np.isnan(got), nan)  # 0x7F and 0xFF
+        np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # -0.0 too
+
+
+@pytest.mark.parametrize(("bits", "n"), [(3, 8), (5, 16), (6, 4), (7, 8), (3, 40)])
+def test_unpack_bits_of_whole_and_partial_groups(bits, n):
+    """Straddling widths unpack by groups of 8 codes when the bytes hold whole groups
+    (n % 8 == 0) and through the bit stream otherwise (6 bits x 4 codes = 3 bytes)."""
+    codes = np.random.default_rng(n).integers(0, 1 << bits, size=(2, n), dtype=np.uint8)
+    packed = jnp.asarray(_np_pack(codes, bits))
+    np.testing.assert_array_equal(np.asarray(unpack_bits(packed, bits)), codes)
+    np.testing.assert_array_equal(np.asarray(unpack_bits(packed, bits, n - 1)), codes[:, :-1])
