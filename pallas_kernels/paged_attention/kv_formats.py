@@ -1,10 +1,23 @@
-"""KV page formats: how the paged decode kernel reads one page tile of one KV head.
+"""KV page formats: the one owner of how low-bit KV pages are quantized, stored, gathered,
+decoded and read tile by tile by the paged decode kernel.
 
 A format is a small frozen (hashable, static) object. Its page container is a pytree
-whose page-axis leaves all start [num_pages, page_size, num_kv_heads, ...]; the kernel
-DMAs those leaves page by page and decodes codes to f32 tile by tile in VMEM, so no
-dequantized cache is ever materialised. The reference instead dequantizes whole pages
-with quant's own functions and runs plain paged attention on them.
+whose leaves all start [num_pages, page_size, num_kv_heads, ...], so a pool is copied,
+moved or swapped leaf by leaf (`jax.tree.map(lambda a: a.at[dst].set(a[src]), pool)`).
+The kernel DMAs those leaves page by page and decodes codes to f32 tile by tile in VMEM,
+so no dequantized cache is ever materialised. The XLA paths use the same object:
+
+| method                                  | what                                             |
+|-----------------------------------------|--------------------------------------------------|
+| quantize(x [..., D])                    | the container (leading [...])                    |
+| dequantize(pages)                       | f32 [..., D], equal bit for bit to quant's own   |
+| allocate(num_pages, page_size, H, D)    | an empty (zero) pool                             |
+| write(pages, rows, page_ids, slots)     | quantize rows and scatter them into every leaf   |
+| gather(pages, page_ids)                 | the container of pages `page_ids`                |
+| rows(pages, part)                       | tile(part) in bulk: f32 [..., D / parts] (below) |
+| prepare_q / finish_out                  | the query into the tiles' basis, the output back |
+| bytes_per_token(H, D)                   | bytes one token takes in one pool (K or V)       |
+| check / leaves / extras / tile / parts  | the kernel's view (kernel_tpu.py)                |
 
 | kv_format   | container                 | leaves (page axis first)                         |
 |-------------|---------------------------|--------------------------------------------------|
@@ -15,6 +28,32 @@ with quant's own functions and runs plain paged attention on them.
 | "mxfp4"     | quant.MXFP4               | packed uint8 [.., D/2], scales ue8m0 [.., D/32]  |
 | TurboQuant  | quant.TurboCodes          | idx uint8 [.., D*b/8], norm f32 [P, ps, H]       |
 | TQ split    | quant.SplitCodes          | outlier / regular: TurboCodes of D/2 channels    |
+
+NVFP4's tensor scale. NVIDIA's recipe scales a whole tensor by amax / (448 * 6), but KV
+rows arrive a few at a time and no tensor amax exists, so pages are quantized with the
+scale fixed at 1 (block scales saturate at 448: |x| up to 2688 is representable) and
+store it as None: quant.NVFP4(packed, scales, None) has no scalar leaf to break a leaf
+map over the page axis, and "None" means 1 here. A container from
+quant.nvfp4_quantize(x) with a real scalar tensor scale is read as well (the entry takes
+either); write() only produces None.
+
+The kernel's basis. A tile is not always a slice of x_hat: scores are
+<split_parts(prepare_q(q), parts)[j], tile j of k> summed over parts j, outputs
+finish_out(merge_parts(sum_t p_t tile j of v_t)). `rows(pages, part)` is the tile of
+every row at once, for the XLA paths: x_hat's channels part::parts for int8 / fp8 /
+MXFP4 and NVFP4 without a tensor scale (a scalar one is folded into the query and the
+output), TurboQuant codes times norms in the rotated basis (below), which spares the XLA
+path a d x d matmul per row, the dominant cost of dequantize. Keeping parts apart also
+spares XLA:CPU the lane interleave back to head_dim order, which it runs (with every
+broadcast feeding it) element by element; dequantize does interleave, to x_hat.
+
+Decoding on XLA:CPU. float8 converts run as a slow software routine there, and a gather
+or scatter of a float8 / bfloat16 array is computed in f32 over the whole operand (the
+whole pool, each step). So gather and write move such leaves as their unsigned-integer
+bits, and the decoders build f32 from the bits with integer ops: E4M3 through
+quant.e4m3_decode_arith, E2M1 through quant.e2m1_decode_arith, UE8M0 by placing the code
+in f32's exponent field; TurboQuant's straddling 3-bit codes unpack by byte groups
+(quant/packing.py). All are tested bit-exact against quant's decoders.
 
 Channel parts. Sub-byte codes are packed along head_dim (code 2i in the low nibble of
 byte i, 2i+1 in the high one; quant/packing.py). Un-interleaving them in the kernel would
@@ -41,14 +80,12 @@ every 8-code group of each half's pack_bits stream. A group of 8 b-bit codes is 
 and code j lies in its bytes (b*j) // 8 and, when it straddles, the next one; those
 strided bytes are picked with a 0/1 matmul (like the block scales below), so widths
 that straddle bytes (3) read as well as 2 and 4.
-
-NVFP4's f32 tensor scale multiplies every element, so it is folded into the query (keys)
-and the output (values) instead of into every tile.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -56,16 +93,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from quant.blockscaled import (
-    MXFP4,
-    NVFP4,
-    mxfp4_dequantize,
-    mxfp4_quantize,
-    nvfp4_dequantize,
-    nvfp4_quantize,
-)
-from quant.formats import e2m1_decode_arith
-from quant.kv_rows import RowQuantized, dequantize_rows, quantize_rows
+from quant.blockscaled import MXFP4, NVFP4, mxfp4_quantize, nvfp4_quantize
+from quant.formats import e2m1_decode_arith, e4m3_decode_arith
+from quant.kv_rows import RowQuantized, quantize_rows
 from quant.lloyd_max import sphere_codebook
 from quant.turboquant import SplitCodes, TurboCodes, TurboQuant, TurboQuantSplit
 
@@ -113,12 +143,106 @@ def _ue8m0_to_f32(codes):
     return jnp.where(c == 0, 2.0**-127, jnp.where(c == 255, jnp.nan, normal))
 
 
+def _bits_dtype(dtype):
+    """The unsigned type a leaf of `dtype` is moved as, or None.
+
+    XLA:CPU computes a gather or scatter of float8 / bfloat16 in f32 over the whole
+    operand, converting the pool there and back each time. Moved as their bits they cost
+    one copy of the leaf for each bitcast instead (XLA:CPU does not elide them): a
+    16-row write into a 12 MB fp8 pool took 2 ms this way against 6 ms (bf16: 19 ms)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return jnp.dtype(f"uint{8 * dtype.itemsize}")
+    return None
+
+
+def _to_bits(a):
+    bits = _bits_dtype(a.dtype)
+    return a if bits is None else lax.bitcast_convert_type(a, bits)
+
+
+def _from_bits(a, dtype):
+    return a if a.dtype == jnp.dtype(dtype) else lax.bitcast_convert_type(a, dtype)
+
+
+def gather(pages, page_ids):
+    """The pages `page_ids` (int, any shape) of a container: every page-axis leaf indexed
+    on its first axis (leading shape [*page_ids.shape, page_size, H]); ids must be in
+    range. A scalar leaf (a real NVFP4 tensor scale) is kept as is."""
+
+    def one(a):
+        if a.ndim < 3:
+            return a
+        return _from_bits(_to_bits(a)[page_ids], a.dtype)
+
+    return jax.tree.map(one, pages)
+
+
+def _scatter_rows(pool, index, rows):
+    """pool [P, page_size, ...] with rows [U, ...] at flat slots index [U] (slots past the
+    pool dropped), in place when donated (float8 / bf16 pools: see _bits_dtype).
+
+    A scatter of a single row is expanded by XLA:CPU into a dynamic-update-slice whose
+    fusion into the pool's readers makes copy insertion copy the whole pool; a second,
+    always dropped row keeps it a real scatter (model/kv_cache.py scatter_rows says more).
+    """
+    n, page_size, *rest = pool.shape
+    flat = _to_bits(pool).reshape(n * page_size, *rest)
+    rows = _to_bits(rows.astype(pool.dtype))
+    if index.shape[0] == 1:
+        index = jnp.concatenate([index, jnp.full((1,), n * page_size, index.dtype)])
+        rows = jnp.concatenate([rows, rows])
+    flat = flat.at[index].set(rows, mode="drop")
+    return _from_bits(flat.reshape(pool.shape), pool.dtype)
+
+
+class _Format:
+    """What every format derives from quantize and leaves: allocation, writes, gathers, bytes."""
+
+    def allocate(self, num_pages, page_size, num_kv_heads, head_dim, dtype=jnp.float32):
+        """An all-zero pool of num_pages pages (rows of `dtype` are what will be written;
+        it only matters for plain pages)."""
+        rows = jax.ShapeDtypeStruct((num_pages, page_size, num_kv_heads, head_dim), dtype)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(self.quantize, rows))
+
+    def bytes_per_token(self, num_kv_heads, head_dim, dtype=jnp.float32) -> int:
+        """Bytes one token takes in one pool (K or V), all kv heads, every leaf."""
+        rows = jax.ShapeDtypeStruct((1, num_kv_heads, head_dim), dtype)
+        shapes = jax.tree.leaves(jax.eval_shape(self.quantize, rows))
+        return sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in shapes)
+
+    def gather(self, pages, page_ids):
+        return gather(pages, page_ids)
+
+    def write(self, pages, new_rows, page_ids, slots):
+        """Quantize float rows [..., H, D] and store row i at (page_ids[i], slots[i]) of every
+        leaf; page_ids, slots int [...] (the rows' leading shape). A page id outside
+        [0, num_pages) is dropped: pass num_pages for padding. Returns the new container
+        (updated in place when the pool is donated)."""
+        new = self.quantize(new_rows)
+        num_pages, page_size = self.leaves(pages)[0].shape[:2]
+        valid = (page_ids >= 0) & (page_ids < num_pages)
+        index = jnp.where(valid, page_ids * page_size + slots, num_pages * page_size).reshape(-1)
+        return jax.tree.map(
+            lambda pool, x: _scatter_rows(pool, index, x.reshape(-1, *pool.shape[2:])), pages, new
+        )
+
+
 @dataclasses.dataclass(frozen=True)
-class Plain:
+class Plain(_Format):
     """Unquantized pages: one array leaf, read as is."""
 
     parts: int = 1
     label: str = "plain"
+
+    def quantize(self, x):
+        return x
+
+    def dequantize(self, pages):
+        return pages
+
+    def rows(self, pages, part):
+        return pages
 
     def check(self, pages, head_dim, name):
         pass
@@ -140,7 +264,7 @@ class Plain:
 
 
 @dataclasses.dataclass(frozen=True)
-class Rows:
+class Rows(_Format):
     """int8 / fp8 codes with one f32 scale per (token, head): tile = codes * scale."""
 
     label: str
@@ -170,7 +294,13 @@ class Rows:
         return get(0).astype(jnp.float32) * get(1)
 
     def dequantize(self, pages):
-        return dequantize_rows(pages)
+        """quant.dequantize_rows' values; fp8 decoded from its bits."""
+        codes = pages.codes
+        values = codes.astype(jnp.float32) if codes.dtype == jnp.int8 else e4m3_decode_arith(codes)
+        return values * pages.scales[..., None]
+
+    def rows(self, pages, part):
+        return self.dequantize(pages)
 
     def prepare_q(self, k_pages, q):
         return q
@@ -180,7 +310,7 @@ class Rows:
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockFP4:
+class BlockFP4(_Format):
     """NVFP4 (E4M3 scale per 16) or MXFP4 (UE8M0 scale per 32): E2M1 two per byte."""
 
     label: str
@@ -191,7 +321,9 @@ class BlockFP4:
         return 16 if self.label == "nvfp4" else 32
 
     def quantize(self, x):
-        return nvfp4_quantize(x, 1.0) if self.label == "nvfp4" else mxfp4_quantize(x)
+        if self.label == "mxfp4":
+            return mxfp4_quantize(x)
+        return nvfp4_quantize(x, 1.0)._replace(tensor_scale=None)  # the module docstring
 
     def check(self, pages, head_dim, name):
         kind = NVFP4 if self.label == "nvfp4" else MXFP4
@@ -203,10 +335,11 @@ class BlockFP4:
         scale_dtype = jnp.float8_e4m3fn if self.label == "nvfp4" else jnp.uint8
         lead = pages.packed.shape[:3]
         _check_leaf(f"{name}.scales", pages.scales, 4, head_dim // self.block, lead, scale_dtype)
-        if self.label == "nvfp4" and jnp.shape(pages.tensor_scale) != ():
-            raise ValueError(
-                f"{name}.tensor_scale must be a scalar, got {jnp.shape(pages.tensor_scale)}"
-            )
+        if self.label == "nvfp4" and _tensor_scale(pages) is not None:
+            if jnp.shape(pages.tensor_scale) != ():
+                raise ValueError(
+                    f"{name}.tensor_scale must be a scalar or None, got {jnp.shape(pages.tensor_scale)}"
+                )
 
     def leaves(self, pages):
         return (pages.packed, pages.scales)
@@ -221,20 +354,48 @@ class BlockFP4:
         width = codes.shape[1]
         return e2m1_decode_arith(codes) * _expand_blocks(scales, width, self.block // 2)
 
+    def _part(self, pages, part, tensor_scale):
+        """Part `part` (the low or high nibbles: channels part::2) times its block scale
+        (times tensor_scale when given), f32 [..., D / 2]. The scale multiplies each value
+        once, as in quant's decoders, so merged parts are theirs bit for bit."""
+        packed = pages.packed.astype(jnp.int32)
+        values = e2m1_decode_arith(packed >> (4 * part))
+        if self.label == "nvfp4":
+            scales = e4m3_decode_arith(pages.scales)
+            if tensor_scale is not None:
+                scales = scales * tensor_scale
+        else:
+            scales = _ue8m0_to_f32(pages.scales)
+        lead, nb = scales.shape[:-1], scales.shape[-1]
+        per_byte = jnp.broadcast_to(scales[..., None], (*lead, nb, self.block // 2))
+        return values * per_byte.reshape(*lead, nb * self.block // 2)
+
     def dequantize(self, pages):
-        return nvfp4_dequantize(pages) if self.label == "nvfp4" else mxfp4_dequantize(pages)
+        """quant.nvfp4_dequantize / mxfp4_dequantize's values (a None tensor scale is 1)."""
+        ts = _tensor_scale(pages)
+        return merge_parts(jnp.stack([self._part(pages, j, ts) for j in range(2)]))
+
+    def rows(self, pages, part):
+        return self._part(pages, part, None)
 
     def prepare_q(self, k_pages, q):
-        if self.label == "mxfp4":
+        scale = _tensor_scale(k_pages)
+        if scale is None:
             return q
-        return (q.astype(jnp.float32) * k_pages.tensor_scale).astype(q.dtype)
+        return (q.astype(jnp.float32) * scale).astype(q.dtype)
 
     def finish_out(self, v_pages, out):
-        return out if self.label == "mxfp4" else out * v_pages.tensor_scale
+        scale = _tensor_scale(v_pages)
+        return out if scale is None else out * scale
+
+
+def _tensor_scale(pages):
+    """NVFP4's tensor scale, or None (MXFP4, or NVFP4 pages with the scale fixed at 1)."""
+    return getattr(pages, "tensor_scale", None)
 
 
 @dataclasses.dataclass(frozen=True)
-class Turbo:
+class Turbo(_Format):
     """TurboQuant mse-mode codes (integer bits in TURBO_BITS); see the module docstring."""
 
     tq: TurboQuant  # hashed by identity: one compiled program per quantizer instance
@@ -272,6 +433,12 @@ class Turbo:
 
     def dequantize(self, pages):
         return self.tq.dequantize(pages)
+
+    def rows(self, pages, part):
+        """||x|| c[code] of channels part::parts in the rotated basis: tile(part) in bulk."""
+        codebook = jnp.asarray(sphere_codebook(self.tq.dim, self.bits), jnp.float32)
+        codes = (pages.idx.astype(jnp.int32) >> (self.bits * part)) & ((1 << self.bits) - 1)
+        return codebook[codes] * pages.norm[..., None]
 
     def prepare_q(self, k_pages, q):
         rot = jnp.dot(q.astype(jnp.float32), self.tq.rotation.T, precision=lax.Precision.HIGHEST)
@@ -311,7 +478,7 @@ def _lookup(codes, codebook, size):
 
 
 @dataclasses.dataclass(frozen=True)
-class TurboSplit:
+class TurboSplit(_Format):
     """quant.TurboQuantSplit codes (outlier / regular channel halves); see the module docstring."""
 
     tq: TurboQuantSplit  # hashed by identity: one compiled program per quantizer instance
@@ -354,6 +521,21 @@ class TurboSplit:
     def dequantize(self, pages):
         return self.tq.dequantize(pages)
 
+    def rows(self, pages, part):
+        """tile(part) in bulk: [outlier | regular] code `part` of every 8-code group, each
+        ||x|| c[code] in its half's rotated basis."""
+        halves = []
+        for codes, inst in ((pages.outlier, self.tq.hi), (pages.regular, self.tq.lo)):
+            bits = int(inst.bits)
+            first, shift = divmod(bits * part, 8)
+            packed = codes.idx.astype(jnp.int32)
+            word = packed[..., first::bits]  # byte `first` of every group of `bits` bytes
+            if shift + bits > 8:  # straddles into the group's next byte
+                word = word | (packed[..., first + 1::bits] << 8)
+            codebook = jnp.asarray(sphere_codebook(inst.dim, bits), jnp.float32)
+            halves.append(codebook[(word >> shift) & ((1 << bits) - 1)] * codes.norm[..., None])
+        return jnp.concatenate(halves, axis=-1)
+
     def prepare_q(self, k_pages, q):
         q32 = q.astype(jnp.float32)
         rot = [jnp.dot(q32[..., list(channels)], inst.rotation.T, precision=lax.Precision.HIGHEST)
@@ -369,11 +551,14 @@ class TurboSplit:
 
 
 PLAIN = Plain()
+FORMAT_TYPES = (Rows, BlockFP4, Turbo, TurboSplit)
 
 
 def resolve(kv_format: Any):
-    """The entry's kv_format (a name in NAMES, a TurboQuant or a TurboQuantSplit) -> its
-    format object."""
+    """The entry's kv_format (a name in NAMES, a TurboQuant, a TurboQuantSplit, or a format
+    object already resolved) -> its format object."""
+    if isinstance(kv_format, FORMAT_TYPES):
+        return kv_format
     if isinstance(kv_format, TurboQuantSplit):
         return TurboSplit(kv_format)
     if isinstance(kv_format, TurboQuant):

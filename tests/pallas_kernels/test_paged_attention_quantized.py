@@ -237,17 +237,17 @@ def test_group_codes_reads_pack_bits_streams(bits):
 
 def test_cpu_path_dequantizes_only_the_block_tables_pages():
     """The engine hands the entry a block table cut to the live pages of a large pool: the
-    XLA path the entry runs on CPU must not dequantize the pages no sequence names (it
-    dequantizes one block of the table's pages per scan step)."""
+    XLA path the entry runs on CPU must not decode the pages no sequence names (it
+    decodes one block of the table's pages per scan step)."""
     args, _ = _problem("tq3.5", seed=8, kv_lens=(5, 16))
     q, kq, vq, bt, kl = args
     big = lambda c: jax.tree.map(lambda a: jnp.concatenate([a] * 50, 0), c)  # 50x the pages
     seen = []
 
     class Recording(kv_formats.TurboSplit):
-        def dequantize(self, pages):
-            seen.append(pages.outlier.norm.shape[:2])
-            return super().dequantize(pages)
+        def gather(self, pages, page_ids):  # what the path then decodes
+            seen.append(page_ids.shape)
+            return super().gather(pages, page_ids)
 
     from pallas_kernels.paged_attention.xla import paged_attention_xla
 
@@ -257,3 +257,119 @@ def test_cpu_path_dequantizes_only_the_block_tables_pages():
     want = paged_attention_quantized(*args, kv_format=TQ35)
     assert seen == [tuple(bt.shape)] * 2  # K and V: [batch, pages of the table] (one block here)
     assert_close(got[0], want[0])
+
+
+# The format objects' XLA-side API: every low-bit format, leaves holding every byte value.
+OBJECT_FORMATS = ["int8", "fp8", "nvfp4", "mxfp4", "tq4", "tq1", "tq3.5", "tq2.5"]
+
+
+def _random_bytes(rng, fmt, lead):
+    """A container of `fmt` with leading shape `lead` whose code leaves hold random bytes
+    (every code a decoder may meet, NaN codes included) and positive random scales."""
+    template = jax.eval_shape(fmt.quantize, jax.ShapeDtypeStruct((*lead, D), jnp.float32))
+
+    def leaf(s):
+        if s.dtype == jnp.float32:  # row scales and norms
+            return jnp.asarray(rng.uniform(0.1, 3.0, s.shape), jnp.float32)
+        raw = rng.integers(0, 256, s.shape, dtype=np.uint8)
+        return jnp.asarray(raw.view(jnp.dtype(s.dtype)) if s.dtype.itemsize == 1 else raw)
+
+    return jax.tree.map(leaf, template)
+
+
+def _bits(x):
+    """Bit patterns of an f32 array, NaNs made one pattern (payloads are not compared)."""
+    x = np.asarray(x, np.float32)
+    return np.where(np.isnan(x), np.uint32(0x7FC00000), x.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8", "nvfp4", "mxfp4"])
+def test_dequantize_is_quants_decoder_bit_for_bit(name):
+    """The XLA decoders (bits to f32 with integer ops) equal quant's own on every byte,
+    -0.0 and NaN included; NVFP4 with its tensor scale None (1, as pools keep it) and a
+    real scalar one."""
+    from quant.blockscaled import mxfp4_dequantize, nvfp4_dequantize
+    from quant.kv_rows import dequantize_rows
+
+    fmt = kv_formats.resolve(name)
+    pages = _random_bytes(np.random.default_rng(11), fmt, (6, 8, 2))
+    if name in ("int8", "fp8"):
+        wants = [(pages, dequantize_rows(pages))]
+    elif name == "mxfp4":
+        wants = [(pages, mxfp4_dequantize(pages))]
+    else:
+        assert pages.tensor_scale is None
+        scaled = pages._replace(tensor_scale=jnp.float32(0.37))
+        wants = [(pages, nvfp4_dequantize(pages._replace(tensor_scale=jnp.float32(1.0)))),
+                 (scaled, nvfp4_dequantize(scaled))]
+    for container, want in wants:
+        got = jax.jit(fmt.dequantize)(container)
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+    assert np.isnan(np.asarray(got)).any() == (name != "int8")  # NaN codes were met
+
+
+@pytest.mark.parametrize("name", OBJECT_FORMATS)
+def test_rows_in_the_kernels_basis_score_and_sum_like_dequantized_rows(name):
+    """rows(pages, part) is tile(part) for every row: scores <split_parts(prepare_q(q))[j],
+    rows j> summed over parts are <q, x_hat>, and finish_out(merge_parts(sum_t p_t rows))
+    is sum_t p_t x_hat_t (an NVFP4 tensor scale folded into both)."""
+    rng = np.random.default_rng(12)
+    fmt = kv_formats.resolve(FORMATS[name])
+    pages = fmt.quantize(jnp.asarray(rng.standard_normal((40, D)) * 3, jnp.float32))
+    if name == "nvfp4":
+        pages = pages._replace(tensor_scale=jnp.float32(0.5))
+    x_hat = np.asarray(fmt.dequantize(pages), np.float64)
+    q = jnp.asarray(rng.standard_normal((3, D)), jnp.float32)
+    p = jnp.asarray(rng.uniform(0, 1, (3, 40)), jnp.float32)
+    q_parts = kv_formats.split_parts(fmt.prepare_q(pages, q), fmt.parts)
+    rows = [fmt.rows(pages, j) for j in range(fmt.parts)]
+    assert all(r.shape == (40, D // fmt.parts) for r in rows)
+    scores = sum(np.asarray(qj, np.float64) @ np.asarray(r, np.float64).T for qj, r in zip(q_parts, rows))
+    np.testing.assert_allclose(scores, np.asarray(q, np.float64) @ x_hat.T, rtol=1e-5, atol=1e-5)
+    summed = kv_formats.merge_parts(jnp.stack([p @ r for r in rows]))
+    np.testing.assert_allclose(np.asarray(fmt.finish_out(pages, summed), np.float64),
+                               np.asarray(p, np.float64) @ x_hat, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", OBJECT_FORMATS + ["plain-bf16"])
+@pytest.mark.parametrize("num_rows", [1, 9])
+def test_write_stores_quantized_rows_at_their_slots_and_drops_padding(name, num_rows):
+    """write(pages, rows, page_ids, slots) changes exactly the named slots of every leaf to
+    quantize(rows) (bytes compared); page id num_pages (padding) and -1 write nothing.
+    One row exercises the single-row scatter; bf16 pools go through their bits too."""
+    rng = np.random.default_rng(13 + num_rows)
+    fmt = kv_formats.PLAIN if name == "plain-bf16" else kv_formats.resolve(FORMATS[name])
+    dtype = jnp.bfloat16 if name == "plain-bf16" else jnp.float32
+    num_pages, page_size, heads = 5, 4, 2
+    pool = fmt.allocate(num_pages, page_size, heads, D, dtype)
+    assert all(a.shape[:3] == (num_pages, page_size, heads) and not np.asarray(a).any()
+               for a in jax.tree.leaves(pool))
+    pool = fmt.write(pool, jnp.asarray(rng.standard_normal((num_pages * page_size, heads, D)), jnp.float32),
+                     jnp.repeat(jnp.arange(num_pages), page_size), jnp.tile(jnp.arange(page_size), num_pages))
+    rows = jnp.asarray(rng.standard_normal((num_rows, heads, D)), jnp.float32)
+    flat = rng.choice(num_pages * page_size, num_rows, replace=False)
+    ids, slots = flat // page_size, flat % page_size
+    if num_rows > 1:
+        ids[0], ids[1] = num_pages, -1  # padding rows
+    got = jax.jit(fmt.write, donate_argnums=0)(jax.tree.map(jnp.copy, pool), rows, jnp.asarray(ids, jnp.int32),
+                                              jnp.asarray(slots, jnp.int32))
+    as_bytes = lambda a: np.asarray(a).view(np.uint8)
+    for before, new, after in zip(jax.tree.leaves(pool), jax.tree.leaves(fmt.quantize(rows)), jax.tree.leaves(got)):
+        want = np.array(as_bytes(before))
+        for t in range(num_rows):
+            if 0 <= ids[t] < num_pages:
+                want[ids[t], slots[t]] = as_bytes(np.asarray(new.astype(before.dtype)))[t]
+        assert after.dtype == before.dtype
+        np.testing.assert_array_equal(as_bytes(after), want)
+    assert fmt.bytes_per_token(heads, D, dtype) * num_pages * page_size == sum(a.nbytes for a in jax.tree.leaves(got))
+
+
+@pytest.mark.parametrize("name", ["fp8", "nvfp4", "tq3.5"])
+def test_gather_takes_pages_of_every_leaf(name):
+    fmt = kv_formats.resolve(FORMATS[name])
+    pool = _random_bytes(np.random.default_rng(14), fmt, (7, 4, 2))
+    ids = jnp.asarray([[3, 0, 3], [6, 1, 2]], jnp.int32)
+    got = jax.jit(fmt.gather)(pool, ids)
+    for a, g in zip(jax.tree.leaves(pool), jax.tree.leaves(got)):
+        assert g.dtype == a.dtype and g.shape == (2, 3, *a.shape[1:])
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(a).view(np.uint8)[np.asarray(ids)])

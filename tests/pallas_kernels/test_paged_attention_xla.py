@@ -1,6 +1,6 @@
 """The XLA path the paged-attention entries run on CPU (blocked online softmax) equals the
 dense reference: every option, garbage past a sequence's pages, empty sequences, a last
-block only partly filled by the table, and each low-bit page format."""
+block only partly filled by the table, and every low-bit page format."""
 
 from __future__ import annotations
 
@@ -41,11 +41,15 @@ def test_equals_the_dense_reference(options):
     assert_close(got[1], want[1])
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8", "tq3.5"])  # FP4 formats take the dense path
+@pytest.mark.parametrize("name", sorted(FORMATS) + ["nvfp4-scaled"])
 def test_low_bit_pages_equal_the_dense_reference(name):
+    """Every format's parts, in its kernel basis (rotated TurboQuant rows, an NVFP4 tensor
+    scale folded into query and output), against dequantized pages."""
     q, k, v, bt, kl = _inputs(seed=3, num_kv_heads=1, head_dim=64)
-    fmt = kv_formats.resolve(FORMATS[name])
+    fmt = kv_formats.resolve(FORMATS[name.removesuffix("-scaled")])
     kq, vq = fmt.quantize(k), fmt.quantize(v)
+    if name == "nvfp4-scaled":  # a real scalar tensor scale, as quant.nvfp4_quantize(x) makes
+        kq, vq = kq._replace(tensor_scale=jnp.float32(0.25)), vq._replace(tensor_scale=jnp.float32(3.0))
     static = dict(sm_scale=0.125, sliding_window=None, variant=resolve(None, 10.0))
     want = paged_attention_quantized_ref(q, kq, vq, bt, kl, None, kv_format=fmt, **static)
     got = paged_attention_xla(q, kq, vq, bt, kl, None, kv_format=fmt, **static)
