@@ -10,8 +10,17 @@ the leading axes [num_pages, page_size] of model/kv_cache.py. Bytes per row, K a
 | float32, bfloat16    | d values                                                       | 256, 128 |
 | fp8, int8            | d E4M3 / int8 codes + f32 absmax scale per row (quant.kv_rows) | 68   |
 | nvfp4                | d/2 packed E2M1 + d/16 E4M3 block scales; tensor scale fixed 1 | 36   |
+| mxfp4                | d/2 packed E2M1 + d/32 UE8M0 block scales (OCP MX)             | 34   |
 | kivi-int4, kivi-int2 | d*b/8 packed codes + f16 scale and min per group of 32         | 40, 24 |
 | turboquant-3.5, -2.5 | d*b/8 packed Lloyd-Max indices (MSE mode) + two f32 norms      | 36, 28 |
+
+Float, fp8, int8, nvfp4, mxfp4 and turboquant pages are each one container per K and V,
+the one the paged attention kernels read (pallas_kernels/paged_attention/kv_formats.py:
+an array, quant.RowQuantized, quant.NVFP4, quant.MXFP4, quant.SplitCodes), and that
+module's format object quantizes, writes, gathers and decodes them; this one only picks
+the object and checks a config against it. Every leaf keeps the leading page axis (the
+serving engine copies and swaps pages leaf by leaf), so NVFP4 pages hold no scalar tensor
+scale: it is fixed at 1 and stored as None (quant.NVFP4(packed, scales, None)).
 
 KIVI groups keys per channel over 32 tokens and values per token over 32 channels
 (quant/kivi.py); its scales are stored as float16 as in the paper. The page size must be
@@ -67,8 +76,8 @@ import jax.numpy as jnp
 
 import quant
 from model.config import ATTENTION, SLIDING_ATTENTION
-from model.kv_cache import DEFAULT_PAGE_SIZE, CacheLayout, gather_pages, scatter_rows, write_pages
-from quant.kv_rows import dequantize_rows, quantize_rows
+from model.kv_cache import DEFAULT_PAGE_SIZE, CacheLayout, gather_pages, scatter_rows
+from pallas_kernels.paged_attention import kv_formats
 
 KIVI_GROUP = 32
 
@@ -79,8 +88,9 @@ KIVI_GROUP = 32
 class KVPages:
     """One attention layer's KV storage.
 
-    pages: name -> array [num_pages, rows_per_page, num_kv_heads, ...] (a pytree of them
-      per name for codecs with several parts), the per-token storage;
+    pages: name -> the per-token storage: "k" and "v", one kernel container each (an array
+      [num_pages, page_size, num_kv_heads, head_dim] for float formats), or KIVI's
+      codes / scales / zeros arrays; every leaf starts [num_pages, ...];
     recent: name -> [batch, page_size, num_kv_heads, head_dim], KIVI's exact newest page
       (empty for other formats);
     kv_cache_dtype: the format's name (static).
@@ -94,47 +104,60 @@ class KVPages:
         return self.pages[name]
 
 
-@dataclasses.dataclass(frozen=True)
-class RowCodec:
-    """A format that quantizes every (token, head) row on its own, so a write is one scatter.
+def _no_check(head_dim: int, page_size: int) -> None:
+    pass
 
-    encode(x float [..., d]) -> pytree of arrays with leading [...];
-    decode(pytree, dtype) -> [..., d] in dtype. dtype=None keeps the stored dtype (float only).
+
+@dataclasses.dataclass(frozen=True)
+class PagedFormat:
+    """A format whose K and V pages are one container each, quantized, written, gathered
+    and decoded by its pallas_kernels kv_formats object (kv_formats.PLAIN for floats).
+
+    dtype: float formats' stored dtype (None: the cache's); check(head_dim, page_size)
+    raises ValueError where the format cannot store rows of head_dim.
     """
 
-    encode: Callable[[jax.Array], Any]
-    decode: Callable[[Any, Any], jax.Array]
-    check: Callable[[int, int], None] = lambda head_dim, page_size: None
+    name: str
+    dtype: Any = None
+    check: Callable[[int, int], None] = _no_check
+
+    @property
+    def is_float(self) -> bool:
+        return self.name in FLOAT_FORMATS
+
+    def kv_format(self, head_dim: int):
+        """The format object (head_dim matters to TurboQuant only: its rotations)."""
+        if self.is_float:
+            return kv_formats.PLAIN
+        if self.name.startswith("turboquant-"):
+            return kv_formats.resolve(turboquant(head_dim, _turbo_bits(self.name)))
+        return kv_formats.resolve(self.name)
 
     def allocate(self, config, layout: CacheLayout, dtype) -> KVPages:
-        row = jax.ShapeDtypeStruct((layout.num_pages, layout.page_size, config.num_kv_heads,
-                                    config.head_dim), dtype)
-        shapes = jax.eval_shape(self.encode, row)
-        zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        return KVPages({"k": zeros(), "v": zeros()}, {}, "")
+        fmt = self.kv_format(config.head_dim)
+        pages = lambda: fmt.allocate(layout.num_pages, layout.page_size, config.num_kv_heads,
+                                     config.head_dim, self.dtype or dtype)
+        return KVPages({"k": pages(), "v": pages()}, {}, "")
 
     def write(self, cache: KVPages, k: jax.Array, v: jax.Array, ctx) -> KVPages:
-        pages = {name: jax.tree.map(lambda pool, new: write_pages(pool, new, ctx.slots),
-                                    cache.pages[name], self.encode(x))
-                 for name, x in (("k", k), ("v", v))}
+        fmt = self.kv_format(k.shape[-1])
+        page_ids, slots = ctx.slots // ctx.page_size, ctx.slots % ctx.page_size  # padding: past the pool
+        pages = {name: fmt.write(cache.pages[name], x, page_ids, slots) for name, x in (("k", k), ("v", v))}
         return dataclasses.replace(cache, pages=pages)
 
     def read(self, cache: KVPages, ctx, dtype) -> tuple[jax.Array, jax.Array]:
+        fmt = _kv_format(cache)
+
         def one(name):
-            gathered = jax.tree.map(lambda pool: gather_pages(pool, ctx.block_tables), cache.pages[name])
-            return self.decode(gathered, dtype)
+            rows = fmt.dequantize(fmt.gather(cache.pages[name], ctx.block_tables))  # [B, P, ps, H, D]
+            rows = rows.reshape(rows.shape[0], -1, *rows.shape[3:])
+            return rows if dtype is None and self.is_float else rows.astype(dtype or jnp.float32)
         return one("k"), one("v")
 
-
-def _float(dtype):
-    return RowCodec(lambda x: x if dtype is None else x.astype(dtype),
-                    lambda pages, out: pages if out is None else pages.astype(out))
-
-
-def _rows(fmt: str) -> RowCodec:
-    # quant.RowQuantized is the container pallas_kernels.paged_attention_quantized reads.
-    return RowCodec(lambda x: quantize_rows(x, fmt),
-                    lambda q, dtype: dequantize_rows(q, dtype or jnp.float32))
+    def bytes_per_token(self, config, dtype) -> int:
+        """Bytes one token's K and V take in one layer."""
+        fmt = self.kv_format(config.head_dim)
+        return 2 * fmt.bytes_per_token(config.num_kv_heads, config.head_dim, self.dtype or dtype)
 
 
 def _multiple_of(n: int, what: str):
@@ -142,16 +165,6 @@ def _multiple_of(n: int, what: str):
         if head_dim % n:
             raise ValueError(f"kv_cache_dtype {what} needs head_dim divisible by {n}, got {head_dim}")
     return check
-
-
-def _nvfp4_encode(x):
-    q = quant.nvfp4_quantize(x, 1.0)  # rows arrive a few at a time: no tensor amax, scale 1
-    return {"packed": q.packed, "scales": q.scales}
-
-
-def _nvfp4_decode(p, dtype):
-    return quant.nvfp4_dequantize(quant.NVFP4(p["packed"], p["scales"], jnp.float32(1.0)),
-                                  dtype or jnp.float32)
 
 
 def rope_outlier_channels(head_dim: int) -> tuple[int, ...]:
@@ -168,21 +181,26 @@ def turboquant(head_dim: int, bits: float) -> quant.TurboQuantSplit:
         return quant.TurboQuantSplit(head_dim, bits, rope_outlier_channels(head_dim), seed=0)
 
 
+def _turbo_bits(name: str) -> float:
+    return float(name.removeprefix("turboquant-"))
+
+
+def _turbo_check(bits: float):
+    def check(head_dim, page_size):
+        turboquant(head_dim, bits)  # TurboQuantSplit's own ValueError names the constraint
+    return check
+
+
 def _turbo_head_dim(codes, bits: float) -> int:
     """head_dim of TurboQuantSplit codes: the outlier half packs d/2 codes of ceil(bits) bits."""
     return 2 * codes.outlier.idx.shape[-1] * 8 // math.ceil(bits)
 
 
-def _turbo_codec(bits: float) -> RowCodec:
-    def encode(x):
-        return turboquant(x.shape[-1], bits).quantize(x)
-
-    def decode(codes, dtype):
-        return turboquant(_turbo_head_dim(codes, bits), bits).dequantize(codes).astype(dtype or jnp.float32)
-
-    def check(head_dim, page_size):
-        turboquant(head_dim, bits)  # TurboQuantSplit's own ValueError names the constraint
-    return RowCodec(encode, decode, check)
+def _kv_format(cache: KVPages):
+    """The format object of a PagedFormat cache."""
+    name = cache.kv_cache_dtype
+    head_dim = _turbo_head_dim(cache["k"], _turbo_bits(name)) if name.startswith("turboquant-") else None
+    return FORMATS[name].kv_format(head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,16 +285,17 @@ class KiviCodec:
 
 
 FORMATS: dict[str, Any] = {
-    "auto": _float(None),
-    "float32": _float(jnp.float32),
-    "bfloat16": _float(jnp.bfloat16),
-    "fp8": _rows("fp8"),
-    "int8": _rows("int8"),
-    "nvfp4": RowCodec(_nvfp4_encode, _nvfp4_decode, _multiple_of(16, "nvfp4")),
+    "auto": PagedFormat("auto"),
+    "float32": PagedFormat("float32", jnp.float32),
+    "bfloat16": PagedFormat("bfloat16", jnp.bfloat16),
+    "fp8": PagedFormat("fp8"),
+    "int8": PagedFormat("int8"),
+    "nvfp4": PagedFormat("nvfp4", check=_multiple_of(16, "nvfp4")),
+    "mxfp4": PagedFormat("mxfp4", check=_multiple_of(32, "mxfp4")),
     "kivi-int4": KiviCodec(4),
     "kivi-int2": KiviCodec(2),
-    "turboquant-3.5": _turbo_codec(3.5),
-    "turboquant-2.5": _turbo_codec(2.5),
+    "turboquant-3.5": PagedFormat("turboquant-3.5", check=_turbo_check(3.5)),
+    "turboquant-2.5": PagedFormat("turboquant-2.5", check=_turbo_check(2.5)),
 }
 KV_CACHE_DTYPES = tuple(FORMATS)
 FLOAT_FORMATS = ("auto", "float32", "bfloat16")
@@ -319,19 +338,14 @@ def read_kv(cache: KVPages, ctx, dtype=None) -> tuple[jax.Array, jax.Array]:
 
 
 def kernel_pages(cache: KVPages):
-    """(kv_format, k_pages, v_pages) in the containers pallas_kernels.paged_attention_quantized
-    reads, or None for formats it does not (float pages go to paged_attention; KIVI's exact
-    newest page lives outside the pages)."""
-    name = cache.kv_cache_dtype
-    if name in ("fp8", "int8"):
-        return name, cache["k"], cache["v"]
-    if name == "nvfp4":
-        wrap = lambda p: quant.NVFP4(p["packed"], p["scales"], jnp.float32(1.0))
-        return name, wrap(cache["k"]), wrap(cache["v"])
-    if name.startswith("turboquant-"):
-        bits = float(name.removeprefix("turboquant-"))
-        return turboquant(_turbo_head_dim(cache["k"], bits), bits), cache["k"], cache["v"]
-    return None
+    """(kv_format, k_pages, v_pages): the pages as they are, which are the containers the
+    paged attention kernels read, with their kv_formats object (already resolved), or None
+    for float pages (plain_pages says whether they suit) and KIVI's (its exact newest page
+    lives outside the pages)."""
+    fmt = get_format(cache.kv_cache_dtype)
+    if not isinstance(fmt, PagedFormat) or fmt.is_float:
+        return None
+    return _kv_format(cache), cache["k"], cache["v"]
 
 
 def plain_pages(cache: KVPages, dtype) -> bool:
@@ -343,10 +357,15 @@ def bytes_per_token(kv_cache_dtype: str, config, dtype=jnp.float32, page_size: i
     """Page-pool bytes one token takes over all attention layers (K and V, every kv head)."""
     page_size = page_size or default_page_size(kv_cache_dtype)
     check_kv_cache_dtype(kv_cache_dtype, config, page_size)
-    layout = CacheLayout(1, 1, page_size, kv_cache_dtype)
-    shapes = jax.eval_shape(lambda: init_kv_pages(config, layout, dtype))
-    per_page = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes.pages))
-    return per_page // page_size * _num_attention_layers(config)
+    fmt = get_format(kv_cache_dtype)
+    if isinstance(fmt, PagedFormat):
+        per_layer = fmt.bytes_per_token(config, dtype)
+    else:  # KIVI: scales per group of tokens, so count a page's bytes
+        layout = CacheLayout(1, 1, page_size, kv_cache_dtype)
+        shapes = jax.eval_shape(lambda: init_kv_pages(config, layout, dtype))
+        per_page = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes.pages))
+        per_layer = per_page // page_size
+    return per_layer * _num_attention_layers(config)
 
 
 def recent_bytes_per_seq(kv_cache_dtype: str, config, dtype=jnp.float32, page_size: int | None = None) -> int:

@@ -25,6 +25,7 @@ def spec_row_bytes(fmt: str, d: int) -> int:
     return {"auto": 4 * d, "float32": 4 * d, "bfloat16": 2 * d,
             "fp8": d + 4, "int8": d + 4,                      # codes + f32 row scale
             "nvfp4": d // 2 + d // 16,                        # E2M1 nibbles + E4M3 per 16
+            "mxfp4": d // 2 + d // 32,                        # E2M1 nibbles + UE8M0 per 32
             "kivi-int4": d // 2 + 2 * 2 * d // 32,            # f16 scale+min: keys per channel
             "kivi-int2": d // 4 + 2 * 2 * d // 32,            # per 32 tokens, values per 32 ch
             "turboquant-3.5": (d // 2 * 4 + d // 2 * 3) // 8 + 8,  # + f32 norm per half
@@ -33,10 +34,11 @@ def spec_row_bytes(fmt: str, d: int) -> int:
 
 # Upper bound on the rms relative error of a row, from each format's rounding: bf16 2^-8;
 # int8 sqrt(d)/254 (|err| <= absmax/254); fp8 2^-4 (3 mantissa bits); nvfp4 E2M1 steps of
-# 1/3..1/2 within a binade; KIVI (max-min)/(2^b - 1)/2 per element over groups of 32;
+# 1/3..1/2 within a binade; mxfp4 the same steps on a power-of-two scale per 32 that
+# puts the block max in [4, 8), saturating above 6; KIVI (max-min)/(2^b - 1)/2 per element over groups of 32;
 # TurboQuant sqrt of the Lloyd-Max MSE of its two halves, with room for the sample.
 ROW_RMS_BOUND = {"auto": 0.0, "float32": 0.0, "bfloat16": 2 ** -8, "int8": D ** 0.5 / 254,
-                 "fp8": 2 ** -4, "nvfp4": 0.2, "kivi-int4": 0.15, "kivi-int2": 0.6,
+                 "fp8": 2 ** -4, "nvfp4": 0.2, "mxfp4": 0.25, "kivi-int4": 0.15, "kivi-int2": 0.6,
                  "turboquant-3.5": 0.2, "turboquant-2.5": 0.35}
 
 
@@ -101,7 +103,7 @@ def test_default_model_bytes_per_token_table():
     config = ModelConfig(vocab_size=8, hidden_size=576, intermediate_size=8, num_heads=9,
                          num_kv_heads=3, head_dim=64, layer_kinds=("attention",) * 30,
                          max_position_embeddings=8192)
-    row = {"float32": 256, "bfloat16": 128, "fp8": 68, "int8": 68, "nvfp4": 36, "kivi-int4": 40,
+    row = {"float32": 256, "bfloat16": 128, "fp8": 68, "int8": 68, "nvfp4": 36, "mxfp4": 34, "kivi-int4": 40,
            "kivi-int2": 24, "turboquant-3.5": 36, "turboquant-2.5": 28}
     for fmt, nbytes in row.items():
         assert nbytes == spec_row_bytes(fmt, 64)
@@ -238,7 +240,7 @@ def test_more_bits_less_error(model_errors):
         pytest.skip("needs every test_forward_through_cache_format case")
     assert model_errors["kivi-int4"] < model_errors["kivi-int2"]
     assert model_errors["turboquant-3.5"] < model_errors["turboquant-2.5"]
-    assert model_errors["bfloat16"] < model_errors["int8"] < model_errors["nvfp4"]
+    assert model_errors["bfloat16"] < model_errors["int8"] < model_errors["nvfp4"] < model_errors["mxfp4"]
 
 
 def test_invalid_kv_cache_dtype_names_the_allowed_ones(tiny):
@@ -270,7 +272,7 @@ def test_int8_weights_and_int8_kv_cache_still_answer_paris(default_model, defaul
     assert "Paris" in tok.decode(out), tok.decode(out)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int8", "nvfp4", "turboquant-3.5", "turboquant-2.5", "kivi-int4"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "nvfp4", "mxfp4", "turboquant-3.5", "turboquant-2.5", "kivi-int4"])
 def test_quantized_pages_go_through_the_kernel_entry(tiny, monkeypatch, fmt):
     """Prefill chunks and decode rows over low-bit pages call ragged_paged_attention with
     the pages' format (the kernel on TPU); KIVI, whose newest page lives outside the
