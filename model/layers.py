@@ -14,7 +14,7 @@ from model.kv_formats import KVPages, kernel_pages, plain_pages, read_kv, write_
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.paged_attention.kv_formats import resolve as resolve_format
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
-from quant import NVFP4, linear  # float [in, out] weights or quantized containers alike
+from quant import linear  # float [in, out] weights or quantized containers alike
 from model.rope import apply_rope
 
 
@@ -110,12 +110,6 @@ def _ragged_bwd(options, args, cotangents):
 _ragged_attention.defvjp(_ragged_fwd, _ragged_bwd)
 
 
-def with_kernel_pages(cache: KVPages, k_pages, v_pages) -> KVPages:
-    """cache with the pages the kernel returned (the inverse of kv_formats.kernel_pages)."""
-    unwrap = lambda p: {"packed": p.packed, "scales": p.scales} if isinstance(p, NVFP4) else p
-    return dataclasses.replace(cache, pages={"k": unwrap(k_pages), "v": unwrap(v_pages)})
-
-
 def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KVPages,
                     ctx: ForwardContext, sliding_window: int | None) -> tuple[jnp.ndarray, KVPages]:
     """Self-attention sublayer: project, rotate, write K/V into the pages, attend, project back.
@@ -154,4 +148,4 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
         layout.kv_lens, layout.tree)
     if layout.unorder is not None:
         out = out[layout.unorder]
-    return linear(out.reshape(b, t, -1), params["wo"]), with_kernel_pages(cache, k_pages, v_pages)
+    return linear(out.reshape(b, t, -1), params["wo"]), dataclasses.replace(cache, pages={"k": k_pages, "v": v_pages})
