@@ -12,7 +12,7 @@ from pallas_kernels.dispatch import dispatch
 from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.ragged_paged_attention.kernel_gpu import decode_supported, ragged_decode_gpu
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
-from pallas_kernels.ragged_paged_attention.tree import TreeMask
+from pallas_kernels.tree_mask import TreeMask
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 from pallas_kernels.variant import AttentionVariant
 

@@ -49,7 +49,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import online_softmax
 from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.paged_attention.kv_formats import merge_parts, split_parts
-from pallas_kernels.ragged_paged_attention import tree as tree_mask
+from pallas_kernels import tree_mask
 from pallas_kernels.ragged_paged_attention.ref import token_layout
 from pallas_kernels.variant import AttentionVariant
 from quant.blockscaled import nvfp4_quantize

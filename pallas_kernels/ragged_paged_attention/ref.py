@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.paged_attention.ref import attention_over_rows
-from pallas_kernels.ragged_paged_attention import tree as tree_mask
+from pallas_kernels import tree_mask
 from pallas_kernels.variant import SOFTMAX
 from quant.blockscaled import NVFP4, nvfp4_quantize
 

@@ -10,7 +10,8 @@ import pytest
 
 from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.paged_attention.ref import paged_attention_quantized_ref, paged_attention_ref
-from pallas_kernels.paged_attention.xla import PAGES_PER_BLOCK, paged_attention_xla
+from pallas_kernels.paged_attention.xla import paged_attention_xla
+from pallas_kernels.paged_blocks import PAGES_PER_BLOCK
 from pallas_kernels.variant import resolve, sigmoid
 from tests.pallas_kernels.helpers import assert_close, paged_inputs
 from tests.pallas_kernels.test_paged_attention_quantized import FORMATS
