@@ -138,8 +138,9 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
         out = attend(q, k_all, v_all, ctx.positions, sliding_window, hd ** -0.5, ctx.tree)
         return linear(out.reshape(b, t, -1), params["wo"]), cache
     layout = ctx.layout or ragged_layout(ctx.positions, ctx.tree)
-    pack = lambda a: a.reshape(b * t, *a.shape[2:]) if layout.order is None else \
-        a.reshape(b * t, *a.shape[2:])[layout.order]
+    def pack(a):  # [B, T, H, D] -> the layout's token order [B * T, H, D]
+        flat = a.reshape(b * t, *a.shape[2:])
+        return flat if layout.order is None else flat[layout.order]
     kv_format, k_pages, v_pages = pages
     options = AttentionOptions(hd ** -0.5, sliding_window, kv_format, layout.max_q_len,
                                layout.max_chunks)
@@ -148,4 +149,5 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
         layout.kv_lens, layout.tree)
     if layout.unorder is not None:
         out = out[layout.unorder]
-    return linear(out.reshape(b, t, -1), params["wo"]), dataclasses.replace(cache, pages={"k": k_pages, "v": v_pages})
+    cache = dataclasses.replace(cache, pages={"k": k_pages, "v": v_pages})
+    return linear(out.reshape(b, t, -1), params["wo"]), cache
