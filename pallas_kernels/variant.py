@@ -42,12 +42,20 @@ class AttentionVariant:
 
     def then(self, logits_fn: LogitsFn) -> "AttentionVariant":
         """This variant with `logits_fn` applied after its own logits transform."""
-        first = self.logits_fn
-        if first is None:
+        if self.logits_fn is None:
             return dataclasses.replace(self, logits_fn=logits_fn)
-        return dataclasses.replace(
-            self, logits_fn=lambda s, qp, kp, h: logits_fn(first(s, qp, kp, h), qp, kp, h)
-        )
+        return dataclasses.replace(self, logits_fn=_Then(self.logits_fn, logits_fn))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Then:
+    """second(first(logits)): a value, not a closure, so equal compositions key one jit entry."""
+
+    first: LogitsFn
+    second: LogitsFn
+
+    def __call__(self, s, q_pos, kv_pos, q_head):
+        return self.second(self.first(s, q_pos, kv_pos, q_head), q_pos, kv_pos, q_head)
 
 
 SOFTMAX = AttentionVariant()
@@ -55,8 +63,17 @@ SOFTMAX = AttentionVariant()
 
 def soft_cap(cap: float) -> LogitsFn:
     """Gemma-2 style soft-capping: cap * tanh(logits / cap)."""
-    cap = float(cap)
-    return lambda s, q_pos, kv_pos, q_head: cap * jnp.tanh(s / cap)
+    return _SoftCap(float(cap))
+
+
+@dataclasses.dataclass(frozen=True)
+class _SoftCap:
+    # A value rather than a lambda: the entries build it from their soft_cap argument on
+    # every call, and the variant keys the dispatch jit (equal caps, one compilation).
+    cap: float
+
+    def __call__(self, s, q_pos, kv_pos, q_head):
+        return self.cap * jnp.tanh(s / self.cap)
 
 
 def alibi(num_q_heads: int) -> LogitsFn:

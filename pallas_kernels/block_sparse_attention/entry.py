@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 
 from pallas_kernels import validate
 from pallas_kernels.block_sparse_attention.kernel_tpu import block_sparse_attention_tpu
 from pallas_kernels.block_sparse_attention.ref import block_sparse_attention_ref
-from pallas_kernels.dispatch import dispatch
+from pallas_kernels.dispatch import bind, dispatch
 from pallas_kernels.variant import AttentionVariant
 
 
@@ -85,8 +83,8 @@ def block_sparse_attention(
         indptr,
         indices,
         sinks,
-        ref=functools.partial(block_sparse_attention_ref, **static),
-        tpu=functools.partial(block_sparse_attention_tpu, **static),
+        ref=bind(block_sparse_attention_ref, **static),
+        tpu=bind(block_sparse_attention_tpu, **static),
         gpu=None,
         interpret=interpret,
     )

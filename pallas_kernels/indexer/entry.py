@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 
 from pallas_kernels import validate
-from pallas_kernels.dispatch import dispatch
+from pallas_kernels.dispatch import bind, dispatch
 from pallas_kernels.indexer.kernel_tpu import indexer_scores_tpu
 from pallas_kernels.indexer.ref import block_candidates, indexer_scores_ref, select_top_k
 
@@ -75,8 +73,8 @@ def indexer_topk(
         weights,
         index_keys,
         q_positions,
-        ref=functools.partial(indexer_scores_ref, **static),
-        tpu=functools.partial(indexer_scores_tpu, **static),
+        ref=bind(indexer_scores_ref, **static),
+        tpu=bind(indexer_scores_tpu, **static),
         gpu=None,
         interpret=interpret,
     )

@@ -5,12 +5,10 @@ is the dense statement it and the kernels are tested against)."""
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 
 from pallas_kernels import validate as v
-from pallas_kernels.dispatch import dispatch
+from pallas_kernels.dispatch import bind, dispatch
 from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.paged_attention.kernel_gpu import gpu_supported, paged_attention_gpu
 from pallas_kernels.paged_attention.kernel_tpu import paged_attention_tpu
@@ -69,7 +67,7 @@ def paged_attention(
         q, num_kv_heads, block_tables, kv_lens, sliding_window, soft_cap, sinks, variant, sm_scale
     )
     gpu = (
-        functools.partial(paged_attention_gpu, **static)
+        bind(paged_attention_gpu, **static)
         if gpu_supported(page_size, head_dim)
         else None
     )
@@ -80,8 +78,8 @@ def paged_attention(
         block_tables,
         kv_lens,
         sinks,
-        ref=functools.partial(paged_attention_xla, **static),
-        tpu=functools.partial(paged_attention_tpu, **static),
+        ref=bind(paged_attention_xla, **static),
+        tpu=bind(paged_attention_tpu, **static),
         gpu=gpu,
         interpret=interpret,
     )
@@ -143,8 +141,8 @@ def paged_attention_quantized(
         block_tables,
         kv_lens,
         sinks,
-        ref=functools.partial(paged_attention_xla, kv_format=fmt, **static),
-        tpu=functools.partial(paged_attention_tpu, kv_format=fmt, **static),
+        ref=bind(paged_attention_xla, kv_format=fmt, **static),
+        tpu=bind(paged_attention_tpu, kv_format=fmt, **static),
         gpu=None,  # CUDA runs the reference (see tests: no Triton kernel for these formats)
         interpret=interpret,
     )

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import validate
-from pallas_kernels.dispatch import dispatch
+from pallas_kernels.dispatch import bind, dispatch
 from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.ragged_paged_attention.kernel_gpu import decode_supported, ragged_decode_gpu
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
@@ -125,7 +123,7 @@ def ragged_paged_attention(
     )
     gpu = None  # no GPU ragged kernel: decode-only steps use the paged decode kernel
     if decode_supported(num_tokens, num_seqs, page_size, head_dim, tree, fmt, max_q_len):
-        gpu = functools.partial(ragged_decode_gpu, **{k: x for k, x in static.items() if k != "kv_format"})
+        gpu = bind(ragged_decode_gpu, **{k: x for k, x in static.items() if k != "kv_format"})
     if interpret is True:
         interpret = pltpu.InterpretParams()
     return dispatch(
@@ -139,9 +137,8 @@ def ragged_paged_attention(
         kv_lens,
         sinks,
         tree,
-        ref=functools.partial(ragged_paged_attention_xla, max_q_len=max_q_len, max_chunks=max_chunks,
-                              **static),
-        tpu=functools.partial(ragged_paged_attention_tpu, **static),
+        ref=bind(ragged_paged_attention_xla, max_q_len=max_q_len, max_chunks=max_chunks, **static),
+        tpu=bind(ragged_paged_attention_tpu, **static),
         gpu=gpu,
         interpret=interpret,
     )

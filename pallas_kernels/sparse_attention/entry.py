@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
 from pallas_kernels import validate as v
-from pallas_kernels.dispatch import dispatch
+from pallas_kernels.dispatch import bind, dispatch
 from pallas_kernels.sparse_attention.kernel_tpu import sparse_attention_tpu
 from pallas_kernels.sparse_attention.ref import sparse_attention_ref
 from pallas_kernels.variant import AttentionVariant
@@ -78,8 +76,8 @@ def sparse_attention(
         q,
         tuple(segments),
         sinks,
-        ref=functools.partial(sparse_attention_ref, **static),
-        tpu=functools.partial(sparse_attention_tpu, **static),
+        ref=bind(sparse_attention_ref, **static),
+        tpu=bind(sparse_attention_tpu, **static),
         gpu=None,
         interpret=interpret,
     )
