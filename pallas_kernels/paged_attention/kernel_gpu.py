@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import online_softmax
-from pallas_kernels.paged_attention.kernel_tpu import _page_range
+from pallas_kernels.paged_attention.pages import page_range
 from pallas_kernels.variant import AttentionVariant
 
 MIN_DOT = 16
@@ -49,7 +49,7 @@ def _kernel(
     rows, head_dim = q_ref.shape
     page_size = k_ref.shape[1]
     kv_len = kv_len_ref[0]
-    first, last = _page_range(kv_len, page_size, sliding_window)
+    first, last = page_range(kv_len, page_size, sliding_window)
     last = jnp.where(kv_len > 0, last, first - 1)
     prec = online_softmax.dot_precision(q_ref.dtype)
     q = q_ref[...]

@@ -25,16 +25,8 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import online_softmax
 from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.paged_attention.kv_formats import merge_parts, split_parts
+from pallas_kernels.paged_attention.pages import page_range
 from pallas_kernels.variant import AttentionVariant
-
-
-def _page_range(kv_len, page_size, sliding_window):
-    """[first, last] page index a sequence of kv_len reads (last >= first even if empty)."""
-    last = jnp.maximum(kv_len - 1, 0) // page_size
-    if sliding_window is None:
-        return 0, last
-    first = jnp.maximum(kv_len - sliding_window, 0) // page_size
-    return jnp.minimum(first, last), last
 
 
 def _kernel(
@@ -63,7 +55,7 @@ def _kernel(
     parts, num_q_heads, _ = q_ref.shape
     group = num_q_heads // num_kv_heads
     kv_len = kv_lens_ref[b]
-    first, last = _page_range(kv_len, page_size, sliding_window)
+    first, last = page_range(kv_len, page_size, sliding_window)
 
     def getter(leaf_refs, h):
         # One KV head of this page: [page_size, n] for 4-D leaves, [page_size, 1] for 3-D.
@@ -158,7 +150,7 @@ def paged_attention_tpu(
     qp = jnp.moveaxis(split_parts(kv_format.prepare_q(k_pages, q), parts), 0, 1)
 
     def page_map(b, p, block_tables, kv_lens):
-        first, last = _page_range(kv_lens[b], page_size, sliding_window)
+        first, last = page_range(kv_lens[b], page_size, sliding_window)
         page = block_tables[b, jnp.clip(p, first, last)]
         return jnp.clip(page, 0, num_pages - 1), 0, 0, 0
 
