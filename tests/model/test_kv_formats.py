@@ -1,6 +1,7 @@
 """kv_cache_dtype: stored bytes, rounding error, and prefill/decode reading the same codes."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -208,21 +209,34 @@ def float_logits(tiny):
 
 
 @pytest.fixture(scope="module")
-def model_errors():
-    return {}
+def logits_through(tiny, float_logits):
+    """fmt -> the tiny model's logits on float_logits' tokens through a cache of that format
+    (one forward each, computed on first use and shared; no test relies on another's run)."""
+    config, params = tiny
+    tokens, _ = float_logits
+
+    @functools.cache
+    def logits(fmt):
+        out, _ = model.forward(params, config, tokens, jnp.broadcast_to(jnp.arange(40), (2, 40)),
+                               model.init_cache(config, 2, 40, kv_cache_dtype=fmt))
+        return np.asarray(out)
+
+    return logits
+
+
+def logits_error(got, want):
+    """Error of logits relative to the spread of the float ones."""
+    return np.linalg.norm(got - want) / np.linalg.norm(want - want.mean(-1, keepdims=True))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_forward_through_cache_format(tiny, float_logits, model_errors, fmt):
+def test_forward_through_cache_format(tiny, float_logits, logits_through, fmt):
     """Close to the float cache (within the format's row error); decode and prefill read the
     same codes; prefill + decode equals one prefill wherever both hold the same codes."""
     config, params = tiny
     tokens, want = float_logits
-    full, _ = model.forward(params, config, tokens, jnp.broadcast_to(jnp.arange(40), (2, 40)),
-                            model.init_cache(config, 2, 40, kv_cache_dtype=fmt))
-    full = np.asarray(full)
-    err = np.linalg.norm(full - want) / np.linalg.norm(want - want.mean(-1, keepdims=True))
-    model_errors[fmt] = err
+    full = logits_through(fmt)
+    err = logits_error(full, want)
     assert err <= ROW_RMS_BOUND[fmt] + 1e-6
     if fmt in QUANTIZED:
         assert err > 1e-5
@@ -235,12 +249,14 @@ def test_forward_through_cache_format(tiny, float_logits, model_errors, fmt):
     np.testing.assert_allclose(steps, full, atol=1e-5, rtol=1e-5)
 
 
-def test_more_bits_less_error(model_errors):
-    if len(model_errors) < len(FORMATS):
-        pytest.skip("needs every test_forward_through_cache_format case")
-    assert model_errors["kivi-int4"] < model_errors["kivi-int2"]
-    assert model_errors["turboquant-3.5"] < model_errors["turboquant-2.5"]
-    assert model_errors["bfloat16"] < model_errors["int8"] < model_errors["nvfp4"] < model_errors["mxfp4"]
+def test_more_bits_less_error(float_logits, logits_through):
+    _, want = float_logits
+    err = {fmt: logits_error(logits_through(fmt), want) for fmt in
+           ("kivi-int4", "kivi-int2", "turboquant-3.5", "turboquant-2.5", "bfloat16", "int8",
+            "nvfp4", "mxfp4")}
+    assert err["kivi-int4"] < err["kivi-int2"]
+    assert err["turboquant-3.5"] < err["turboquant-2.5"]
+    assert err["bfloat16"] < err["int8"] < err["nvfp4"] < err["mxfp4"]
 
 
 def test_invalid_kv_cache_dtype_names_the_allowed_ones(tiny):
