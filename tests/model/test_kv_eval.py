@@ -52,7 +52,18 @@ def test_evaluate_rows_on_a_tiny_model(default_tokenizer):
     assert 0 < int8["attn_err"] < 32 ** 0.5 / 254
     assert int8["bytes_per_token"] == kv_formats.bytes_per_token("int8", config) == 2 * 2 * 36
     assert int8["ppl"] == pytest.approx(ppl, rel=1e-2)
-    assert 0 <= int8["needle"] <= 1
+    # A random model does not know the secret numbers: a column that compared nothing
+    # (np.all over an empty slice) or the prompt with itself would read 1 here.
+    assert base["needle"] == int8["needle"] == 0
+
+
+def test_default_model_finds_every_needle(default_model, default_tokenizer):
+    """SmolLM2-135M repeats the secret number at every depth of a 128-token prompt (float32
+    cache): a needle column that reads the greedy tokens at the wrong positions, or compares
+    them with the wrong answer, gives 0 here."""
+    config, params = default_model
+    (row,) = kv_eval.evaluate(config, params, default_tokenizer, ("float32",), 128)
+    assert row["needle"] == 1
 
 
 def test_relative_error():
