@@ -7,12 +7,12 @@ from model.kv_formats import KV_CACHE_DTYPES, KVPages
 from model.loader import default_model_path, load, load_tokenizer
 from model.tokenizer import Tokenizer
 from model.transformer import (LAYER_KINDS, LayerKind, forward, forward_hidden, forward_packed,
-                               init_cache, init_paged_cache, init_params, lm_head)
+                               init_cache, init_kv_pool, init_paged_cache, init_params, lm_head)
 
 __all__ = [
     "ATTENTION", "SLIDING_ATTENTION", "LAYER_KINDS", "CacheLayout", "ForwardContext", "KVCache",
     "KV_CACHE_DTYPES", "KVPages", "RaggedLayout",
     "LayerKind", "ModelConfig", "RopeScaling", "Tokenizer", "TokenTree", "default_model_path", "forward",
-    "forward_hidden", "forward_packed", "init_cache", "init_paged_cache", "init_params",
+    "forward_hidden", "forward_packed", "init_cache", "init_kv_pool", "init_paged_cache", "init_params",
     "lm_head", "load", "load_tokenizer",
 ]

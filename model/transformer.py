@@ -62,10 +62,6 @@ def _init_decoder_layer(config: ModelConfig, key: jax.Array, dtype) -> dict:
     return layer
 
 
-def _init_kv_pages(config: ModelConfig, layout: CacheLayout, dtype) -> KVPages:
-    return init_kv_pages(config, layout, dtype)
-
-
 def _decoder_layer(window_of: Callable[[ModelConfig], int | None]):
     def apply(params, config, x, cache, ctx):
         h = rms_norm(x, params["attn_norm"], config.rms_norm_eps)
@@ -77,8 +73,8 @@ def _decoder_layer(window_of: Callable[[ModelConfig], int | None]):
 
 
 LAYER_KINDS: dict[str, LayerKind] = {
-    ATTENTION: LayerKind(_init_decoder_layer, _init_kv_pages, _decoder_layer(lambda c: None)),
-    SLIDING_ATTENTION: LayerKind(_init_decoder_layer, _init_kv_pages,
+    ATTENTION: LayerKind(_init_decoder_layer, init_kv_pages, _decoder_layer(lambda c: None)),
+    SLIDING_ATTENTION: LayerKind(_init_decoder_layer, init_kv_pages,
                                  _decoder_layer(lambda c: c.sliding_window)),
 }
 
@@ -128,10 +124,18 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.flo
 def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int, dtype,
                      block_tables: jax.Array, kv_cache_dtype: str = "auto") -> KVCache:
     """A cache over a pool of `num_pages` pages, addressed through `block_tables`."""
+    return KVCache(init_kv_pool(config, num_pages, page_size, dtype, kv_cache_dtype, block_tables.shape[0]),
+                   block_tables, page_size)
+
+
+def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, kv_cache_dtype: str = "auto",
+                 batch_size: int = 1) -> list:
+    """Every layer's empty page pool ([num_pages, page_size, ...] leaves), as a serving
+    engine keeps it: each step brings its own block tables. batch_size sizes the
+    per-sequence state of formats that have one (KIVI's residual buffer)."""
     check_kv_cache_dtype(kv_cache_dtype, config, page_size)
-    layout = CacheLayout(block_tables.shape[0], num_pages, page_size, kv_cache_dtype)
-    layers = [_kind(kind).init_cache(config, layout, dtype) for kind in config.layer_kinds]
-    return KVCache(layers, block_tables, page_size)
+    layout = CacheLayout(batch_size, num_pages, page_size, kv_cache_dtype)
+    return [_kind(kind).init_cache(config, layout, dtype) for kind in config.layer_kinds]
 
 
 def _num_pages(cache: KVCache) -> int:

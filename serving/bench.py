@@ -147,13 +147,13 @@ def _decode_rate(llm, prompt: list[int], batch: int, new_tokens: int) -> float:
     ids = [f"bench-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, prompt, params)
-    while any(not engine.seqs[f"{rid}#0"].output for rid in ids):
+    while any(not engine.seqs[f"{rid}#0"].output.tokens for rid in ids):
         engine.step()
     start = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
     elapsed = time.perf_counter() - start
-    done = sum(len(engine.seqs[f"{rid}#0"].output) - 1 for rid in ids)
+    done = sum(len(engine.seqs[f"{rid}#0"].output.tokens) - 1 for rid in ids)
     for rid in ids:
         engine.release(rid)
     assert done == batch * (new_tokens - 1)
@@ -366,14 +366,15 @@ def bench_scheduler(args) -> None:
     print("|---:|---:|---:|")
     for n in args.running:
         running = tuple(sched.Seq(f"r{i}", tuple(range(200)), 400, float(i), num_computed_tokens=199,
-                                  num_pages=13, started=0) for i in range(n))
+                                  started=0) for i in range(n))
+        kv = sched.KVView(10**6, {s.seq_id: 13 for s in running})
         waiting = tuple(sched.Seq(f"w{i}", tuple(range(300)), 400, float(n + i)) for i in range(64))
         state = sched.SchedulerState(waiting=waiting, running=running)
         config = sched.SchedulerConfig(page_size=16, max_num_seqs=n, max_num_batched_tokens=2 * n)
         calls = max(20, 20000 // n)
         start = time.perf_counter()
         for _ in range(calls):
-            sched.schedule(state, config, 10**6)
+            sched.schedule(state, config, kv)
         print(f"| {n} | 64 | {(time.perf_counter() - start) / calls * 1e6:.0f} |")
 
 

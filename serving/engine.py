@@ -1,13 +1,15 @@
-"""The engine core: scheduler + KV manager + a runner, one `step()` at a time.
+"""The engine core: scheduler + KV manager + output processor + a runner, one `step()`
+at a time (docs/serving.md draws the request and KV paths through it).
 
-Token-level only (no text). Each request has n sequences: sequence 0 prefills the
-prompt; once its prefill completes, the other n - 1 fork off sharing its prompt pages and
-recompute only the last prompt position, so the page they write first is copied on
-write. The runner is the model (serving.runner.ModelRunner) or, in the simulator, a
-cost model with the same `execute` contract.
+Each request has n sequences: sequence 0 prefills the prompt; once it samples its
+first token, the other n - 1 fork off sharing its prompt pages and recompute only the
+last prompt position, so the page they write first is copied on write. The runner is
+the model (serving.runner.ModelRunner) or, in the simulator, a cost model: both meet
+the engine-runner contract defined here (`Row`, `RowResult`, `Runner`). This module
+and everything it imports run on the host without jax.
 
 Speculative decoding (sched_config.num_lookahead_slots > 0): the runner returns a
-draft tree with each sampled token; the sequence's next decode row carries it to be
+draft tree with each result; the sequence's next decode row carries it to be
 verified, and its result is the accepted draft tokens plus a bonus token. Pages are
 reserved for the lookahead slots the tree writes past the sequence's end.
 """
@@ -17,17 +19,49 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from serving import scheduler as sched
-from serving.kv_manager import KVManager
+from serving.draft_tree import DraftTree
+from serving.kv_manager import KVManager, pages_for
+from serving.output import Decode, OutputProcessor, SeqOutput
 from serving.params import SamplingParams
-from serving.runner import Row, RowResult
 
 RECOMPUTE, SWAP = "recompute", "swap"
 
+# -- the engine-runner contract ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One sequence's work in a step."""
+
+    tokens: tuple[int, ...]  # the new tokens to compute
+    start: int  # position of tokens[0]
+    block_table: tuple[int, ...]  # the sequence's pages, in position order
+    sample: bool  # the row reaches the end of the sequence: sample a token
+    params: SamplingParams = SamplingParams(temperature=0.0)
+    seed: int = 0
+    counter: int = 0  # tokens generated so far (with the seed, the step's sampling key)
+    next_token: int | None = None  # the token after the row when known (a prompt's)
+    tree: DraftTree | None = None  # verify this draft tree (its root is tokens[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class RowResult:
+    """A sampled row's outcome: the tokens it emits in order (after a verified tree, the
+    accepted draft tokens then the bonus token), their logprobs when the row asked for
+    them, and the draft tree grown for the next step (speculative decoding)."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[tuple[float, dict[int, float]], ...] | None = None  # (logprob, top logprobs)
+    tree: DraftTree | None = None
+
 
 class Runner(Protocol):
+    """What the engine needs of a model (serving.runner.ModelRunner) or a cost model
+    (serving.simulator.SimRunner)."""
+
     def execute(self, rows: list[Row]) -> list[RowResult | None]: ...
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None: ...
     def read_pages(self, pages: list[int]): ...
@@ -36,7 +70,7 @@ class Runner(Protocol):
 
 @dataclasses.dataclass
 class SeqState:
-    """Host-side state of one sequence beyond what the scheduler keeps."""
+    """Host-side state of one sequence beyond what the scheduler keeps (its tokens)."""
 
     seq_id: str
     request_id: str
@@ -44,19 +78,19 @@ class SeqState:
     params: SamplingParams
     prompt_len: int
     seed: int
-    output: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[tuple[float, dict[int, float]]] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    output: SeqOutput
     swapped: object = None  # host copy of its pages while swapped out
-    first_token_time: float | None = None
-    tree: tuple | None = None  # the draft tree to verify next (speculative decoding)
+    tree: DraftTree | None = None  # the draft tree to verify next (speculative decoding)
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finish_reason is not None
 
 
 @dataclasses.dataclass
 class RequestState:
     request_id: str
-    prompt_ids: list[int]
+    prompt_ids: tuple[int, ...]
     params: SamplingParams
     arrival: float
     seq_ids: list[str]
@@ -65,14 +99,24 @@ class RequestState:
 
 
 class EngineCore:
+    """Requests in, sequences scheduled, rows run, tokens out: one `step()` at a time.
+
+    Each piece of state has one home: a request's prompt in RequestState, a sequence's
+    generated tokens, text and finish in its SeqOutput (written only by the output
+    processor), its progress (token and computed counts) in the scheduler's Seq, and
+    its pages in the KV manager.
+    """
+
     def __init__(self, runner: Runner, sched_config: sched.SchedulerConfig, num_pages: int,
                  max_model_len: int, eos_token_id: int | None, enable_prefix_caching: bool = True,
-                 preemption_mode: str = RECOMPUTE, seed: int = 0, clock=time.monotonic):
+                 preemption_mode: str = RECOMPUTE, seed: int = 0, clock=time.monotonic,
+                 decode: Decode | None = None):
         if preemption_mode not in (RECOMPUTE, SWAP):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         self.runner, self.config = runner, sched_config
         self.kv = KVManager(num_pages, sched_config.page_size, enable_prefix_caching)
-        self.max_model_len, self.eos_token_id = max_model_len, eos_token_id
+        self.output = OutputProcessor(eos_token_id, max_model_len, decode)
+        self.max_model_len = max_model_len
         self.preemption_mode, self.seed, self.clock = preemption_mode, seed, clock
         self.state = sched.SchedulerState()
         self.requests: dict[str, RequestState] = {}
@@ -84,33 +128,36 @@ class EngineCore:
 
     # -- requests ----------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                     arrival: float | None = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = self._sched_seq(f"{request_id}#0", prompt_ids, params, 0.0)
-        need = self.kv.pages_for(seq.max_total_tokens + self.config.num_lookahead_slots)
+        self.output.check(params)
+        prompt = tuple(prompt_ids)
+        arrival = self.clock() if arrival is None else arrival
+        seq = self._sched_seq(f"{request_id}#0", prompt, params, arrival, num_forks=params.n - 1)
+        need = pages_for(seq.max_total_tokens + self.config.num_lookahead_slots, self.kv.page_size)
         what = "prompt + max_tokens"
         if self.config.capacity_policy != sched.MAX_UTILIZATION:
             need, what = sched.reserved_pages(seq, self.config), f"{what} (all n={params.n} samples)"
         if need > self.kv.pool.num_pages:
             raise ValueError(f"{what} needs {need} KV pages, the pool has {self.kv.pool.num_pages}; "
                              f"lower max_tokens or raise num_kv_blocks")
-        arrival = self.clock() if arrival is None else arrival
         seq_ids = [f"{request_id}#{i}" for i in range(params.n)]
-        self.requests[request_id] = RequestState(request_id, list(prompt_ids), params, arrival, seq_ids)
+        self.requests[request_id] = RequestState(request_id, prompt, params, arrival, seq_ids)
         for i, sid in enumerate(seq_ids):
             seed = params.seed + i if params.seed is not None else self._fresh_seed()
-            self.seqs[sid] = SeqState(sid, request_id, i, params, len(prompt_ids), seed)
-        self.state = sched.add(self.state, self._sched_seq(seq_ids[0], prompt_ids, params, arrival))
+            self.seqs[sid] = SeqState(sid, request_id, i, params, len(prompt), seed, self.output.new())
+        self.state = sched.add(self.state, seq)
 
     def _fresh_seed(self) -> int:
         self._next_seed += 1
         return self._next_seed
 
-    def _sched_seq(self, seq_id, tokens, params, arrival) -> sched.Seq:
-        total = min(len(tokens) + params.max_tokens, self.max_model_len)
-        return sched.Seq(seq_id, tuple(tokens), total, arrival, num_forks=params.n - 1)
+    def _sched_seq(self, seq_id: str, prompt: tuple[int, ...], params: SamplingParams, arrival: float,
+                   **kwargs) -> sched.Seq:
+        total = min(len(prompt) + params.max_tokens, self.max_model_len)
+        return sched.Seq(seq_id, prompt, total, arrival, **kwargs)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its pages."""
@@ -118,29 +165,23 @@ class EngineCore:
         if req is None:
             return
         for sid in req.seq_ids:
-            seq = self.seqs[sid]
-            if seq.finish_reason is None:
-                self._finish(seq, "abort")
+            self.finish_seq(sid, "abort")
 
-    def finish_seq(self, seq_id: str, reason: str, stop_reason=None, num_tokens: int | None = None) -> None:
-        """Finish one sequence from outside (e.g. a stop string matched in its text),
-        keeping only its first `num_tokens` output tokens when given."""
+    def finish_seq(self, seq_id: str, reason: str) -> None:
+        """Finish one sequence from outside (an abort, a client's own stop rule)."""
         seq = self.seqs[seq_id]
-        if seq.finish_reason is None:
-            if num_tokens is not None:
-                del seq.output[num_tokens:], seq.logprobs[num_tokens:]
-            seq.stop_reason = stop_reason
-            self._finish(seq, reason)
+        if not seq.finished:
+            self.output.finish(seq.output, reason)
+            self._release_seq(seq)
 
-    def _finish(self, seq: SeqState, reason: str) -> None:
-        seq.finish_reason = reason
+    def _release_seq(self, seq: SeqState) -> None:
         seq.swapped = None
         if seq.seq_id in self.kv.tables:
             self.kv.free(seq.seq_id)
         self.state = sched.remove(self.state, [seq.seq_id])
 
     def request_finished(self, request_id: str) -> bool:
-        return all(self.seqs[s].finish_reason is not None for s in self.requests[request_id].seq_ids)
+        return all(self.seqs[s].finished for s in self.requests[request_id].seq_ids)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request."""
@@ -161,71 +202,69 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self.state.waiting or self.state.running)
 
+    def tokens(self, seq_id: str, start: int = 0, end: int | None = None) -> tuple[int, ...]:
+        """Tokens [start, end) of a sequence: its prompt, then what it generated."""
+        seq = self.seqs[seq_id]
+        prompt, out = self.requests[seq.request_id].prompt_ids, seq.output.tokens
+        end = len(prompt) + len(out) if end is None else end
+        if end <= len(prompt):
+            return prompt[start:end]
+        return prompt[start:] + tuple(out[max(start - len(prompt), 0):end - len(prompt)])
+
     # -- one step ---------------------------------------------------------------
 
     def step(self) -> set[str]:
         """Schedule and run one batch; returns the request ids that made progress."""
-        cached = {}
-        if self.kv.radix is not None:
-            cached = {s.seq_id: self.kv.cached_prefix_len(s.tokens) for s in self.state.waiting
-                      if self.seqs[s.seq_id].swapped is None}
-        self.state, plan = sched.schedule(self.state, self.config, self.kv.num_available, cached,
+        self.state, plan = sched.schedule(self.state, self.config, self._kv_view(),
                                           preempt_keeps_computed=self.preemption_mode == SWAP)
         for sid in plan.preempted:
             self._preempt(sid)
         running = {s.seq_id: s for s in self.state.running}
         for sid in plan.admitted:
             self._admit(running[sid])
-        running = {s.seq_id: s for s in self.state.running}
         rows, copies = [], []
-        ahead = self.config.num_lookahead_slots
         for sid, n in plan.scheduled:
             s, seq = running[sid], self.seqs[sid]
-            start = s.num_computed_tokens
-            self.kv.ensure(sid, start + n + ahead)
-            for pos in range(start, start + n + ahead, 1):
-                if pos == start or pos % self.kv.page_size == 0:
-                    pair = self.kv.copy_on_write(sid, pos)
-                    if pair:
-                        copies.append(pair)
-            p = seq.params
-            end = start + n
-            rows.append(Row(list(s.tokens[start:end]), start, list(self.kv.tables[sid]),
-                            sample=end == s.num_tokens, temperature=p.temperature,
-                            top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
-                            counter=len(seq.output), logprobs=p.logprobs is not None,
-                            next_token=s.tokens[end] if end < s.num_tokens else None,
-                            tree=seq.tree if end == s.num_tokens and n == 1 else None))
+            start, end = s.num_computed_tokens, s.num_computed_tokens + n
+            copies += self.kv.prepare(sid, start, end + self.config.num_lookahead_slots)
+            last = end == s.num_tokens
+            rows.append(Row(self.tokens(sid, start, end), start, tuple(self.kv.tables[sid]), sample=last,
+                            params=seq.params, seed=seq.seed, counter=len(seq.output.tokens),
+                            next_token=None if last else self.tokens(sid, end, end + 1)[0],
+                            tree=seq.tree if last and n == 1 else None))
         self.runner.copy_pages(copies)
         results = self.runner.execute(rows) if rows else []
-        new_tokens: dict[str, tuple[int, ...]] = {}
-        progressed: set[str] = set()
-        now = self.clock()
-        for (sid, n), row, res in zip(plan.scheduled, rows, results):
+        taken: dict[str, int] = {}
+        for (sid, _), row, res in zip(plan.scheduled, rows, results):
             if res is None:
                 continue
             seq = self.seqs[sid]
             if row.tree is not None:
-                self.accepted_counts[len(res.accepted)] += 1
-            emitted = self._until_stop(seq, running[sid], res.accepted + [res.token])
-            seq.output.extend(emitted)
+                self.accepted_counts[len(res.tokens) - 1] += 1
+            taken[sid] = self.output.append(seq.output, seq.params, seq.prompt_len, res.tokens,
+                                            res.logprobs)
             seq.tree = res.tree
-            if res.logprob is not None:
-                seq.logprobs.extend((res.accepted_logprobs + [(res.logprob, res.top_logprobs)])[:len(emitted)])
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            new_tokens[sid] = tuple(emitted)
-            progressed.add(seq.request_id)
-        pages = {sid: len(self.kv.tables[sid]) for sid, _ in plan.scheduled}
-        self.state = sched.update(self.state, plan, new_tokens, pages)
+        self.state = sched.update(self.state, plan, taken)
         running = {s.seq_id: s for s in self.state.running}
         for sid, _ in plan.scheduled:
-            self.kv.cache_computed(sid, running[sid].tokens, running[sid].num_computed_tokens)
-        for sid in new_tokens:
-            self._maybe_fork(sid)  # before stop checks: the samples share the prompt's pages
-        for sid in new_tokens:
-            self._check_stop(self.seqs[sid], running[sid])
-        return progressed
+            s = running[sid]
+            self.kv.cache_computed(sid, self.tokens(sid, 0, s.num_computed_tokens), s.num_computed_tokens)
+        for sid in taken:
+            self._maybe_fork(sid)  # before finishing: the samples share the prompt's pages
+        for sid in taken:
+            if self.seqs[sid].finished:
+                self._release_seq(self.seqs[sid])
+        return {self.seqs[sid].request_id for sid in taken}
+
+    def _kv_view(self) -> sched.KVView:
+        """The KV manager's pages as the scheduler sees them this step."""
+        cached = {}
+        if self.kv.radix is not None:
+            cached = {s.seq_id: self.kv.cached_prefix_len(self.tokens(s.seq_id)) for s in self.state.waiting
+                      if self.seqs[s.seq_id].swapped is None}
+        writable = {s.seq_id: self.kv.writable_pages(s.seq_id, s.num_computed_tokens)
+                    for s in self.state.running}
+        return sched.KVView(self.kv.num_available, writable, cached)
 
     def _admit(self, s: sched.Seq) -> None:
         seq = self.seqs[s.seq_id]
@@ -235,7 +274,7 @@ class EngineCore:
             self.runner.write_pages(self.kv.tables[s.seq_id], seq.swapped)
             seq.swapped = None
             return
-        hit = self.kv.admit(s.seq_id, s.tokens)
+        hit = self.kv.admit(s.seq_id, self.tokens(s.seq_id))
         assert hit == s.num_computed_tokens, (hit, s.num_computed_tokens)
         req = self.requests[seq.request_id]
         if seq.index == 0 and not req.forked:
@@ -247,52 +286,23 @@ class EngineCore:
         if self.preemption_mode == SWAP:
             # the tree stays valid: its KV is rewritten when it is verified
             computed = next(s for s in self.state.waiting if s.seq_id == seq_id).num_computed_tokens
-            table = self.kv.tables[seq_id][:self.kv.pages_for(computed)]
+            table = self.kv.tables[seq_id][:pages_for(computed, self.kv.page_size)]
             seq.swapped = self.runner.read_pages(table)
         else:
             seq.tree = None  # recomputing the prompt grows a new one
         self.kv.free(seq_id)
 
-    def _until_stop(self, seq: SeqState, s: sched.Seq, tokens: list[int]) -> list[int]:
-        """The prefix of `tokens` up to and including the first that ends the sequence
-        (speculative rows emit several; `_check_stop` then finishes on the last)."""
-        p = seq.params
-        for i, tok in enumerate(tokens):
-            if (not p.ignore_eos and tok == self.eos_token_id) or tok in p.stop_token_ids \
-                    or len(seq.output) + i + 1 >= p.max_tokens or s.num_tokens + i + 1 >= self.max_model_len:
-                return tokens[:i + 1]
-        return tokens
-
-    def _check_stop(self, seq: SeqState, s: sched.Seq) -> None:
-        tok, p = seq.output[-1], seq.params
-        if not p.ignore_eos and tok == self.eos_token_id:
-            seq.output.pop()  # EOS ends the text; it is not part of it
-            if seq.logprobs:
-                seq.logprobs.pop()
-            self._finish(seq, "stop")
-        elif tok in p.stop_token_ids:
-            seq.output.pop()
-            if seq.logprobs:
-                seq.logprobs.pop()
-            seq.stop_reason = tok
-            self._finish(seq, "stop")
-        elif len(seq.output) >= p.max_tokens or s.num_tokens >= self.max_model_len:
-            self._finish(seq, "length")
-
     def _maybe_fork(self, seq_id: str) -> None:
+        """After sequence 0 of a request samples its first token, its n - 1 siblings start:
+        they share its prompt pages (the KV manager copies the one each writes first) and
+        recompute only the last prompt position, to sample their own first token."""
         seq = self.seqs[seq_id]
         req = self.requests[seq.request_id]
         if req.forked or seq.index != 0:
             return
         req.forked = True
-        prompt = tuple(req.prompt_ids)
-        # The scheduler counts a child as holding only the pages before the one it writes
-        # first (position len(prompt) - 1): that shared page is copied on write, so its copy
-        # is a page the step needs. Sharers make n - 1 copies in all, one per child.
-        held = (len(prompt) - 1) // self.kv.page_size
         for sid in req.seq_ids[1:]:
-            self.kv.fork(seq_id, sid, len(prompt))
-            child = sched.Seq(sid, prompt, min(len(prompt) + req.params.max_tokens, self.max_model_len),
-                              req.arrival, num_computed_tokens=len(prompt) - 1, num_pages=held,
-                              started=self.state.step)
+            self.kv.fork(seq_id, sid, len(req.prompt_ids))
+            child = self._sched_seq(sid, req.prompt_ids, req.params, req.arrival,
+                                    num_computed_tokens=len(req.prompt_ids) - 1, started=self.state.step)
             self.state = sched.fork(self.state, seq_id, child)

@@ -1,5 +1,8 @@
 """Per-sequence block tables over the page pool, with the prefix cache and copy-on-write.
 
+The KV manager makes every page decision: how many pages tokens take (`pages_for`, the
+one place that rounds), which pages a step may write without a copy (what the
+scheduler is shown), the copies a step needs (`prepare`), sharing on fork and release.
 Host-side bookkeeping only (numpy and Python lists, on purpose); the engine moves
 the bytes on device when this says so (page copies for copy-on-write, swaps).
 """
@@ -7,6 +10,11 @@ the bytes on device when this says so (page copies for copy-on-write, swaps).
 from __future__ import annotations
 
 from serving.radix_cache import NoFreePages, PagePool, RadixCache
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages holding positions [0, num_tokens)."""
+    return -(-num_tokens // page_size)
 
 
 class KVManager:
@@ -24,8 +32,14 @@ class KVManager:
         """Pages that can be handed out now: free plus evictable cached ones."""
         return self.pool.num_free + (self.radix.evictable_pages if self.radix else 0)
 
-    def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+    def writable_pages(self, seq_id: str, position: int) -> int:
+        """Pages of seq_id's table it can write from `position` on without allocating: all
+        but the shared ones at or after that position's page (each of those is copied on
+        write, one new page; the last sharer to write needs none, so this may count one
+        page too many, never too few)."""
+        table = self.tables[seq_id]
+        first = position // self.page_size
+        return len(table) - sum(int(self.pool.ref_counts[p] > 1) for p in table[first:])
 
     def _allocate(self, n: int) -> list[int]:
         if n > self.pool.num_free and self.radix is not None:
@@ -72,7 +86,7 @@ class KVManager:
     def ensure(self, seq_id: str, num_tokens: int) -> None:
         """Grow seq_id's table to hold `num_tokens` positions (raises NoFreePages)."""
         table = self.tables[seq_id]
-        need = self.pages_for(num_tokens) - len(table)
+        need = pages_for(num_tokens, self.page_size) - len(table)
         if need > 0:
             table.extend(self._allocate(need))
 
@@ -80,7 +94,7 @@ class KVManager:
         """child shares parent's pages holding its first `num_tokens` positions (parallel
         sampling); writes copy on demand. Pages past them (speculative lookahead) stay the
         parent's: the child allocates its own, which the scheduler counts."""
-        pages = self.tables[parent][:self.pages_for(num_tokens)]
+        pages = self.tables[parent][:pages_for(num_tokens, self.page_size)]
         self.pool.incref(pages)
         self.tables[child] = list(pages)
         node = self._locks[parent]
@@ -88,20 +102,20 @@ class KVManager:
             self.radix.lock(node)
         self._locks[child] = node
 
-    def copy_on_write(self, seq_id: str, position: int) -> tuple[int, int] | None:
-        """Before writing `position`: if its page is shared, give seq_id a private copy.
-
-        Returns (src_page, dst_page) for the engine to copy on device, or None.
-        """
-        table = self.tables[seq_id]
-        i = position // self.page_size
-        page = table[i]
-        if self.pool.ref_counts[page] == 1:
-            return None
-        (new,) = self._allocate(1)
-        self.pool.decref([page])
-        table[i] = new
-        return page, new
+    def prepare(self, seq_id: str, start: int, end: int) -> list[tuple[int, int]]:
+        """Before a step writes positions [start, end): grow the table to hold them and give
+        seq_id a private copy of every shared page among them (copy-on-write). Returns the
+        (src_page, dst_page) pairs the runner copies on device. Raises NoFreePages."""
+        self.ensure(seq_id, end)
+        table, copies = self.tables[seq_id], []
+        for i in range(start // self.page_size, pages_for(end, self.page_size)):
+            page = table[i]
+            if self.pool.ref_counts[page] > 1:
+                (new,) = self._allocate(1)
+                self.pool.decref([page])
+                table[i] = new
+                copies.append((page, new))
+        return copies
 
     def free(self, seq_id: str) -> None:
         """Release the sequence's pages now (finish, abort, preemption)."""
@@ -127,4 +141,4 @@ class KVManager:
         assert free == {p for p, h in enumerate(holders) if h == 0}, "leaked or double-freed page"
 
 
-__all__ = ["KVManager", "NoFreePages"]
+__all__ = ["KVManager", "NoFreePages", "pages_for"]

@@ -13,20 +13,22 @@ Speculative decoding with an EAGLE-3 draft (`python -m training.train_eagle3` wr
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from typing import Iterator, Sequence
 
 import jax.numpy as jnp
+import tqdm
 
 import model
 from model import eagle3
 from model.config import ATTENTION, SLIDING_ATTENTION
 from model.kv_formats import KV_CACHE_DTYPES, bytes_per_token, check_kv_cache_dtype
 from serving import scheduler as sched
+from serving.draft_tree import TreeSpec
 from serving.engine import RECOMPUTE, EngineCore
 from serving.params import CompletionOutput, RequestOutput, SamplingParams
 from serving.runner import Drafter, ModelRunner
-from serving.speculative import TreeSpec
 
 DEFAULT_KV_CACHE_GIB = 1.0
 SERVING_KV_CACHE_DTYPES = tuple(d for d in KV_CACHE_DTYPES if not d.startswith("kivi"))
@@ -56,15 +58,14 @@ class LLM:
                     **kwargs) -> "LLM":
         """An LLM over an already loaded model (same keyword arguments as the constructor)."""
         llm = cls.__new__(cls)
-        defaults = dict(max_model_len=None, block_size=16, num_kv_blocks=None, max_num_seqs=16,
-                        max_num_batched_tokens=512, enable_prefix_caching=True, kv_cache_dtype="auto",
-                        scheduling_policy="fcfs", capacity_policy=sched.MAX_UTILIZATION,
-                        chunking_policy=sched.FIRST_COME_FIRST_SERVED, preemption_mode=RECOMPUTE,
-                        seed=0, dtype=jnp.float32, speculative_config=None)
-        unknown = set(kwargs) - set(defaults)
+        signature = inspect.signature(cls.__init__)  # the constructor's defaults, in one place
+        unknown = sorted(set(kwargs) - set(signature.parameters) | {"self", "model"} & set(kwargs))
         if unknown:
-            raise ValueError(f"unknown LLM arguments {sorted(unknown)}")
-        llm._setup(config, params, tokenizer, **{**defaults, **kwargs})
+            raise ValueError(f"unknown LLM arguments {unknown}")
+        bound = signature.bind(llm, **kwargs)
+        bound.apply_defaults()
+        del bound.arguments["self"], bound.arguments["model"]
+        llm._setup(config, params, tokenizer, **bound.arguments)
         return llm
 
     def _setup(self, config, params, tokenizer, max_model_len, block_size, num_kv_blocks,
@@ -109,7 +110,8 @@ class LLM:
         self.runner = ModelRunner(config, params, num_kv_blocks, block_size, max_pages_per_seq,
                                   max_num_seqs, dtype, kv_cache_dtype, draft)
         self.engine = EngineCore(self.runner, sched_config, num_kv_blocks, max_model_len,
-                                 tokenizer.eos_token_id, enable_prefix_caching, preemption_mode, seed)
+                                 tokenizer.eos_token_id, enable_prefix_caching, preemption_mode, seed,
+                                 decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> model.Tokenizer:
@@ -159,37 +161,26 @@ class LLM:
         # Validate everything before scheduling anything.
         return [(*self._prompt(p), sp) for p, sp in zip(prompts, sampling_params)]
 
-    # -- output --------------------------------------------------------------------
+    # -- output (read only: the engine's output processor wrote it) ----------------------
 
-    def _text(self, ids: list[int], stops: Sequence[str]) -> tuple[str, str | None]:
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        for stop in stops:
-            cut = text.find(stop)
-            if cut >= 0:
-                return text[:cut], stop
-        return text, None
-
-    def _snapshot(self, request_id: str, prompt: str | None) -> RequestOutput:
+    def _output(self, request_id: str, prompt: str | None, marks: list[tuple[int, int]] | None = None
+                ) -> RequestOutput:
+        """The request's outputs; with `marks` (per sequence: text pieces and tokens already
+        returned), only what is new since, and `marks` moves on."""
         req = self.engine.requests[request_id]
         outputs = []
-        for sid in req.seq_ids:
+        for i, sid in enumerate(req.seq_ids):
             seq = self.engine.seqs[sid]
-            text, stop = self._text(seq.output, seq.params.stop)
-            if stop is not None and seq.finish_reason is None:
-                # A speculative step emits several tokens: keep only those up to the one
-                # that completes the stop string, as plain decoding would have stopped there.
-                keep = len(seq.output)
-                while keep > 1 and self._text(seq.output[:keep - 1], [stop])[1] is not None:
-                    keep -= 1
-                self.engine.finish_seq(sid, "stop", stop, num_tokens=keep)
+            out = seq.output
+            pieces, tokens = marks[i] if marks is not None else (0, 0)
             logprobs = None
             if seq.params.logprobs is not None:
-                logprobs = []
-                for tok, (lp, top) in zip(seq.output, seq.logprobs):
-                    best = dict(sorted(top.items(), key=lambda kv: -kv[1])[:seq.params.logprobs])
-                    logprobs.append({tok: lp, **best})
-            outputs.append(CompletionOutput(seq.index, text, list(seq.output), logprobs,
-                                            seq.finish_reason, seq.stop_reason))
+                logprobs = [{tok: lp, **dict(sorted(top.items(), key=lambda kv: -kv[1])[:seq.params.logprobs])}
+                            for tok, (lp, top) in zip(out.tokens[tokens:], out.logprobs[tokens:])]
+            outputs.append(CompletionOutput(seq.index, "".join(out.text_pieces[pieces:]), out.tokens[tokens:],
+                                            logprobs, out.finish_reason, out.stop_reason))
+            if marks is not None:
+                marks[i] = (len(out.text_pieces), len(out.tokens))
         return RequestOutput(request_id, prompt, list(req.prompt_ids), outputs,
                              self.engine.request_finished(request_id), req.num_cached_tokens)
 
@@ -203,30 +194,27 @@ class LLM:
             added.append((rid, text))
         return added
 
+    def _step(self) -> set[str]:
+        if not self.engine.has_unfinished():  # every unfinished request is scheduled somewhere
+            raise RuntimeError("requests are unfinished but the engine holds no sequence")
+        return self.engine.step()
+
     def stream(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                ) -> Iterator[RequestOutput]:
-        """Yield RequestOutputs whose outputs hold only what is new (text and token deltas)."""
+        """Yield RequestOutputs whose outputs hold only what is new (text and token deltas);
+        the work per step does not grow with the text already generated."""
         added = self._add(prompts, sampling_params)
-        prompts_by_id = dict(added)
-        sent: dict[str, list[tuple[int, int]]] = {rid: [] for rid, _ in added}
-        done: set[str] = set()
+        marks = {rid: [(0, 0)] * len(self.engine.requests[rid].seq_ids) for rid, _ in added}
+        pending = dict(added)
         try:
-            while len(done) < len(added):
-                progressed = self.engine.step() if self.engine.has_unfinished() else set()
-                for rid in list(prompts_by_id):
-                    if rid in done or (rid not in progressed and not self.engine.request_finished(rid)):
-                        continue
-                    full = self._snapshot(rid, prompts_by_id[rid])
-                    marks = sent[rid] or [(0, 0)] * len(full.outputs)
-                    delta = [CompletionOutput(o.index, o.text[m[0]:], o.token_ids[m[1]:],
-                                              o.logprobs[m[1]:] if o.logprobs else o.logprobs,
-                                              o.finish_reason, o.stop_reason)
-                             for o, m in zip(full.outputs, marks)]
-                    sent[rid] = [(len(o.text), len(o.token_ids)) for o in full.outputs]
-                    if full.finished:
-                        done.add(rid)
-                    yield RequestOutput(rid, full.prompt, full.prompt_token_ids, delta, full.finished,
-                                        full.num_cached_tokens)
+            while pending:
+                progressed = self._step()
+                for rid in list(pending):
+                    if rid in progressed or self.engine.request_finished(rid):
+                        out = self._output(rid, pending[rid], marks[rid])
+                        if out.finished:
+                            del pending[rid]
+                        yield out
         finally:
             for rid, _ in added:
                 if rid in self.engine.requests:
@@ -235,15 +223,16 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; one RequestOutput per prompt, in order."""
+        """Run every prompt to completion; one RequestOutput per prompt, in order (use_tqdm:
+        a progress bar over finished requests)."""
         added = self._add(prompts, sampling_params)
         try:
-            while any(not self.engine.request_finished(rid) for rid, _ in added):
-                progressed = self.engine.step()
-                for rid, text in added:  # stop strings end sequences between steps
-                    if rid in progressed and self.engine.requests[rid].params.stop:
-                        self._snapshot(rid, text)
-            return [self._snapshot(rid, text) for rid, text in added]
+            with tqdm.tqdm(total=len(added), desc="requests", disable=not use_tqdm) as bar:
+                while (done := sum(self.engine.request_finished(rid) for rid, _ in added)) < len(added):
+                    bar.update(done - bar.n)
+                    self._step()
+                bar.update(done - bar.n)
+            return [self._output(rid, text) for rid, text in added]
         finally:
             for rid, _ in added:
                 self.engine.abort(rid)

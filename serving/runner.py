@@ -10,10 +10,11 @@ tables a step gets are cut to the bucketed largest live page count of its rows
 than max_model_len. The KV pool (one page pool per layer) lives here and is donated to
 every call.
 
-With an EAGLE-3 draft (speculative decoding) the pool holds one more layer, the
-draft's, addressed by the same block tables, so prefix caching, copy-on-write and
-swapping carry the draft's KV along. Every chunk then also runs the draft over its
-positions and grows a draft tree from its last one; a sequence that has a tree is
+The pool is a dict of named KV groups: "target" (the model's layers) and, with an
+EAGLE-3 draft (speculative decoding), "draft" (its one layer), addressed by the same
+block tables, so prefix caching, copy-on-write and swapping carry the draft's KV along.
+With a draft every chunk also runs the draft over its positions and grows a draft tree
+from its last one; a sequence that has a tree is
 verified instead of decoded: the target scores the whole tree in one pass, the
 accepted nodes' KV moves into place, the draft catches up on them and grows the
 next tree (EAGLE-3; serving/speculative.py). A speculative step is one call too
@@ -35,38 +36,11 @@ import model
 from model import eagle3
 from model.kv_cache import KVCache
 from model.transformer import forward_hidden, lm_head
+from serving.draft_tree import DraftTree, TreeSpec
+from serving.engine import Row, RowResult
 from serving.params import MAX_LOGPROBS
 from serving.sampling import processed_probs, row_keys, sample
-from serving.speculative import TreeSpec, compact_kv, grow_trees, tree_masks, verify_trees
-
-
-@dataclasses.dataclass
-class Row:
-    """One sequence's work this step."""
-
-    tokens: list[int]  # the new tokens to compute
-    start: int  # position of tokens[0]
-    block_table: list[int]
-    sample: bool  # the chunk reaches the end of the sequence: sample a token
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    counter: int = 0  # tokens generated so far (the per-step key)
-    logprobs: bool = False
-    next_token: int | None = None  # the token after the chunk when known (a prompt's)
-    tree: tuple | None = None  # (tokens, parents, scores) [N]: verify this draft tree
-
-
-@dataclasses.dataclass
-class RowResult:
-    token: int  # the sampled token (after a verified tree: the bonus token)
-    logprob: float | None = None
-    top_logprobs: dict[int, float] | None = None
-    accepted: list[int] = dataclasses.field(default_factory=list)  # draft tokens before `token`
-    accepted_logprobs: list[tuple[float, dict[int, float]]] = dataclasses.field(default_factory=list)
-    tree: tuple | None = None  # the draft tree grown for the next step
+from serving.speculative import compact_kv, grow_trees, tree_masks, verify_trees
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,14 +113,14 @@ def table_width(live: list[int], max_pages: int, minimum: int) -> int:
                    donate_argnames=("pool",))
 def _step(params, config, page_size, pool, batch: StepBatch, want_logprobs):
     """One engine step of prefill chunks and decode rows: (sampled [S], logprob extras, pool)."""
-    cache = KVCache(pool, batch.block_tables, page_size)
+    cache = KVCache(pool["target"], batch.block_tables, page_size)
     hidden, cache, _ = model.forward_packed(params, config, batch.tokens, batch.positions, cache,
                                             batch.layout)
     logits = lm_head(params, config, hidden[batch.logits_indices])
     keys = row_keys(batch.seeds, batch.counters)
     next_tokens = sample(logits, keys, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
     extra = _logprobs(logits, next_tokens) if want_logprobs else ()
-    return next_tokens, extra, cache.layers
+    return next_tokens, extra, {"target": cache.layers}
 
 
 def _logprobs(logits, tokens):
@@ -155,6 +129,15 @@ def _logprobs(logits, tokens):
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     top_vals, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
     return jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0], top_vals, top_ids
+
+
+def _wants_logprobs(row: Row) -> bool:
+    return row.params.logprobs is not None
+
+
+def _draft_tree(tree, i: int) -> DraftTree:
+    """Row i of the batched (tokens, parents, scores) a step returns."""
+    return DraftTree(*(a[i] for a in tree))
 
 
 def _logprob_entry(extra, *index) -> tuple[float, dict[int, float]]:
@@ -169,7 +152,7 @@ def _draft_and_grow(draft: Drafter, pool, block_tables, page_size, features, tok
     whose root token is root_tokens [B]. Returns (tree, draft layers)."""
     rows = jnp.arange(tokens.shape[0])
     logits, hidden, cache = eagle3.draft_apply(draft.params, draft.config, features, tokens, positions,
-                                               KVCache(pool[-1:], block_tables, page_size))
+                                               KVCache(pool["draft"], block_tables, page_size))
 
     def draft_step(dc, hidden, tokens, slots, tree):
         return eagle3.draft_apply(draft.params, draft.config, hidden, tokens, slots, dc, tree)
@@ -181,7 +164,7 @@ def _draft_and_grow(draft: Drafter, pool, block_tables, page_size, features, tok
 def _target(params, config, draft: Drafter, pool, block_tables, page_size, tokens, positions,
             tree=None):
     """Target forward over the pool's target layers: (hidden, fused draft features, layers)."""
-    cache = KVCache(pool[:-1], block_tables, page_size)
+    cache = KVCache(pool["target"], block_tables, page_size)
     hidden, cache, captured = forward_hidden(params, config, tokens, positions, cache,
                                              draft.config.target_layer_ids, tree)
     return hidden, eagle3.fuse_features(draft.params, jnp.concatenate(captured, -1)), cache.layers
@@ -205,7 +188,7 @@ def _chunk_part(params, config, page_size, draft: Drafter, pool, block_tables, t
     tree, draft_layers = _draft_and_grow(draft, pool, block_tables, page_size, features, draft_tokens,
                                          positions, last_index, sampled)
     extra = _logprobs(logits, sampled) if want_logprobs else ()
-    return sampled, extra, tree, list(layers) + list(draft_layers)
+    return sampled, extra, tree, {"target": layers, "draft": draft_layers}
 
 
 def _verify_part(params, config, page_size, draft: Drafter, pool, block_tables, tree_tokens,
@@ -237,7 +220,7 @@ def _verify_part(params, config, page_size, draft: Drafter, pool, block_tables, 
     new_tree, draft_layers = _draft_and_grow(draft, pool, block_tables, page_size, features[rows, nodes],
                                              draft_tokens, draft_positions, count, bonus)
     extra = _logprobs(logits[rows, nodes], draft_tokens) if want_logprobs else ()
-    return accepted, count, bonus, extra, new_tree, list(layers) + list(draft_layers)
+    return accepted, count, bonus, extra, new_tree, {"target": layers, "draft": draft_layers}
 
 
 @functools.partial(jax.jit, static_argnames=("config", "page_size", "draft_config", "spec",
@@ -278,12 +261,10 @@ class ModelRunner:
         self.page_size, self.num_pages = page_size, num_pages
         self.max_pages_per_seq, self.max_num_seqs = max_pages_per_seq, max_num_seqs
         self.min_table_width = -(-MIN_TABLE_POSITIONS // page_size)
-        tables = jnp.zeros((1, max_pages_per_seq), jnp.int32)
-        self.pool = model.init_paged_cache(config, num_pages, page_size, dtype, tables,
-                                           kv_cache_dtype).layers
+        self.pool = {"target": model.init_kv_pool(config, num_pages, page_size, dtype, kv_cache_dtype)}
         if draft is not None:
-            self.pool += model.init_paged_cache(draft.config.layer_config, num_pages, page_size, dtype,
-                                                tables, kv_cache_dtype).layers
+            self.pool["draft"] = model.init_kv_pool(draft.config.layer_config, num_pages, page_size, dtype,
+                                                    kv_cache_dtype)
 
     def execute(self, rows: list[Row]) -> list[RowResult | None]:
         """Compute every row; returns a result for rows with `sample`, else None."""
@@ -298,7 +279,7 @@ class ModelRunner:
         groups = {name: [rows[i] for i in idx] for name, idx in groups.items() if idx}
         parts = {name: (self._verify_inputs(g) if name == "verify" else self._chunk_inputs(g))
                  for name, g in groups.items()}
-        want_logprobs = any(r.logprobs for r in rows)
+        want_logprobs = any(_wants_logprobs(r) for r in rows)
         out, self.pool = _spec_step(self.params, self.config, self.page_size, self.draft.params,
                                     self.draft.config, self.draft.spec, self.pool, parts, want_logprobs)
         by_row = {}
@@ -314,8 +295,9 @@ class ModelRunner:
         temp, top_p, min_p = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.float32)
         top_k = np.zeros(b, np.int32)
         for i, r in enumerate(rows):
+            p = r.params
             seeds[i], counters[i] = r.seed & 0xFFFFFFFF, r.counter
-            temp[i], top_k[i], top_p[i], min_p[i] = r.temperature, r.top_k, r.top_p, r.min_p
+            temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
         return [jnp.asarray(a) for a in (seeds, counters, temp, top_k, top_p, min_p)]
 
     def _tables(self, rows: list[Row], b: int) -> jax.Array:
@@ -336,8 +318,7 @@ class ModelRunner:
         trees[1][:] = np.arange(n) - 1  # padding rows: a chain, never used
         start = np.full(b, -1, np.int32)
         for i, r in enumerate(rows):
-            for arr, part in zip(trees, r.tree):
-                arr[i] = part
+            trees[0][i], trees[1][i], trees[2][i] = r.tree.tokens, r.tree.parents, r.tree.scores
             start[i] = r.start
         return (self._tables(rows, b), *map(jnp.asarray, trees), jnp.asarray(start),
                 *self._sampling_arrays(rows, b))
@@ -346,13 +327,11 @@ class ModelRunner:
         accepted, count, bonus, extra, tree = out
         results = []
         for i, r in enumerate(rows):
-            res = RowResult(int(bonus[i]), accepted=accepted[i, :count[i]].tolist(),
-                            tree=tuple(a[i] for a in tree))
-            if r.logprobs:
-                entries = [_logprob_entry(extra, i, j) for j in range(count[i] + 1)]
-                res.accepted_logprobs = entries[:-1]
-                res.logprob, res.top_logprobs = entries[-1]
-            results.append(res)
+            entries = None
+            if _wants_logprobs(r):
+                entries = tuple(_logprob_entry(extra, i, j) for j in range(count[i] + 1))
+            results.append(RowResult((*accepted[i, :count[i]].tolist(), int(bonus[i])), entries,
+                                     _draft_tree(tree, i)))
         return results
 
     def step_batch(self, rows: list[Row]) -> StepBatch:
@@ -380,7 +359,7 @@ class ModelRunner:
     def _run_packed(self, rows: list[Row]) -> list[RowResult | None]:
         if not rows:
             return []
-        want_logprobs = any(r.logprobs and r.sample for r in rows)
+        want_logprobs = any(_wants_logprobs(r) and r.sample for r in rows)
         next_tokens, extra, self.pool = _step(self.params, self.config, self.page_size, self.pool,
                                               self.step_batch(rows), want_logprobs)
         return self._results(rows, np.asarray(next_tokens), [np.asarray(e) for e in extra])
@@ -391,10 +370,8 @@ class ModelRunner:
             if not r.sample:
                 out.append(None)
                 continue
-            res = RowResult(int(next_tokens[i]), tree=tuple(a[i] for a in tree) if tree else None)
-            if r.logprobs and extra:
-                res.logprob, res.top_logprobs = _logprob_entry(extra, i)
-            out.append(res)
+            entries = (_logprob_entry(extra, i),) if _wants_logprobs(r) and extra else None
+            out.append(RowResult((int(next_tokens[i]),), entries, _draft_tree(tree, i) if tree else None))
         return out
 
     def _chunk_inputs(self, rows: list[Row]) -> tuple:

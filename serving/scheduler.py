@@ -3,8 +3,9 @@
 State is immutable (frozen dataclasses, tuples); every transition returns a new
 state. The same function drives the real engine and the discrete-event simulator.
 
-Policies (TensorRT-LLM's batch manager, with vLLM v1's token-budget
-view of prefill, §3, and SGLang's cache-aware order, §4):
+Policies (TensorRT-LLM's batch manager, with the vLLM v1 scheduler's token-budget view
+of prefill and the cache-aware order of SGLang, Zheng et al., "SGLang: Efficient
+Execution of Structured Language Model Programs", NeurIPS 2024):
 - capacity: GUARANTEED_NO_EVICT reserves every running sequence's pages to
   completion and admits while the newcomer's total fits; MAX_UTILIZATION counts only
   the pages the next step needs and pauses (preempts) the most recently started
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Mapping
+
+from serving.kv_manager import pages_for
 
 GUARANTEED_NO_EVICT = "guaranteed_no_evict"
 MAX_UTILIZATION = "max_utilization"
@@ -72,25 +75,27 @@ class SchedulerConfig:
 class Seq:
     """What the scheduler knows of one sequence.
 
-    tokens: every token whose KV the sequence needs (prompt + generated so far);
-    num_computed_tokens: how many of them have KV in its pages; num_pages: pages held;
+    prompt: the request's prompt (the engine's tuple, shared, not copied; the in-batch
+    deferral compares prompts); num_tokens: tokens whose KV the sequence needs, the prompt
+    and what it generated (the engine holds those); num_computed_tokens: how many of them
+    have KV in its pages;
     max_total_tokens: prompt + max_tokens (what GUARANTEED_NO_EVICT reserves);
     num_forks: samples that will fork from it after its first token (n - 1 of parallel
     sampling; 0 once they have), whose pages the reserving policies count in advance.
     """
 
     seq_id: str
-    tokens: tuple[int, ...]
+    prompt: tuple[int, ...]
     max_total_tokens: int
     arrival: float
     num_computed_tokens: int = 0
-    num_pages: int = 0
     started: int = -1  # step at which it last started running
     num_forks: int = 0
+    num_tokens: int = -1  # -1: the prompt's length
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
+    def __post_init__(self):
+        if self.num_tokens < 0:
+            object.__setattr__(self, "num_tokens", len(self.prompt))
 
     @property
     def remaining(self) -> int:
@@ -102,6 +107,22 @@ class SchedulerState:
     waiting: tuple[Seq, ...] = ()
     running: tuple[Seq, ...] = ()
     step: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KVView:
+    """What the scheduler sees of the KV manager at one step (serving/kv_manager.py makes
+    the page decisions; this is their summary).
+
+    num_available: pages it can hand out now (free plus evictable cached ones);
+    writable: for running sequences, pages they hold and can write from their next
+    position without allocating (KVManager.writable_pages); cached: for waiting
+    sequences, prompt tokens the prefix cache would serve.
+    """
+
+    num_available: int
+    writable: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    cached: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,10 +139,6 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
-
-
-def _pages(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
 
 
 def _shared_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -143,9 +160,9 @@ def remove(state: SchedulerState, seq_ids) -> SchedulerState:
                                running=tuple(s for s in state.running if s.seq_id not in ids))
 
 
-def update(state: SchedulerState, plan: StepPlan, new_tokens: Mapping[str, tuple[int, ...]],
-           num_pages: Mapping[str, int]) -> SchedulerState:
-    """After a step: scheduled tokens are computed; sampled tokens are appended.
+def update(state: SchedulerState, plan: StepPlan, num_new_tokens: Mapping[str, int]) -> SchedulerState:
+    """After a step: scheduled tokens are computed; the tokens the engine took from the
+    results are counted (the engine holds them).
 
     A speculative decode row emits k + 1 tokens (k accepted drafts, one bonus) and has
     computed the KV of all but the last: the row's token before them and the k drafts.
@@ -155,10 +172,9 @@ def update(state: SchedulerState, plan: StepPlan, new_tokens: Mapping[str, tuple
     def advance(s: Seq) -> Seq:
         if s.seq_id not in computed:
             return s
-        done = max(computed[s.seq_id], len(new_tokens.get(s.seq_id, ())))
-        return dataclasses.replace(s, num_computed_tokens=s.num_computed_tokens + done,
-                                   tokens=s.tokens + tuple(new_tokens.get(s.seq_id, ())),
-                                   num_pages=num_pages.get(s.seq_id, s.num_pages))
+        new = num_new_tokens.get(s.seq_id, 0)
+        return dataclasses.replace(s, num_computed_tokens=s.num_computed_tokens + max(computed[s.seq_id], new),
+                                   num_tokens=s.num_tokens + new)
     return dataclasses.replace(state, running=tuple(advance(s) for s in state.running))
 
 
@@ -174,11 +190,11 @@ def fork(state: SchedulerState, parent_id: str, child: Seq) -> SchedulerState:
 def reserved_pages(seq: Seq, config: SchedulerConfig) -> int:
     """Pages a sequence holds at completion under the reserving policies
     (GUARANTEED_NO_EVICT, STATIC_BATCH): its own, plus each future fork's. A fork shares
-    the prompt's pages before the one holding the prompt's last token (which it copies
-    on write), so it adds only the rest."""
+    the prompt's pages but the last, the one holding the prompt's last position, which it
+    writes first and so copies: it adds only the rest."""
     ps = config.page_size
-    total = _pages(seq.max_total_tokens + config.num_lookahead_slots, ps)
-    shared = (len(seq.tokens) - 1) // ps if seq.num_forks else 0  # tokens = the prompt until it forks
+    total = pages_for(seq.max_total_tokens + config.num_lookahead_slots, ps)
+    shared = pages_for(len(seq.prompt), ps) - 1 if seq.num_forks else 0
     return total + seq.num_forks * (total - shared)
 
 
@@ -188,24 +204,21 @@ def _order_waiting(waiting: tuple[Seq, ...], order: str, cached: Mapping[str, in
     return list(waiting)
 
 
-def schedule(state: SchedulerState, config: SchedulerConfig, num_available_pages: int,
-             cached: Mapping[str, int] | None = None,
+def schedule(state: SchedulerState, config: SchedulerConfig, kv: KVView,
              preempt_keeps_computed: bool = False) -> tuple[SchedulerState, StepPlan]:
-    """One scheduling step.
+    """One scheduling step over what the KV manager shows (`kv`).
 
-    num_available_pages: pages the KV manager can hand out (free + evictable cached).
-    cached: for waiting sequences, prompt tokens the prefix cache would serve.
     preempt_keeps_computed: preempted sequences keep num_computed_tokens (swap
     preemption); otherwise they restart from zero (recompute).
     """
-    cached = cached or {}
+    cached, num_available_pages = kv.cached, kv.num_available
     active = list(state.running)
     preempted: list[Seq] = []
 
     # 1. Capacity for the running batch; MAX_UTILIZATION pauses the newest on a misfit.
     while True:
         tokens = _micro_batch(active, config, state.step)
-        if _pages_needed(active, tokens, config) <= num_available_pages or not active \
+        if _pages_needed(active, tokens, config, kv.writable) <= num_available_pages or not active \
                 or config.capacity_policy != MAX_UTILIZATION:
             break
         victim = max(active, key=lambda s: (s.started, s.arrival))
@@ -220,20 +233,20 @@ def schedule(state: SchedulerState, config: SchedulerConfig, num_available_pages
                 break
             hit = 0 if seq.num_computed_tokens else cached.get(seq.seq_id, 0)
             if config.order == LPM and hit <= DEFER_MAX_CACHED and any(
-                    _shared_prefix(seq.tokens, a.tokens) - hit >= DEFER_MIN_SHARED for a in admitted):
+                    _shared_prefix(seq.prompt, a.prompt) - hit >= DEFER_MIN_SHARED for a in admitted):
                 continue  # a delayed hit: next step it reuses that request's KV
             candidate = dataclasses.replace(seq, num_computed_tokens=max(seq.num_computed_tokens, hit),
-                                            started=state.step, num_pages=0)
+                                            started=state.step)
             trial = active + [candidate]
             trial_tokens = _micro_batch(trial, config, state.step)
             if not trial_tokens.get(seq.seq_id) or \
-                    _pages_needed(trial, trial_tokens, config) > num_available_pages:
+                    _pages_needed(trial, trial_tokens, config, kv.writable) > num_available_pages:
                 break  # the first misfit stops admission
             active, tokens = trial, trial_tokens
             admitted.append(candidate)
 
     # 3. Preempted sequences go to the front of the queue.
-    back = [dataclasses.replace(s, num_pages=0, started=-1,
+    back = [dataclasses.replace(s, started=-1,
                                 num_computed_tokens=s.num_computed_tokens if preempt_keeps_computed else 0)
             for s in preempted]
     admitted_ids = {s.seq_id for s in admitted}
@@ -242,28 +255,29 @@ def schedule(state: SchedulerState, config: SchedulerConfig, num_available_pages
     for s in active:
         n = tokens.get(s.seq_id)
         if n:
-            (decodes if len(s.tokens) - s.num_computed_tokens == 1 else contexts).append((s.seq_id, n))
+            (decodes if s.remaining == 1 else contexts).append((s.seq_id, n))
     new_state = SchedulerState(waiting=tuple(back + waiting), running=tuple(active), step=state.step + 1)
     plan = StepPlan(scheduled=tuple(contexts + decodes), admitted=tuple(s.seq_id for s in admitted),
                     preempted=tuple(s.seq_id for s in preempted))
     return new_state, plan
 
 
-def _pages_needed(seqs: list[Seq], tokens: Mapping[str, int], config: SchedulerConfig) -> int:
-    """Pages to allocate beyond what `seqs` hold: to completion (GUARANTEED_NO_EVICT,
-    STATIC_BATCH) or for this step's tokens only (MAX_UTILIZATION)."""
+def _pages_needed(seqs: list[Seq], tokens: Mapping[str, int], config: SchedulerConfig,
+                  writable: Mapping[str, int]) -> int:
+    """Pages to allocate beyond what `seqs` can write already (`writable`; none for a
+    sequence being admitted): to completion (GUARANTEED_NO_EVICT, STATIC_BATCH) or for
+    this step's tokens only (MAX_UTILIZATION)."""
     ps = config.page_size
     need = 0
     ahead = config.num_lookahead_slots
-    if config.capacity_policy == MAX_UTILIZATION:
-        for s in seqs:
+    for s in seqs:
+        if config.capacity_policy == MAX_UTILIZATION:
             step = tokens.get(s.seq_id, 0)
-            n = -(-(s.num_computed_tokens + step + (ahead if step else 0)) // ps) - s.num_pages
-            need += n if n > 0 else 0
-    else:
-        for s in seqs:
-            n = reserved_pages(s, config) - s.num_pages
-            need += n if n > 0 else 0
+            n = pages_for(s.num_computed_tokens + step + (ahead if step else 0), ps)
+        else:
+            n = reserved_pages(s, config)
+        n -= writable.get(s.seq_id, 0)
+        need += n if n > 0 else 0
     return need
 
 
@@ -274,8 +288,8 @@ def _micro_batch(seqs: list[Seq], config: SchedulerConfig, step: int = 0) -> dic
     that none starves."""
     left = config.max_num_batched_tokens
     tokens: dict[str, int] = {}
-    contexts = [s for s in seqs if len(s.tokens) - s.num_computed_tokens > 1]
-    decodes = [s for s in seqs if len(s.tokens) - s.num_computed_tokens <= 1]
+    contexts = [s for s in seqs if s.remaining > 1]
+    decodes = [s for s in seqs if s.remaining <= 1]
     fits = left // config.tokens_per_decode
     if decodes and len(decodes) > fits:
         turn = step * max(fits, 1) % len(decodes)

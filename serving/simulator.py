@@ -11,7 +11,7 @@ OSDI 2024):
 where a prefill chunk of `len` tokens ends at position `end` (its attention reads that
 much context). The coefficients are fitted by least squares (`fit_cost_model`) from the
 real engine's measured steps (`measure_engine_steps`); a step with both kinds of rows
-pays both, as the runner runs them as two device calls.
+pays both.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import time
 import numpy as np
 
 from serving import scheduler as sched
-from serving.engine import EngineCore
+from serving.engine import EngineCore, Row, RowResult
+from serving.kv_manager import pages_for
 from serving.params import SamplingParams
-from serving.runner import Row, RowResult
 
 
 def prefill_features(lens: list[int], ends: list[int]) -> list[float]:
@@ -123,7 +123,7 @@ class SimRunner:
             tok = (r.seed * 1_000_003 + r.counter * 7919 + r.start) % self.vocab
             if tok == self.avoid:
                 tok = (tok + 1) % self.vocab
-            out.append(RowResult(int(tok)))
+            out.append(RowResult((int(tok),)))
         return out
 
     def copy_pages(self, pairs) -> None:
@@ -266,16 +266,16 @@ def measure_engine_steps(llm, prefill_steps: list[tuple[int, int]] | None = None
                          f"got {decode_steps}")
     first_page = 0
 
-    def table(end: int) -> list[int]:
+    def table(end: int) -> tuple[int, ...]:
         nonlocal first_page
-        need = -(-end // ps)
-        pages = [(first_page + j) % pool for j in range(need)]
+        need = pages_for(end, ps)
+        pages = tuple((first_page + j) % pool for j in range(need))
         first_page = (first_page + need) % pool
         return pages
 
-    steps = [[Row(rng.integers(0, llm.config.vocab_size, n).tolist(), s, table(s + n), sample=True)]
+    steps = [[Row(tuple(rng.integers(0, llm.config.vocab_size, n).tolist()), s, table(s + n), sample=True)]
              for n, s in prefill_steps]
-    steps += [[Row([int(rng.integers(0, llm.config.vocab_size))], c - 1, table(c), sample=True)
+    steps += [[Row((int(rng.integers(0, llm.config.vocab_size)),), c - 1, table(c), sample=True)
                for _ in range(b)] for b, c in decode_steps]
     for rows in steps:  # compile
         runner.execute(rows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -163,6 +164,24 @@ def export_cuda(fn, *args) -> str:
         disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
     )(*args)
     return exported.mlir_module()
+
+
+def kernel_calls(mlir: str, marker: str) -> int:
+    """How many times a lowered module runs `marker` (a kernel's custom call): each
+    occurrence counts once per path from @main to its function, since a nested jit
+    called from several places (a kernel per layer) lowers to one function called
+    several times."""
+    funcs = {}
+    for chunk in re.split(r"\n(?=\s*func\.func )", mlir)[1:]:
+        name = re.search(r"func\.func (?:public |private )?@([\w$.\-]+)", chunk).group(1)
+        funcs[name] = chunk
+
+    @functools.cache
+    def runs(name: str) -> int:
+        body = funcs[name]
+        return body.count(marker) + sum(runs(callee) for callee in re.findall(r"call @([\w$.\-]+)\(", body)
+                                        if callee in funcs)
+    return runs("main")
 
 
 def spec(x):

@@ -70,7 +70,8 @@ def test_warm_engine_never_recompiles(make_llm):
 def test_step_block_tables_follow_the_live_context(make_llm):
     """A step's block tables are cut to the bucketed live page count, not max_model_len,
     and the cut changes no token: full tables, the default cut and a one-page minimum agree."""
-    from serving.runner import Row, live_pages
+    from serving.engine import Row
+    from serving.runner import live_pages
 
     outputs = []
     for min_width in (32, None, 1):  # 32 pages = max_model_len 512: no cut
@@ -151,11 +152,12 @@ def test_stop_token_ids_stop_strings_and_logprobs(make_llm):
     assert res.token_ids == out.token_ids[:first] and res.finish_reason == "stop"
     assert res.stop_reason == stop_tok
     stop_str = out.text[len(out.text) // 2:][:3]
-    if stop_str:
-        res = llm.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                             stop=[stop_str]))[0].outputs[0]
-        assert res.finish_reason == "stop" and stop_str not in res.text
-        assert out.text.startswith(res.text)
+    assert len(stop_str) == 3, out.text  # twelve greedy tokens spell more than six characters
+    res = llm.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                         stop=[stop_str]))[0].outputs[0]
+    assert res.finish_reason == "stop" and res.stop_reason == stop_str
+    assert res.text == out.text[:out.text.index(stop_str)]  # cut before the stop string's first match
+    assert res.token_ids == out.token_ids[:len(res.token_ids)] and len(res.token_ids) < 12
     assert free.outputs[0].finish_reason == "length"
 
 
@@ -188,7 +190,7 @@ def test_sampling_params_validation(kw, match):
                                       (dict(kv_cache_dtype="int3"), "kv_cache_dtype"),
                                       (dict(kv_cache_dtype="kivi-int4"), "KIVI"),
                                       (dict(scheduling_policy="random"), "order"),
-                                      (dict(bogus=1), "unknown")])
+                                      (dict(bogus=1), "unknown"), (dict(model="x"), "unknown")])
 def test_llm_argument_validation(make_llm, kw, match):
     with pytest.raises(ValueError, match=match):
         make_llm(**kw)

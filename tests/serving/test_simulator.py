@@ -3,6 +3,9 @@ model and predicts steps it was not fitted on, the measured layouts can separate
 coefficient, and simulated time is exactly the sum of the steps that ran."""
 
 import dataclasses
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -169,3 +172,14 @@ def test_an_engine_that_can_never_schedule_raises_instead_of_spinning():
     config = sched.SchedulerConfig(page_size=4, max_num_batched_tokens=16, enable_chunked_prefill=False)
     with pytest.raises(RuntimeError, match="cannot schedule"):
         simulate(requests, config, num_pages=32, max_model_len=64, cost=TRUE, max_steps=1000)
+
+
+def test_host_side_serving_imports_no_jax_and_no_model():
+    """The engine, scheduler, KV manager, output processor and simulator run on the host:
+    importing them (a fresh interpreter) loads neither jax nor the model."""
+    code = ("import sys, serving.engine, serving.simulator, serving.scheduler, serving.kv_manager, "
+            "serving.output, serving.draft_tree\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'jaxlib', 'model', 'pallas_kernels'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=pathlib.Path(__file__).parents[2])
+    assert out.stdout.strip() == "[]", out.stdout

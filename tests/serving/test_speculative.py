@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.speculative import DraftTree, grow_tree, verify_greedy, verify_sampling
+from serving.draft_tree import DraftTree, grow_tree, verify_greedy, verify_sampling
 
 
 def hand_tree():
@@ -94,7 +94,8 @@ def test_sampling_verification_emits_the_target_distribution():
 
 # --- the engine's batched device versions against the host statements above ---------------
 
-from serving.speculative import TreeSpec, compact_kv, grow_trees, tree_masks, verify_trees  # noqa: E402
+from serving.draft_tree import TreeSpec  # noqa: E402
+from serving.speculative import compact_kv, grow_trees, tree_masks, verify_trees  # noqa: E402
 
 
 def test_tree_masks_equal_host_tree():

@@ -100,16 +100,16 @@ def test_speculation_over_block_tables_cut_to_the_live_pages(make_llm):
         trees.append(grown)
     assert len(trees[0]) == len(trees[1]) > 10
     for cut, full in zip(*trees):
-        np.testing.assert_array_equal(cut[0], full[0])  # tokens
-        np.testing.assert_array_equal(cut[1], full[1])  # parents
-        np.testing.assert_allclose(cut[2], full[2], rtol=1e-5, atol=1e-5)  # scores
+        np.testing.assert_array_equal(cut.tokens, full.tokens)
+        np.testing.assert_array_equal(cut.parents, full.parents)
+        np.testing.assert_allclose(cut.scores, full.scores, rtol=1e-5, atol=1e-5)
 
 
 def test_engine_tree_equals_a_draft_run_from_scratch(target, draft_dir, spec_llm):
     """After prefill, prefix hits and several verify steps (each moving KV and catching
     the draft up in pieces), the tree the engine holds equals `grow_tree` driven by the
     draft run from scratch over the whole sequence: features aligned, draft KV in place."""
-    from serving.speculative import grow_tree
+    from serving.draft_tree import grow_tree
 
     config, params = target
     draft_config, draft_params = eagle3.load_draft(draft_dir)
@@ -117,9 +117,12 @@ def test_engine_tree_equals_a_draft_run_from_scratch(target, draft_dir, spec_llm
     engine.add_request("tree", [5, 1, 0, 3, 3, 7, 2, 6, 1, 4, 0, 2, 5, 7, 1, 6, 3, 0],
                        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     seq = engine.seqs["tree#0"]
-    while len(seq.output) < 12:
+    for _ in range(40):
+        if len(seq.output.tokens) >= 12:
+            break
         engine.step()
-    tokens = engine.requests["tree"].prompt_ids + seq.output
+    tokens = list(engine.tokens("tree#0"))
+    assert len(tokens) >= 18 + 12
     n = len(tokens)
     cache = model.init_cache(config, 1, n)
     _, _, captured = model.forward_hidden(params, config, jnp.asarray([tokens[:-1]]),
@@ -140,6 +143,7 @@ def test_engine_tree_equals_a_draft_run_from_scratch(target, draft_dir, spec_llm
         for node in frontier:
             path = []
             while node > 0:
+                assert tree.parents[node] < node, "parents precede their children"
                 path.insert(0, int(tree.tokens[node]))
                 node = tree.parents[node]
             paths.append(path)
@@ -147,10 +151,9 @@ def test_engine_tree_equals_a_draft_run_from_scratch(target, draft_dir, spec_llm
 
     spec = spec_llm.runner.draft.spec
     want = grow_tree(tokens[-1], expand, spec.depth, spec.top_k, spec.num_tokens)
-    got_tokens, got_parents, got_scores = seq.tree
-    np.testing.assert_allclose(got_scores, want.scores, rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(got_tokens, want.tokens)
-    np.testing.assert_array_equal(got_parents, want.parents)
+    np.testing.assert_allclose(seq.tree.scores, want.scores, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(seq.tree.tokens, want.tokens)
+    np.testing.assert_array_equal(seq.tree.parents, want.parents)
     engine.abort("tree")
     engine.release("tree")
 

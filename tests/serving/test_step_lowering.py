@@ -4,13 +4,13 @@ and mixed prefill + decode steps, float and low-bit pools. On CUDA only decode-o
 steps have a kernel (the Triton paged decode kernel); the rest lower to the XLA path."""
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 import model
 from model.config import ModelConfig
-from serving.runner import ModelRunner, Row, _step
-from tests.pallas_kernels.helpers import TRITON_CALL, export_cuda, export_tpu, spec
+from serving.engine import Row
+from serving.runner import ModelRunner, _step
+from tests.pallas_kernels.helpers import TRITON_CALL, export_cuda, export_tpu, kernel_calls, spec
 
 LAYERS = 3
 PAGE_SIZE = 16
@@ -38,21 +38,21 @@ def _step_specs(config, params, kv_cache_dtype, lens=(1, 1), pages_per_seq=8):
 
 def test_float_pool_decode_step_calls_the_kernel_in_every_layer(tiny):
     fn, specs = _step_specs(*tiny, "auto")
-    assert export_tpu(fn, *specs).count("tpu_custom_call") == LAYERS
-    assert export_cuda(fn, *specs).count(TRITON_CALL) == LAYERS
+    assert kernel_calls(export_tpu(fn, *specs), "tpu_custom_call") == LAYERS
+    assert kernel_calls(export_cuda(fn, *specs), TRITON_CALL) == LAYERS
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "nvfp4", "turboquant-3.5"])
 def test_quantized_pool_decode_step_calls_the_tpu_kernel_in_every_layer(tiny, kv_cache_dtype):
     fn, specs = _step_specs(*tiny, kv_cache_dtype)
-    assert export_tpu(fn, *specs).count("tpu_custom_call") == LAYERS
+    assert kernel_calls(export_tpu(fn, *specs), "tpu_custom_call") == LAYERS
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_mixed_prefill_and_decode_step_calls_the_tpu_kernel_in_every_layer(tiny, kv_cache_dtype):
     """A prefill chunk and a decode row in one packed step: one ragged kernel per layer."""
     fn, specs = _step_specs(*tiny, kv_cache_dtype, lens=(9, 1))
-    assert export_tpu(fn, *specs).count("tpu_custom_call") == LAYERS
+    assert kernel_calls(export_tpu(fn, *specs), "tpu_custom_call") == LAYERS
 
 
 def test_speculative_step_runs_every_attention_of_target_and_draft_on_the_tpu_kernel(tiny):
@@ -64,8 +64,8 @@ def test_speculative_step_runs_every_attention_of_target_and_draft_on_the_tpu_ke
     import numpy as np
 
     from model import eagle3
+    from serving.draft_tree import DraftTree, TreeSpec
     from serving.runner import Drafter, _spec_step
-    from serving.speculative import TreeSpec
 
     config = dataclasses.replace(tiny[0], layer_kinds=("attention",) * 4)  # EAGLE-3 needs 4
     params = model.init_params(config, jax.random.key(0))
@@ -75,7 +75,7 @@ def test_speculative_step_runs_every_attention_of_target_and_draft_on_the_tpu_ke
     spec_ = TreeSpec(depth=2, top_k=2, num_tokens=4)
     runner = ModelRunner(config, params, num_pages=16, page_size=PAGE_SIZE, max_pages_per_seq=8,
                          max_num_seqs=4, draft=Drafter(draft_config, draft_params, spec_))
-    tree = (np.array([3, 4, 5, 6]), np.array([-1, 0, 0, 1]), np.zeros(4, np.float32))
+    tree = DraftTree(np.array([3, 4, 5, 6]), np.array([-1, 0, 0, 1]), np.zeros(4, np.float32))
     verify = Row(tokens=[3], start=5, block_table=[0, 1], sample=True, tree=tree)
     decode = Row(tokens=[3], start=7, block_table=[2, 3], sample=True)
     parts = {"decode": runner._chunk_inputs([decode]), "verify": runner._verify_inputs([verify])}
@@ -83,4 +83,4 @@ def test_speculative_step_runs_every_attention_of_target_and_draft_on_the_tpu_ke
         params, config, PAGE_SIZE, draft_params, draft_config, spec_, pool, parts, False)
     specs = [jax.tree.map(spec, x) for x in (params, draft_params, runner.pool, parts)]
     per_part = 4 + 1 + (spec_.depth - 1)  # target, draft over the chunk, tree levels
-    assert export_tpu(fn, *specs).count("tpu_custom_call") == 2 * per_part
+    assert kernel_calls(export_tpu(fn, *specs), "tpu_custom_call") == 2 * per_part
