@@ -86,6 +86,21 @@ def _kernels_compiled(request, monkeypatch):
         compile_kernels(monkeypatch, request.module)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_code():
+    """Free every compiled executable after each test module. XLA:CPU maps each one's code
+    into its own memory mappings; the whole suite compiles enough of them to pass the
+    kernel's vm.max_map_count (65530 by default), where the next compile aborts the
+    process (seen at about 90% of the suite, in whichever test compiled next)."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """(config, params) of the embedded SmolLM2-135M-Instruct, loaded once per session."""
