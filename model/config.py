@@ -113,6 +113,9 @@ HF_ARCHITECTURES = {
 }
 
 
+HF_REQUIRED = ("num_attention_heads", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size")
+
+
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Build a ModelConfig from a Hugging Face `config.json` dict."""
     archs = hf.get("architectures") or []
@@ -121,6 +124,10 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"unsupported architecture {archs or hf.get('model_type')!r}; "
                          f"supported: {sorted(HF_ARCHITECTURES)}")
     family = HF_ARCHITECTURES[supported[0]]
+    for key in HF_REQUIRED:
+        value = hf.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"config.json: {key} must be a positive int, got {value!r}")
     num_heads = hf["num_attention_heads"]
     hidden = hf["hidden_size"]
     num_layers = hf["num_hidden_layers"]

@@ -24,7 +24,13 @@ def read_hf_config(path: str) -> ModelConfig:
     if not os.path.exists(cfg_file):
         raise ValueError(f"{path} is not a Hugging Face checkpoint: no config.json")
     with open(cfg_file) as f:
-        return config_from_hf(json.load(f))
+        try:
+            hf = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{cfg_file} must hold a JSON object, got {type(hf).__name__}")
+    return config_from_hf(hf)
 
 
 def params_from_hf_dir(path: str, config: ModelConfig, dtype=np.float32) -> dict:

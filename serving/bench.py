@@ -7,6 +7,7 @@
     python -m serving.bench kv-dtypes  [--batch 16] [--context 2048]
     python -m serving.bench scheduler  [--running 256 1024]
     python -m serving.bench speculative --draft DIR [--batch-sizes 1 8] [--new-tokens 64]
+    python -m serving.bench fuzz       [--examples 1000] [--seed 0]
 
 decode / offline: greedy generation throughput on the default model (generated tokens
 per second, prefill included, after a warm-up run that compiles), against
@@ -21,6 +22,9 @@ scheduler: microseconds per `schedule` call with N running requests.
 speculative: EAGLE-3 tree speculation against plain decoding on the same engine and
 prompts: tokens/s both ways, mean accepted length tau, acceptance by draft position,
 and whether the greedy outputs are identical (they must be).
+fuzz: random valid and invalid requests on a tiny model over the default tokenizer
+(serving/fuzz.py); counts of inputs run, rejected cleanly, and of crashes, hangs, leaks,
+baseline changes and invalid inputs accepted (each must be 0). No peer: a correctness run.
 """
 
 from __future__ import annotations
@@ -378,6 +382,32 @@ def bench_scheduler(args) -> None:
         print(f"| {n} | 64 | {(time.perf_counter() - start) / calls * 1e6:.0f} |")
 
 
+def bench_fuzz(args) -> None:
+    """serving/fuzz.py's properties over many examples: counts by outcome."""
+    import collections
+
+    from model import load_tokenizer
+    from serving import fuzz
+
+    rng = np.random.default_rng(args.seed)
+    engines = fuzz.make_engines(load_tokenizer("default"))
+    totals: collections.Counter = collections.Counter()
+    start = time.perf_counter()
+    for i in range(args.examples):
+        llm, baseline = engines[i % len(engines)]
+        totals += fuzz.run_example(llm, baseline, fuzz.random_actions(rng))
+        totals["examples"] += 1
+    elapsed = time.perf_counter() - start
+    print(f"{args.examples} examples (seed {args.seed}) in {elapsed:.0f} s on {_device()}")
+    print("| outcome | count |")
+    print("|---|---:|")
+    for key in ("examples", "inputs", "ran", "rejected cleanly", *fuzz.FAILURES):
+        print(f"| {key} | {totals[key]} |")
+    for key, n in sorted(totals.items()):
+        if key.startswith("crash:"):
+            print(f"| {key} | {n} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -415,6 +445,9 @@ def main(argv: list[str] | None = None) -> None:
                    default=["float32", "fp8", "int8", "nvfp4", "turboquant-3.5"])
     s = sub.add_parser("scheduler")
     s.add_argument("--running", type=int, nargs="+", default=[256, 1024])
+    fz = sub.add_parser("fuzz")
+    fz.add_argument("--examples", type=int, default=1000)
+    fz.add_argument("--seed", type=int, default=0)
     sp = sub.add_parser("speculative")
     sp.add_argument("--draft", required=True, help="an EAGLE-3 draft directory (training.train_eagle3)")
     sp.add_argument("--model", default="default")
@@ -440,6 +473,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.new_tokens <= 0 or any(b <= 0 for b in args.batch_sizes):
             parser.error("--new-tokens and batch sizes must be > 0")
         bench_speculative(args)
+    elif args.command == "fuzz":
+        if args.examples <= 0:
+            parser.error("--examples must be > 0")
+        bench_fuzz(args)
     else:
         bench_scheduler(args)
 

@@ -25,9 +25,10 @@ from serving import scheduler as sched
 from serving.draft_tree import DraftTree
 from serving.kv_manager import KVManager, pages_for
 from serving.output import Decode, OutputProcessor, SeqOutput
-from serving.params import SamplingParams
+from serving.params import SEED_BITS, SamplingParams
 
 RECOMPUTE, SWAP = "recompute", "swap"
+PREEMPTION_MODES = (RECOMPUTE, SWAP)
 
 # -- the engine-runner contract ------------------------------------------------------
 
@@ -111,8 +112,12 @@ class EngineCore:
                  max_model_len: int, eos_token_id: int | None, enable_prefix_caching: bool = True,
                  preemption_mode: str = RECOMPUTE, seed: int = 0, clock=time.monotonic,
                  decode: Decode | None = None):
-        if preemption_mode not in (RECOMPUTE, SWAP):
+        if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        if not sched_config.enable_chunked_prefill and sched_config.max_num_batched_tokens < max_model_len:
+            raise ValueError(f"without chunked prefill max_num_batched_tokens "
+                             f"({sched_config.max_num_batched_tokens}) must be >= max_model_len "
+                             f"({max_model_len}): a longer sequence could never be scheduled")
         self.runner, self.config = runner, sched_config
         self.kv = KVManager(num_pages, sched_config.page_size, enable_prefix_caching)
         self.output = OutputProcessor(eos_token_id, max_model_len, decode)
@@ -134,6 +139,9 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.output.check(params)
         prompt = tuple(prompt_ids)
+        if not 0 < len(prompt) < self.max_model_len:
+            raise ValueError(f"a prompt of {len(prompt)} tokens does not fit max_model_len={self.max_model_len} "
+                             "with room to generate")
         arrival = self.clock() if arrival is None else arrival
         seq = self._sched_seq(f"{request_id}#0", prompt, params, arrival, num_forks=params.n - 1)
         need = pages_for(seq.max_total_tokens + self.config.num_lookahead_slots, self.kv.page_size)
@@ -146,7 +154,7 @@ class EngineCore:
         seq_ids = [f"{request_id}#{i}" for i in range(params.n)]
         self.requests[request_id] = RequestState(request_id, prompt, params, arrival, seq_ids)
         for i, sid in enumerate(seq_ids):
-            seed = params.seed + i if params.seed is not None else self._fresh_seed()
+            seed = (params.seed + i) % 2**SEED_BITS if params.seed is not None else self._fresh_seed()
             self.seqs[sid] = SeqState(sid, request_id, i, params, len(prompt), seed, self.output.new())
         self.state = sched.add(self.state, seq)
 

@@ -18,7 +18,7 @@ import sys
 import jax
 
 from serving.llm import LLM
-from serving.params import SamplingParams
+from serving.params import SamplingParams, check_text
 
 # Compiled steps persist across runs: a second `generate` skips XLA compilation.
 COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "kvfold", "jax")
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="JSON, as LLM(speculative_config=...): EAGLE-3 speculative decoding")
     args = parser.parse_args(argv)
     try:
+        check_text("prompt", args.prompt)  # bytes that were not UTF-8 arrive as lone surrogates
         speculative = None
         if args.speculative_config is not None:
             try:

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import numbers
+import threading
 from typing import Iterator, Sequence
 
 import jax.numpy as jnp
+import numpy as np
 import tqdm
 
 import model
@@ -26,8 +29,9 @@ from model.config import ATTENTION, SLIDING_ATTENTION
 from model.kv_formats import KV_CACHE_DTYPES, bytes_per_token, check_kv_cache_dtype
 from serving import scheduler as sched
 from serving.draft_tree import TreeSpec
-from serving.engine import RECOMPUTE, EngineCore
-from serving.params import CompletionOutput, RequestOutput, SamplingParams
+from serving.engine import PREEMPTION_MODES, RECOMPUTE, EngineCore
+from serving.params import (CompletionOutput, RequestOutput, SamplingParams, check_bool, check_int,
+                            check_text)
 from serving.runner import Drafter, ModelRunner
 
 DEFAULT_KV_CACHE_GIB = 1.0
@@ -72,13 +76,27 @@ class LLM:
                max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_dtype,
                scheduling_policy, capacity_policy, chunking_policy, preemption_mode, seed, dtype,
                speculative_config):
+        # Every argument is checked here, before anything is built.
         context = config.max_position_embeddings
-        max_model_len = max_model_len or context
-        if not 0 < max_model_len <= context:
-            raise ValueError(f"max_model_len must be in [1, {context}], got {max_model_len}")
-        if block_size <= 0 or block_size & (block_size - 1):
+        max_model_len = context if max_model_len is None else check_int("max_model_len", max_model_len, 1, context)
+        block_size = check_int("block_size", block_size, 1)
+        if block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
-        if kv_cache_dtype not in SERVING_KV_CACHE_DTYPES:
+        if num_kv_blocks is not None:
+            num_kv_blocks = check_int("num_kv_blocks", num_kv_blocks, 1)
+        max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
+        max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        enable_prefix_caching = check_bool("enable_prefix_caching", enable_prefix_caching)
+        seed = check_int("seed", seed)
+        for name, value, allowed in (("scheduling_policy", scheduling_policy, sched.ORDERS),
+                                     ("capacity_policy", capacity_policy, sched.CAPACITY_POLICIES),
+                                     ("chunking_policy", chunking_policy, sched.CHUNKING_POLICIES),
+                                     ("preemption_mode", preemption_mode, PREEMPTION_MODES)):
+            if not isinstance(value, str) or value not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+        if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16, jnp.float16):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in SERVING_KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {SERVING_KV_CACHE_DTYPES}, got "
                              f"{kv_cache_dtype!r} (KIVI keeps a per-batch-row buffer the engine cannot "
                              "page yet)")
@@ -99,13 +117,12 @@ class LLM:
             budget = DEFAULT_KV_CACHE_GIB * 2**30 // per_token
             num_kv_blocks = max(min(int(budget) // block_size, max_num_seqs * max_pages_per_seq),
                                 max_pages_per_seq)
-        if num_kv_blocks <= 0:
-            raise ValueError(f"num_kv_blocks must be > 0, got {num_kv_blocks}")
         self.config, self.tokenizer, self.max_model_len = config, tokenizer, max_model_len
         sched_config = sched.SchedulerConfig(
             page_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, capacity_policy=capacity_policy,
             chunking_policy=chunking_policy, order=scheduling_policy,
+            chunk_unit_size=min(sched.SchedulerConfig.chunk_unit_size, max_num_batched_tokens),
             tokens_per_decode=draft.spec.num_tokens if draft else 1, num_lookahead_slots=lookahead)
         self.runner = ModelRunner(config, params, num_kv_blocks, block_size, max_pages_per_seq,
                                   max_num_seqs, dtype, kv_cache_dtype, draft)
@@ -113,6 +130,7 @@ class LLM:
                                  tokenizer.eos_token_id, enable_prefix_caching, preemption_mode, seed,
                                  decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
         self._ids = itertools.count()
+        self._lock = threading.RLock()  # one engine step (or request change) at a time
 
     def get_tokenizer(self) -> model.Tokenizer:
         return self.tokenizer
@@ -121,11 +139,17 @@ class LLM:
 
     def _prompt(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            if not prompt:
+            text = check_text("prompt", prompt)
+            if not text:
                 raise ValueError("prompt is empty")
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(text)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            if text is not None:
+                check_text("prompt", text)
+            if not isinstance(ids, (list, tuple)):
+                raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+            ids = list(ids)
         elif isinstance(prompt, dict) and "prompt" in prompt:
             return self._prompt(prompt["prompt"])
         else:
@@ -134,31 +158,35 @@ class LLM:
         if not ids:
             raise ValueError("prompt has no tokens")
         vocab = self.config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, (bool, np.bool_))
+               or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within "
                              f"max_model_len={self.max_model_len}")
-        return text, ids
+        return text, [int(t) for t in ids]
 
     def _requests(self, prompts, sampling_params) -> list[tuple[str | None, list[int], SamplingParams]]:
+        """Every prompt and its SamplingParams, all checked before any is scheduled."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        prompts = list(prompts)
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
         if not prompts:
             raise ValueError("no prompts given")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
-        sampling_params = list(sampling_params)
+        if not isinstance(sampling_params, (list, tuple)):
+            raise ValueError("sampling_params must be SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         for p in sampling_params:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-        # Validate everything before scheduling anything.
         return [(*self._prompt(p), sp) for p, sp in zip(prompts, sampling_params)]
 
     # -- output (read only: the engine's output processor wrote it) ----------------------
@@ -187,17 +215,37 @@ class LLM:
     # -- generation ------------------------------------------------------------------
 
     def _add(self, prompts, sampling_params) -> list[tuple[str, str | None]]:
+        """Validate every request, then add them all or none."""
+        requests = self._requests(prompts, sampling_params)
         added = []
-        for text, ids, params in self._requests(prompts, sampling_params):
-            rid = str(next(self._ids))
-            self.engine.add_request(rid, ids, params)
-            added.append((rid, text))
+        with self._lock:
+            try:
+                for text, ids, params in requests:
+                    rid = str(next(self._ids))
+                    self.engine.add_request(rid, ids, params)
+                    added.append((rid, text))
+            except BaseException:
+                self._forget(added)
+                raise
         return added
 
-    def _step(self) -> set[str]:
-        if not self.engine.has_unfinished():  # every unfinished request is scheduled somewhere
-            raise RuntimeError("requests are unfinished but the engine holds no sequence")
-        return self.engine.step()
+    def _forget(self, added: list[tuple[str, str | None]]) -> None:
+        """Abort and drop `added` requests (finished or not): their pages go back now."""
+        with self._lock:
+            for rid, _ in added:
+                if rid in self.engine.requests:
+                    self.engine.abort(rid)
+                    self.engine.release(rid)
+
+    def _step(self, added: list[tuple[str, str | None]]) -> None:
+        """One engine step for `added`, unless they are all finished. Calls from several
+        threads share the engine one step at a time (a step advances every thread's requests)."""
+        with self._lock:
+            if all(self.engine.request_finished(rid) for rid, _ in added):
+                return
+            if not self.engine.has_unfinished():  # every unfinished request is scheduled somewhere
+                raise RuntimeError("requests are unfinished but the engine holds no sequence")
+            self.engine.step()
 
     def stream(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                ) -> Iterator[RequestOutput]:
@@ -208,18 +256,16 @@ class LLM:
         pending = dict(added)
         try:
             while pending:
-                progressed = self._step()
+                self._step(added)
                 for rid in list(pending):
-                    if rid in progressed or self.engine.request_finished(rid):
+                    with self._lock:
                         out = self._output(rid, pending[rid], marks[rid])
+                    if out.finished or any(o.token_ids or o.text for o in out.outputs):
                         if out.finished:
                             del pending[rid]
                         yield out
         finally:
-            for rid, _ in added:
-                if rid in self.engine.requests:
-                    self.engine.abort(rid)
-                    self.engine.release(rid)
+            self._forget(added)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -230,21 +276,39 @@ class LLM:
             with tqdm.tqdm(total=len(added), desc="requests", disable=not use_tqdm) as bar:
                 while (done := sum(self.engine.request_finished(rid) for rid, _ in added)) < len(added):
                     bar.update(done - bar.n)
-                    self._step()
+                    self._step(added)
                 bar.update(done - bar.n)
-            return [self._output(rid, text) for rid, text in added]
+            with self._lock:
+                return [self._output(rid, text) for rid, text in added]
         finally:
-            for rid, _ in added:
-                self.engine.abort(rid)
-                self.engine.release(rid)
+            self._forget(added)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Apply the chat template to one conversation (or a list of them) and generate."""
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        conversations = messages if messages and isinstance(messages, list) and isinstance(messages[0], list) \
+            else [messages]
+        for conversation in conversations:
+            check_messages(conversation)
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(c, tokenize=True)}
                    for c in conversations]
         return self.generate(prompts, sampling_params)
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_messages(messages) -> None:
+    """A conversation is a non-empty list of {"role": one of CHAT_ROLES, "content": str}."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts (or a "
+                         f"list of such lists), got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) - {"role", "content", "name"} or "role" not in m:
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r:.80}")
+        if m["role"] not in CHAT_ROLES:
+            raise ValueError(f"message {i} role must be one of {list(CHAT_ROLES)}, got {m['role']!r}")
+        check_text(f"message {i} content", m.get("content"))
 
 
 SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "depth", "top_k")

@@ -3,11 +3,63 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+
+import numpy as np
+
+
+SEED_BITS = 64
+
+
+def check_int(name: str, value, low: int | None = None, high: int | None = None) -> int:
+    """value must be an integer (Python or numpy; a bool is not) in [low, high]; returns it
+    as an int."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if (low is not None and value < low) or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    return int(value)
+
+
+def check_number(name: str, value, low: float, high: float = math.inf, low_open: bool = False) -> float:
+    """value must be a finite real number (int or float, not bool) in [low, high] (or
+    (low, high] when low_open); returns it as a float."""
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value) or value < low or (low_open and value == low) or value > high:
+        bounds = f"{'(' if low_open else '['}{low}, {high}{']' if math.isfinite(high) else ')'}"
+        raise ValueError(f"{name} must be a finite number in {bounds}, got {value}")
+    return value
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
+def check_text(name: str, value) -> str:
+    """value must be a str that is valid Unicode (no lone surrogates, e.g. from bytes that
+    were not UTF-8)."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode text ({e.reason} at position {e.start})") from None
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request (vLLM's spelling and defaults, greedy when temperature=0)."""
+    """How to sample one request (vLLM's spelling and defaults, greedy when temperature=0).
+
+    Every field is checked on construction: exact types (a bool is not an int, a float is
+    not a seed), finite numbers, documented ranges; a bad one raises ValueError naming it.
+    """
 
     n: int = 1
     max_tokens: int = 16
@@ -15,36 +67,40 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) = off
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # any int in [-2**63, 2**64), taken modulo 2**64 (as torch does)
     stop: tuple[str, ...] | list[str] | str | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     logprobs: int | None = None  # top-k logprobs returned per generated token
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be an integer > 0, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or > 0, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        checked = dict(n=check_int("n", self.n, 1), max_tokens=check_int("max_tokens", self.max_tokens, 1),
+                       temperature=check_number("temperature", self.temperature, 0.0),
+                       top_p=check_number("top_p", self.top_p, 0.0, 1.0, low_open=True),
+                       top_k=max(check_int("top_k", self.top_k, -1), 0),
+                       min_p=check_number("min_p", self.min_p, 0.0, 1.0),
+                       ignore_eos=check_bool("ignore_eos", self.ignore_eos))
+        if self.seed is not None:
+            checked["seed"] = check_int("seed", self.seed, -2**63, 2**SEED_BITS - 1)
+        if self.logprobs is not None:
+            checked["logprobs"] = check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
+        if stop is not None and not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         stop = tuple(stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        object.__setattr__(self, "top_k", max(self.top_k, 0))
+        for s in stop:
+            check_text("a stop string", s)
+        ids = self.stop_token_ids
+        if ids is not None and not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+        checked["stop"] = stop
+        checked["stop_token_ids"] = tuple(check_int("a stop token id", t, 0) for t in ids or ())
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
 
 
 MAX_LOGPROBS = 20

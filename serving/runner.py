@@ -71,7 +71,7 @@ class StepBatch:
     kv_lens: jax.Array  # int32 [S]: the row's sequence length after the step
     block_tables: jax.Array  # int32 [S, W]: pages of each row, cut to the live width
     logits_indices: jax.Array  # int32 [S]: index of each row's last token (its logits)
-    seeds: jax.Array  # uint32 [S]: per-request sampling seed
+    seeds: jax.Array  # uint32 [S, 2]: per-sequence 64-bit sampling seed (low, high words)
     counters: jax.Array  # uint32 [S]: tokens generated so far (the per-step key)
     temperature: jax.Array  # float32 [S]; 0 = greedy
     top_k: jax.Array  # int32 [S]; 0 = off
@@ -291,12 +291,12 @@ class ModelRunner:
 
     def _sampling_arrays(self, rows: list[Row], b: int) -> list[jax.Array]:
         """seeds, counters, temperature, top_k, top_p, min_p for `rows` padded to b."""
-        seeds, counters = np.zeros(b, np.uint32), np.zeros(b, np.uint32)
+        seeds, counters = np.zeros((b, 2), np.uint32), np.zeros(b, np.uint32)
         temp, top_p, min_p = np.zeros(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.float32)
         top_k = np.zeros(b, np.int32)
         for i, r in enumerate(rows):
             p = r.params
-            seeds[i], counters[i] = r.seed & 0xFFFFFFFF, r.counter
+            seeds[i], counters[i] = (r.seed & 0xFFFFFFFF, (r.seed >> 32) & 0xFFFFFFFF), r.counter
             temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
         return [jnp.asarray(a) for a in (seeds, counters, temp, top_k, top_p, min_p)]
 

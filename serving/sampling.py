@@ -12,8 +12,21 @@ import jax.numpy as jnp
 
 
 def row_keys(seeds: jnp.ndarray, counters: jnp.ndarray) -> jax.Array:
-    """One PRNG key per row from uint32 seeds [B] and step counters [B]."""
-    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+    """One PRNG key per row from seeds and step counters uint32 [B].
+
+    seeds: uint32 [B] or [B, 2] (the low and high words of a 64-bit seed); a seed below
+    2**32 gives the same key either way.
+    """
+    if seeds.ndim == 1:
+        seeds = jnp.stack([seeds, jnp.zeros_like(seeds)], axis=-1)
+
+    def one(seed, counter):
+        key = jax.random.key(seed[0])
+        wide = jax.random.fold_in(key, seed[1])
+        key = jax.random.wrap_key_data(jnp.where(seed[1] != 0, jax.random.key_data(wide),
+                                                 jax.random.key_data(key)))
+        return jax.random.fold_in(key, counter)
+    return jax.vmap(one)(seeds.astype(jnp.uint32), counters)
 
 
 def sample(logits: jnp.ndarray, keys: jax.Array, temperature: jnp.ndarray, top_k: jnp.ndarray,

@@ -69,6 +69,11 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_lookahead_slots < 0:
             raise ValueError(f"num_lookahead_slots must be >= 0, got {self.num_lookahead_slots}")
+        # Progress: a decode row and a prefill chunk of one unit always fit the budget.
+        for name in ("chunk_unit_size", "tokens_per_decode"):
+            if getattr(self, name) > self.max_num_batched_tokens:
+                raise ValueError(f"{name}={getattr(self, name)} exceeds max_num_batched_tokens="
+                                 f"{self.max_num_batched_tokens}: no step could schedule it")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

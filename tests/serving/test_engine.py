@@ -189,7 +189,7 @@ def test_sampling_params_validation(kw, match):
                                       (dict(block_size=12), "block_size"),
                                       (dict(kv_cache_dtype="int3"), "kv_cache_dtype"),
                                       (dict(kv_cache_dtype="kivi-int4"), "KIVI"),
-                                      (dict(scheduling_policy="random"), "order"),
+                                      (dict(scheduling_policy="random"), "scheduling_policy"),
                                       (dict(bogus=1), "unknown"), (dict(model="x"), "unknown")])
 def test_llm_argument_validation(make_llm, kw, match):
     with pytest.raises(ValueError, match=match):

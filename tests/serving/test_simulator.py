@@ -166,12 +166,14 @@ def test_idle_gaps_cost_nothing_and_arrivals_start_on_time():
     assert res.makespan_s - sum(cost.times) == pytest.approx(1.0 + 50.0 - (1.0 + res.e2e_s[0]), rel=1e-9)
 
 
-def test_an_engine_that_can_never_schedule_raises_instead_of_spinning():
-    # Without chunked prefill a prompt longer than the step budget never runs.
+def test_an_engine_that_could_never_schedule_is_rejected_up_front():
+    # Without chunked prefill a prompt longer than the step budget would never run.
     requests = [SimRequest(0.0, tuple(range(3, 43)), 2)]
     config = sched.SchedulerConfig(page_size=4, max_num_batched_tokens=16, enable_chunked_prefill=False)
-    with pytest.raises(RuntimeError, match="cannot schedule"):
+    with pytest.raises(ValueError, match="without chunked prefill"):
         simulate(requests, config, num_pages=32, max_model_len=64, cost=TRUE, max_steps=1000)
+    with pytest.raises(ValueError, match="chunk_unit_size=16 exceeds max_num_batched_tokens=8"):
+        sched.SchedulerConfig(page_size=4, max_num_batched_tokens=8)
 
 
 def test_host_side_serving_imports_no_jax_and_no_model():
