@@ -386,6 +386,8 @@ def bench_fuzz(args) -> None:
     """serving/fuzz.py's properties over many examples: counts by outcome."""
     import collections
 
+    import tqdm
+
     from model import load_tokenizer
     from serving import fuzz
 
@@ -393,7 +395,7 @@ def bench_fuzz(args) -> None:
     engines = fuzz.make_engines(load_tokenizer("default"))
     totals: collections.Counter = collections.Counter()
     start = time.perf_counter()
-    for i in range(args.examples):
+    for i in tqdm.trange(args.examples, desc="examples", mininterval=30):
         llm, baseline = engines[i % len(engines)]
         totals += fuzz.run_example(llm, baseline, fuzz.random_actions(rng))
         totals["examples"] += 1
