@@ -94,7 +94,11 @@ class LLM:
                                      ("preemption_mode", preemption_mode, PREEMPTION_MODES)):
             if not isinstance(value, str) or value not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
-        if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        try:
+            float_dtype = jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16, jnp.float16)
+        except TypeError:
+            float_dtype = False
+        if not float_dtype:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
         if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in SERVING_KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {SERVING_KV_CACHE_DTYPES}, got "
@@ -162,10 +166,7 @@ class LLM:
                or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within "
-                             f"max_model_len={self.max_model_len}")
-        return text, [int(t) for t in ids]
+        return text, [int(t) for t in ids]  # the engine checks the length against max_model_len
 
     def _requests(self, prompts, sampling_params) -> list[tuple[str | None, list[int], SamplingParams]]:
         """Every prompt and its SamplingParams, all checked before any is scheduled."""

@@ -152,6 +152,7 @@ def test_bad_chat_messages_are_rejected(llm, messages, match):
     (dict(enable_prefix_caching="yes"), "enable_prefix_caching"), (dict(kv_cache_dtype=3), "kv_cache_dtype"),
     (dict(preemption_mode=None), "preemption_mode"), (dict(seed="1"), "seed"),
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens"), (dict(dtype="int8"), "dtype"),
+    (dict(dtype=object()), "dtype"),
 ])
 def test_llm_arguments_are_checked(llm, kw, field):
     from serving import LLM
