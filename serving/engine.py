@@ -77,7 +77,6 @@ class SeqState:
     request_id: str
     index: int
     params: SamplingParams
-    prompt_len: int
     seed: int
     output: SeqOutput
     swapped: object = None  # host copy of its pages while swapped out
@@ -155,7 +154,7 @@ class EngineCore:
         self.requests[request_id] = RequestState(request_id, prompt, params, arrival, seq_ids)
         for i, sid in enumerate(seq_ids):
             seed = (params.seed + i) % 2**SEED_BITS if params.seed is not None else self._fresh_seed()
-            self.seqs[sid] = SeqState(sid, request_id, i, params, len(prompt), seed, self.output.new())
+            self.seqs[sid] = SeqState(sid, request_id, i, params, seed, self.output.new())
         self.state = sched.add(self.state, seq)
 
     def _fresh_seed(self) -> int:
@@ -249,8 +248,8 @@ class EngineCore:
             seq = self.seqs[sid]
             if row.tree is not None:
                 self.accepted_counts[len(res.tokens) - 1] += 1
-            taken[sid] = self.output.append(seq.output, seq.params, seq.prompt_len, res.tokens,
-                                            res.logprobs)
+            prompt_len = len(self.requests[seq.request_id].prompt_ids)
+            taken[sid] = self.output.append(seq.output, seq.params, prompt_len, res.tokens, res.logprobs)
             seq.tree = res.tree
         self.state = sched.update(self.state, plan, taken)
         running = {s.seq_id: s for s in self.state.running}
