@@ -1,0 +1,326 @@
+"""kvfold's OpenAI-compatible HTTP server (FastAPI on uvicorn); docs/server.md is the manual.
+
+    python -m serving.server --model default --port 8000      # or: kvfold serve --model ...
+
+Routes: POST /v1/completions and /v1/chat/completions (streamed as server-sent events
+when "stream": true), GET /v1/models, /health and /metrics (Prometheus). One engine
+thread steps the model (serving.async_llm.AsyncLLM); a client that disconnects aborts
+its requests. Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}:
+400 for a bad request (the engine never sees it), 401 without the API key, 413 for a
+body over the size cap, 429 (with Retry-After) when the waiting queue is full, 503 when
+the engine thread has died.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import sys
+import time
+
+import jinja2
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serving import openai_protocol as protocol
+from serving.async_llm import AsyncLLM, EngineDead, Overloaded, Stream
+from serving.metrics import ServerMetrics
+
+DEFAULT_MAX_WAITING_REQUESTS = 256
+DEFAULT_MAX_WAITING_TOKENS = 2**18
+DEFAULT_MAX_REQUEST_BODY_BYTES = 2**20
+API_KEY_ENV = "KVFOLD_API_KEY"
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | int | None = None, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+        self.code = status if code is None else code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(protocol.error_body(self.message, self.type, self.code, self.param),
+                            status_code=self.status, headers=self.headers)
+
+
+def _bad_request(e: ValueError, fields: tuple[str, ...]) -> APIError:
+    """A ValueError from parsing, SamplingParams or the LLM, naming its field when it starts with one."""
+    message = str(e)
+    first = message.split(" ", 1)[0]
+    return APIError(400, message, param=first if first in fields else None)
+
+
+def create_app(llm, served_model_name: str = "default", api_key: str | None = None,
+               max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
+               max_waiting_tokens: int | None = DEFAULT_MAX_WAITING_TOKENS,
+               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+    """The app over `llm` (a serving.LLM). Its lifespan starts and stops the engine thread;
+    in-process callers that skip lifespan events (httpx.ASGITransport) use
+    `with app.state.engine:` instead."""
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("api_key must be a non-empty string or None")
+    if not isinstance(max_request_body_bytes, int) or max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be a positive int, got {max_request_body_bytes!r}")
+    metrics = ServerMetrics(lambda: engine.stats)
+    engine = AsyncLLM(llm, max_waiting_requests, max_waiting_tokens, observer=metrics)
+    tokenizer = llm.tokenizer
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        with engine:
+            yield
+
+    app = FastAPI(title="kvfold", lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        if e.status in (400, 401, 413, 429):
+            metrics.rejected.labels(code=str(e.status)).inc()
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return APIError(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404
+                        else "invalid_request_error").response()
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           "authentication_error", "invalid_api_key")
+
+    async def read_json(request: Request):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_request_body_bytes:
+            raise APIError(413, f"the request body has {length} bytes, more than the server's "
+                           f"max_request_body_bytes={max_request_body_bytes}", code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_request_body_bytes:
+                raise APIError(413, f"the request body is over the server's max_request_body_bytes="
+                               f"{max_request_body_bytes}", code="request_too_large")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+    def parse(fn, *args, fields: tuple[str, ...]):
+        try:
+            return fn(*args)
+        except LookupError as e:
+            raise APIError(400, str(e.args[0]), code="model_not_found", param="model") from None
+        except ValueError as e:
+            raise _bad_request(e, fields) from None
+
+    async def serve(request: Request, req: protocol.Request, fields: tuple[str, ...]):
+        try:
+            stream = await engine.add(req.prompts, req.params)
+        except ValueError as e:
+            raise _bad_request(e, fields) from None
+        except Overloaded as e:
+            raise APIError(429, str(e), "rate_limit_error", "server_overloaded",
+                           headers={"Retry-After": str(e.retry_after_s)}) from None
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_error", "engine_dead") from None
+        responder = protocol.Responder(req, lambda t: tokenizer.decode([t]))
+        if req.stream:
+            return StreamingResponse(_events(engine, stream, responder, len(req.prompts)),
+                                     media_type="text/event-stream")
+        await _collect(engine, request, stream, responder)
+        return JSONResponse(responder.response())
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        body = await read_json(request)
+        fields = protocol.COMPLETION_FIELDS
+        req = parse(protocol.completion_request, body, served_model_name, fields=fields)
+        return await serve(request, req, fields)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_json(request)
+        fields = protocol.CHAT_FIELDS
+        body, messages = parse(protocol.chat_messages, body, served_model_name, fields=fields)
+        try:
+            ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=True)
+        except (ValueError, jinja2.TemplateError) as e:
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        req = parse(protocol.chat_request, body, ids, llm.max_model_len, fields=fields)
+        return await serve(request, req, fields)
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
+                                            "owned_by": "kvfold", "max_model_len": llm.max_model_len}]}
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            raise APIError(503, f"the engine thread is not running: {engine.error!r}", "server_error",
+                           "engine_dead")
+        return {}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def _events(engine: AsyncLLM, stream: Stream, responder: protocol.Responder, num_prompts: int):
+    """Server-sent events: a chunk per choice delta, a usage chunk when asked, then [DONE].
+    Starlette cancels this generator when the client disconnects: the requests are aborted."""
+    done = False
+    try:
+        if responder.request.kind == "chat":
+            yield _sse(responder.role_chunk(num_prompts))
+        async for deltas in stream:
+            for choice in responder.add(deltas):
+                yield _sse(responder.chunk([choice]))
+        done = True
+        if responder.request.include_usage:
+            yield _sse(responder.chunk([], usage=True))
+    except EngineDead as e:
+        done = True
+        yield _sse(protocol.error_body(str(e), "server_error", "engine_dead"))
+    finally:
+        if not done:
+            engine.abort(stream)
+    yield _sse("[DONE]")
+
+
+async def _collect(engine: AsyncLLM, request: Request, stream: Stream, responder: protocol.Responder) -> None:
+    """Read the stream to its end, aborting it if the client goes away meanwhile."""
+    done = False
+    try:
+        while True:
+            item = asyncio.ensure_future(stream.__anext__())
+            while not (await asyncio.wait({item}, timeout=DISCONNECT_POLL_S))[0]:
+                if await request.is_disconnected():
+                    item.cancel()
+                    raise APIError(499, "the client disconnected", code="client_disconnected")
+            try:
+                responder.add(item.result())
+            except StopAsyncIteration:
+                done = True
+                return
+    except EngineDead as e:
+        done = True
+        raise APIError(503, str(e), "server_error", "engine_dead") from None
+    finally:
+        if not done:
+            engine.abort(stream)
+
+
+# -- command line ----------------------------------------------------------------------
+
+
+def _parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The server's flags, in vLLM's spelling."""
+    parser.add_argument("--model", default="default",
+                        help="'default' (the embedded SmolLM2-135M-Instruct), a .gguf file or a Hugging Face "
+                             "checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer <key>' on /v1 routes (or set {API_KEY_ENV})")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="sequences per engine step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and activations (auto: float32)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--speculative-config", default=None,
+                        help='JSON, e.g. \'{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 15}\'')
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                        help="requests allowed to wait for the engine; more get 429")
+    parser.add_argument("--max-waiting-tokens", type=int, default=DEFAULT_MAX_WAITING_TOKENS,
+                        help="prompt tokens allowed to wait for the engine; more get 429")
+    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="larger request bodies get 413")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    return parser
+
+
+def build(args: argparse.Namespace) -> FastAPI:
+    """The LLM and app that `args` (the server's flags) describe; ValueError for a bad flag."""
+    import jax.numpy as jnp
+
+    from serving.llm import LLM
+
+    speculative = None
+    if args.speculative_config is not None:
+        try:
+            speculative = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    for name in ("port", "max_waiting_requests", "max_waiting_tokens", "max_request_body_bytes"):
+        value = getattr(args, name)
+        if value < (0 if name == "port" else 1) or (name == "port" and value > 65535):
+            raise ValueError(f"--{name.replace('_', '-')} is out of range: {value}")
+    dtype = jnp.float32 if args.dtype == "auto" else getattr(jnp, args.dtype)
+    llm = LLM(args.model, max_model_len=args.max_model_len, block_size=args.block_size,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+              seed=args.seed, dtype=dtype, speculative_config=speculative)
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return create_app(llm, args.served_model_name or args.model, api_key, args.max_waiting_requests,
+                      args.max_waiting_tokens, args.max_request_body_bytes)
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    try:
+        app = build(args)
+    except ValueError as e:
+        sys.exit(f"kvfold serve: {e}")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m serving.server [flags]`."""
+    serve(_parser(argparse.ArgumentParser(description=__doc__,
+                                          formatter_class=argparse.RawDescriptionHelpFormatter)).parse_args(argv))
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """The `kvfold` console script: `kvfold serve [flags]`."""
+    parser = argparse.ArgumentParser(prog="kvfold", description="kvfold, a JAX LLM inference stack")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _parser(sub.add_parser("serve", help="the OpenAI-compatible HTTP server", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter))
+    serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
