@@ -8,6 +8,7 @@
     python -m serving.bench scheduler  [--running 256 1024]
     python -m serving.bench speculative --draft DIR [--batch-sizes 1 8] [--new-tokens 64]
     python -m serving.bench fuzz       [--examples 1000] [--seed 0]
+    python -m serving.bench serve      [--rates 2 8 inf] [--num-prompts 32] [--model default]
 
 decode / offline: greedy generation throughput on the default model (generated tokens
 per second, prefill included, after a warm-up run that compiles), against
@@ -25,6 +26,10 @@ and whether the greedy outputs are identical (they must be).
 fuzz: random valid and invalid requests on a tiny model over the default tokenizer
 (serving/fuzz.py); counts of inputs run, rejected cleanly, and of crashes, hangs, leaks,
 baseline changes and invalid inputs accepted (each must be 0). No peer: a correctness run.
+serve: the OpenAI server (serving/server.py) started in process on a free port, loaded by
+streamed completions at each request rate (Gamma arrivals, burstiness 1 = Poisson; inf
+sends all at once) through the openai client: TTFT and TPOT p50 / p99, output tokens/s,
+requests/s and the share answered 429 by the admission caps. No peer.
 """
 
 from __future__ import annotations
@@ -410,6 +415,116 @@ def bench_fuzz(args) -> None:
             print(f"| {key} | {n} |")
 
 
+def _arrivals(rng: np.random.Generator, n: int, rate: float, burstiness: float) -> np.ndarray:
+    """Send times (s): gaps ~ Gamma(burstiness, 1 / (rate * burstiness)); rate inf: all at 0."""
+    if np.isinf(rate):
+        return np.zeros(n)
+    return np.cumsum(rng.gamma(burstiness, 1.0 / (rate * burstiness), n))
+
+
+async def _streamed_completion(client, model: str, prompt: list[int], output_len: int, delay_s: float) -> dict:
+    """One streamed completion sent after `delay_s`: its outcome, TTFT, TPOT and token count."""
+    import asyncio
+
+    import openai
+
+    if delay_s > 0:
+        await asyncio.sleep(delay_s)
+    start = time.perf_counter()
+    first, tokens = None, 0
+    try:
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=output_len, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and first is None:
+                first = time.perf_counter()
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+    except openai.RateLimitError:
+        return {"outcome": "429"}
+    except openai.APIError as e:
+        return {"outcome": f"error: {e}"}
+    end = time.perf_counter()
+    ttft = (first or end) - start
+    return {"outcome": "ok", "ttft": ttft, "tokens": tokens, "end": end,
+            "tpot": (end - start - ttft) / (tokens - 1) if tokens > 1 else None}
+
+
+async def _serve_load(url: str, args) -> list[tuple]:
+    import asyncio
+
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    model = (await client.models.list()).data[0].id
+    rng = np.random.default_rng(args.seed)
+
+    def prompts(n: int) -> list[list[int]]:  # distinct random prompts: no prefix-cache hits between them
+        return [[int(t) for t in rng.integers(100, 30000, args.input_len)] for _ in range(n)]
+    # warm-up (not measured): a full batch and a single request compile the step shapes
+    await asyncio.gather(*[_streamed_completion(client, model, p, args.output_len, 0)
+                           for p in prompts(args.max_num_seqs)])
+    await _streamed_completion(client, model, prompts(1)[0], args.output_len, 0)
+    rows = []
+    for rate in args.rates:
+        sends = _arrivals(rng, args.num_prompts, rate, args.burstiness)
+        start = time.perf_counter()
+        results = await asyncio.gather(*[_streamed_completion(client, model, p, args.output_len, t)
+                                         for p, t in zip(prompts(args.num_prompts), sends)])
+        ok = [r for r in results if r["outcome"] == "ok"]
+        span = max((r["end"] for r in ok), default=start) - start
+        ttft = np.array([r["ttft"] for r in ok])
+        tpot = np.array([r["tpot"] for r in ok if r["tpot"] is not None])
+        rejected = sum(r["outcome"] == "429" for r in results)
+        errors = sorted({r["outcome"] for r in results} - {"ok", "429"})
+        rows.append((rate, len(results), len(ok), rejected / len(results), errors, ttft, tpot,
+                     sum(r["tokens"] for r in ok) / span if span else 0.0, len(ok) / span if span else 0.0))
+    await client.close()
+    return rows
+
+
+def bench_serve(args) -> None:
+    import asyncio
+    import socket
+    import threading
+
+    import uvicorn
+
+    from serving import server
+
+    app = server.app_from_flags(["--model", args.model, "--max-model-len", str(args.max_model_len),
+                                 "--max-num-seqs", str(args.max_num_seqs),
+                                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                                 "--max-waiting-requests", str(args.max_waiting_requests)])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    try:
+        while not http.started:
+            if not thread.is_alive():
+                raise SystemExit("the server did not start")
+            time.sleep(0.05)
+        rows = asyncio.run(_serve_load(f"http://127.0.0.1:{port}", args))
+    finally:
+        http.should_exit = True
+        thread.join()
+    print(f"\nserve: {args.model} over HTTP (in process), {args.num_prompts} streamed completions per rate, "
+          f"{args.input_len} prompt tokens (random ids), {args.output_len} output tokens (ignore_eos), "
+          f"burstiness {args.burstiness}, max_num_seqs {args.max_num_seqs}, max_waiting_requests "
+          f"{args.max_waiting_requests}, {_device()}")
+    print("| rate req/s | sent | done | 429 share | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | out tok/s | req/s |")
+    print("|---:|---:|---:|---:|---|---|---:|---:|")
+    for rate, sent, done, share_429, errors, ttft, tpot, tok_s, req_s in rows:
+        print(f"| {rate:g} | {sent} | {done} | {share_429:.0%} | {_pct(ttft, 50):.3f} / {_pct(ttft, 99):.3f} | "
+              f"{_pct(tpot, 50):.4f} / {_pct(tpot, 99):.4f} | {tok_s:.1f} | {req_s:.2f} |")
+        if errors:
+            print(f"  errors at rate {rate:g}: {errors}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -458,6 +573,18 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--num-speculative-tokens", type=int, default=15)
     sp.add_argument("--depth", type=int, default=4)
     sp.add_argument("--top-k", type=int, default=4)
+    sv = sub.add_parser("serve")
+    sv.add_argument("--model", default="default")
+    sv.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0, float("inf")], help="requests/s")
+    sv.add_argument("--num-prompts", type=int, default=32, help="requests per rate")
+    sv.add_argument("--input-len", type=int, default=64)
+    sv.add_argument("--output-len", type=int, default=32)
+    sv.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of the gaps (1: Poisson)")
+    sv.add_argument("--max-model-len", type=int, default=512)
+    sv.add_argument("--max-num-seqs", type=int, default=8)
+    sv.add_argument("--max-num-batched-tokens", type=int, default=512)
+    sv.add_argument("--max-waiting-requests", type=int, default=8)
+    sv.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.command in ("decode", "offline"):
         sizes = args.batch_sizes if args.command == "decode" else [args.num_prompts]
@@ -475,6 +602,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.new_tokens <= 0 or any(b <= 0 for b in args.batch_sizes):
             parser.error("--new-tokens and batch sizes must be > 0")
         bench_speculative(args)
+    elif args.command == "serve":
+        if (args.num_prompts <= 0 or args.input_len <= 0 or args.output_len <= 0 or args.burstiness <= 0
+                or any(not r > 0 for r in args.rates) or args.input_len + args.output_len > args.max_model_len):
+            parser.error("--num-prompts, --input-len, --output-len, --burstiness and --rates must be > 0, "
+                         "and --input-len + --output-len <= --max-model-len")
+        bench_serve(args)
     elif args.command == "fuzz":
         if args.examples <= 0:
             parser.error("--examples must be > 0")

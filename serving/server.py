@@ -297,6 +297,11 @@ def build(args: argparse.Namespace) -> FastAPI:
                       args.max_waiting_tokens, args.max_request_body_bytes)
 
 
+def app_from_flags(argv: list[str]) -> FastAPI:
+    """The app that the server's command-line flags describe (for an in-process server)."""
+    return build(_parser(argparse.ArgumentParser(prog="kvfold serve")).parse_args(argv))
+
+
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 

@@ -448,3 +448,20 @@ def test_server_metrics_parse(server):
     assert delta("kvfold:generation_tokens_total") == 6
     hits, queries = m["kvfold:prefix_cache_hits_total"], m["kvfold:prefix_cache_queries_total"]
     assert m["kvfold:prefix_cache_hit_rate"] == pytest.approx(hits / queries)
+
+
+def test_bench_serve_runs_at_tiny_size(tiny_dir, llm, capsys):
+    """With the in-process engine's shapes (the `llm` fixture's), so its compiled steps are reused."""
+    from serving import bench
+
+    bench.main(["serve", "--model", tiny_dir, "--rates", "8", "inf", "--num-prompts", "8", "--input-len", "16",
+                "--output-len", "4", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+                "--max-waiting-requests", "2", "--max-model-len", str(MAX_MODEL_LEN)])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and line[2].isalnum() and not line.startswith("| rate")]
+    assert [r[0].strip() for r in rows] == ["8", "inf"]
+    for rate, sent, done, share, *_ in rows:
+        assert int(sent) == 8 and int(done) >= 2
+        # done + 429s = sent: no request failed otherwise
+        assert int(done) + round(float(share.strip(" %")) / 100 * 8) == 8
+    assert float(rows[1][3].strip(" %")) > 0  # all 8 at once overflow the 2 waiting places
