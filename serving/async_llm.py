@@ -107,6 +107,7 @@ class AsyncLLM:
         self._adds: list[tuple[list, list[SamplingParams], asyncio.Future, float]] = []
         self._aborts: list[int] = []
         self._stopping = False
+        self._closed = False  # the engine thread has ended: adds are refused, not queued
         self._streams: dict[int, Stream] = {}  # only the engine thread touches it
         self._ids = itertools.count()
         self._reserved = [0, 0]  # requests and prompt tokens admitted, not yet in the engine
@@ -157,6 +158,8 @@ class AsyncLLM:
         future = loop.create_future()
         try:
             with self._wake:
+                if self._closed:
+                    raise EngineDead(f"the engine stopped: {self.error!r}" if self.error else "the server is stopping")
                 self._adds.append(([{"prompt": text, "prompt_token_ids": ids} for text, ids, _ in requests],
                                    [p for _, _, p in requests], future, arrival))
                 self._wake.notify()
@@ -293,6 +296,7 @@ class AsyncLLM:
     def _shut(self, error: EngineDead) -> None:
         """Fail every stream and pending add, and free their requests."""
         with self._wake:
+            self._closed = True
             adds, self._adds = self._adds, []
         for *_, future, _ in adds:
             self._call(future.get_loop(), _settle, future, error, None)

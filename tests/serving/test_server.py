@@ -465,3 +465,13 @@ def test_bench_serve_runs_at_tiny_size(tiny_dir, llm, capsys):
         # done + 429s = sent: no request failed otherwise
         assert int(done) + round(float(share.strip(" %")) / 100 * 8) == 8
     assert float(rows[1][3].strip(" %")) > 0  # all 8 at once overflow the 2 waiting places
+
+
+def test_cli_rejects_bad_flags_with_a_message():
+    from serving.server import cli
+
+    for argv, message in ((["serve", "--port", "70000"], "--port is out of range"),
+                          (["serve", "--speculative-config", "{eagle"], "not valid JSON"),
+                          (["serve", "--max-waiting-requests", "0"], "--max-waiting-requests is out of range")):
+        with pytest.raises(SystemExit, match=message):
+            cli(argv)
