@@ -213,9 +213,8 @@ class AsyncLLM:
                             self.llm._forget(stream.added)
                     for add in adds:
                         self._add_now(*add)
-                    if engine.has_unfinished():
-                        engine.step()
-                    self._publish()
+                    progressed = engine.step() if engine.has_unfinished() else set()
+                    self._publish(progressed)
                     self.stats = self._take_stats()
         except BaseException as e:  # noqa: BLE001 - reported to every stream and to /health
             self.error = e
@@ -234,13 +233,14 @@ class AsyncLLM:
         self._streams[stream.id] = stream
         future.get_loop().call_soon_threadsafe(_settle, future, None, stream, lambda: self.abort(stream))
 
-    def _publish(self) -> None:
-        """Hand each stream what its requests produced since the last step."""
+    def _publish(self, progressed: set[str]) -> None:
+        """Hand each stream what its requests produced in the step (`progressed`: the request
+        ids that took tokens; a request only finishes in a step that gives it tokens)."""
         now = time.monotonic()
         for stream in list(self._streams.values()):
             deltas = []
             for i, (rid, text) in enumerate(stream.added):
-                if i in stream.done:
+                if i in stream.done or rid not in progressed:
                     continue
                 out = self.llm._output(rid, text, stream.marks[i])
                 new = sum(len(o.token_ids) for o in out.outputs)

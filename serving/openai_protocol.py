@@ -16,7 +16,8 @@ import uuid
 from typing import Callable
 
 from serving.llm import check_messages
-from serving.params import SamplingParams, StructuredOutputsParams, check_bool, check_int, check_text
+from serving.params import (MAX_LOGPROBS, SamplingParams, StructuredOutputsParams, check_bool, check_int,
+                            check_text)
 
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream",
                  "stream_options", "user", "top_k", "min_p", "ignore_eos", "stop_token_ids",
@@ -185,7 +186,7 @@ def chat_request(body: dict, prompt_ids: list[int], max_model_len: int) -> Reque
     top = body.get("top_logprobs")
     if top is not None and not logprobs:
         raise ValueError("top_logprobs needs logprobs=true")
-    top = check_int("top_logprobs", top, 0) if top is not None else 0
+    top = check_int("top_logprobs", top, 0, MAX_LOGPROBS) if top is not None else 0
     given = [k for k in ("max_completion_tokens", "max_tokens") if k in body]
     # vLLM's default: whatever room the context leaves (the engine rejects a prompt that leaves none)
     max_tokens = body[given[0]] if given else max(max_model_len - len(prompt_ids), 1)
