@@ -105,6 +105,7 @@ class AsyncLLM:
         self.max_waiting_requests, self.max_waiting_tokens = max_waiting_requests, max_waiting_tokens
         self._wake = threading.Condition()  # guards _adds, _aborts, _stopping
         self._adds: list[tuple[list, list[SamplingParams], asyncio.Future, float]] = []
+        self._taken: list = []  # the adds the engine thread is working through
         self._aborts: list[int] = []
         self._stopping = False
         self._closed = False  # the engine thread has ended: adds are refused, not queued
@@ -204,14 +205,14 @@ class AsyncLLM:
                         self._wake.wait()
                     if self._stopping:
                         break
-                    adds, self._adds = self._adds, []
+                    self._taken, self._adds = self._adds, []  # settled by _shut if a step fails
                     aborts, self._aborts = self._aborts, []
                 with self.llm._lock:
                     for stream_id in aborts:
                         stream = self._streams.pop(stream_id, None)
                         if stream is not None:
                             self.llm._forget(stream.added)
-                    for add in adds:
+                    for add in self._taken:
                         self._add_now(*add)
                     progressed = engine.step() if engine.has_unfinished() else set()
                     self._publish(progressed)
@@ -297,8 +298,8 @@ class AsyncLLM:
         """Fail every stream and pending add, and free their requests."""
         with self._wake:
             self._closed = True
-            adds, self._adds = self._adds, []
-        for *_, future, _ in adds:
+            adds, self._adds = self._taken + self._adds, []
+        for *_, future, _ in adds:  # those already settled stay as they are
             self._call(future.get_loop(), _settle, future, error, None)
         with self.llm._lock:
             for stream in self._streams.values():
@@ -319,6 +320,8 @@ def _settle(future: asyncio.Future, error: BaseException | None, result, on_canc
     if future.cancelled():
         if on_cancelled is not None:
             on_cancelled()
+        return
+    if future.done():  # settled before the engine thread failed
         return
     if error is not None:
         future.set_exception(error)

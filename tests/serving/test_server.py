@@ -303,6 +303,22 @@ def test_a_dead_engine_thread_is_a_503(app, llm, monkeypatch):
     assert_engine_clean(llm)
 
 
+def test_an_engine_failing_while_adding_answers_503_not_never(llm, monkeypatch):
+    from serving.server import create_app
+
+    def broken_add(prompts, params):
+        raise RuntimeError("injected add failure")
+    monkeypatch.setattr(llm, "_add", broken_add)
+    app = create_app(llm, "tiny")
+
+    async def go(client, _):
+        with pytest.raises(openai.InternalServerError, match="injected add failure"):
+            await asyncio.wait_for(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4), 30)
+    with app.state.engine:
+        run(go, app)
+    assert not app.state.engine.alive
+
+
 # -- one real server -----------------------------------------------------------------------------
 
 
