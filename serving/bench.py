@@ -9,6 +9,7 @@
     python -m serving.bench speculative --draft DIR [--batch-sizes 1 8] [--new-tokens 64]
     python -m serving.bench fuzz       [--examples 1000] [--seed 0]
     python -m serving.bench serve      [--rates 2 8 inf] [--num-prompts 32] [--model default]
+    python -m serving.bench structured [--batch-sizes 1 8] [--max-tokens 160]
 
 decode / offline: greedy generation throughput on the default model (generated tokens
 per second, prefill included, after a warm-up run that compiles), against
@@ -31,6 +32,9 @@ streamed completions at each request rate (Gamma arrivals, burstiness 1 = Poisso
 sends all at once) through the openai client, after unmeasured rounds of the same load
 that compile the step shapes: TTFT and TPOT p50 / p99, output tokens/s, requests/s and
 the share answered 429 by the admission caps. No peer.
+structured: a JSON-schema workload (book records, greedy) with jump-forward against the
+same engine without it: output tokens/s both ways, the share of tokens taken forced
+(without sampling), whether the outputs are identical and all valid against the schema.
 """
 
 from __future__ import annotations
@@ -260,6 +264,84 @@ def bench_speculative(args) -> None:
         print(f"| {batch} | {plain_tps:.1f} | {spec_tps:.1f} | {spec_tps / plain_tps:.2f}x | "
               f"{stats['tau']:.2f} | {stats['tau'] * plain_tps / spec_tps:.2f} | {accept} | "
               f"{'yes' if same else 'NO'} |")
+
+
+BOOK_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "author": {"type": "string", "maxLength": 30},
+        "publication_year": {"type": "integer", "minimum": 1400, "maximum": 2030},
+        "genre": {"enum": ["fiction", "non-fiction", "poetry", "science", "history", "biography"]},
+        "number_of_pages": {"type": "integer", "minimum": 1, "maximum": 5000},
+        "is_available_in_library": {"type": "boolean"},
+        "average_rating": {"type": "number"},
+    },
+    "required": ["title", "author", "publication_year", "genre", "number_of_pages",
+                 "is_available_in_library", "average_rating"],
+    "additionalProperties": False,
+}
+
+
+def bench_structured(args) -> None:
+    import model
+    from serving.llm import LLM
+    from serving.params import StructuredOutputsParams
+
+    config, params = model.load(args.model)
+    tok = model.load_tokenizer(args.model)
+    so = StructuredOutputsParams(json=BOOK_SCHEMA)
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=so)
+    rows = []
+    for batch in args.batch_sizes:
+        prompts = [{"prompt_token_ids": tok.apply_chat_template(
+            [{"role": "user", "content": f"Describe a well-known book about {t} as a JSON record."}],
+            tokenize=True)} for t in (TOPICS * 8)[:batch]]
+        kw = dict(max_model_len=512, max_num_seqs=batch, max_num_batched_tokens=max(512, 64 * batch),
+                  enable_prefix_caching=False)  # see _llm
+        result = {}
+        for jump in (False, True):
+            llm = LLM.from_loaded(config, params, tok, **kw, jump_forward=jump)
+            sampled, execute = [0], llm.runner.execute
+
+            def counting(step_rows, execute=execute, sampled=sampled):
+                sampled[0] += sum(r.sample for r in step_rows)
+                return execute(step_rows)
+            llm.runner.execute = counting
+            llm.generate(prompts, greedy)  # compile every shape this run meets
+            sampled[0] = 0
+            start = time.perf_counter()
+            out = llm.generate(prompts, greedy)
+            elapsed = time.perf_counter() - start
+            ids = [o.outputs[0].token_ids for o in out]
+            texts = [o.outputs[0].text for o in out]
+            result[jump] = (ids, texts, sum(map(len, ids)) / elapsed, sampled[0])
+            del llm
+        (plain_ids, texts, plain_tps, _), (jump_ids, _, jump_tps, jump_sampled) = result[False], result[True]
+        total = sum(map(len, jump_ids))
+        valid = sum(_valid_json(t, BOOK_SCHEMA) for t in texts)
+        rows.append((batch, plain_tps, jump_tps, 1 - jump_sampled / max(total, 1), plain_ids == jump_ids,
+                     f"{valid}/{len(texts)}"))
+    print(f"\nstructured outputs: {args.model}, JSON schema (7 keys), up to {args.max_tokens} tokens, greedy, "
+          f"{_device()}")
+    print("| batch | no jump-forward tok/s | jump-forward tok/s | ratio | tokens forced | identical | valid |")
+    print("|------:|----------------------:|-------------------:|------:|--------------:|:---------:|------:|")
+    for batch, plain_tps, jump_tps, forced, same, valid in rows:
+        print(f"| {batch} | {plain_tps:.1f} | {jump_tps:.1f} | {jump_tps / plain_tps:.2f}x | {forced:.0%} | "
+              f"{'yes' if same else 'NO'} | {valid} |")
+
+
+def _valid_json(text: str, schema: dict) -> bool:
+    """Whether text parses and holds the schema's required keys with their types (a check
+    without the jsonschema package, which only the tests install)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    types = {"string": str, "integer": int, "boolean": bool, "number": (int, float)}
+    props = schema["properties"]
+    return isinstance(value, dict) and set(value) == set(schema["required"]) and all(
+        isinstance(value[k], types[p["type"]]) if "type" in p else value[k] in p["enum"] for k, p in props.items())
 
 
 # -- trace replay -------------------------------------------------------------------
@@ -591,6 +673,10 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--max-waiting-requests", type=int, default=8)
     sv.add_argument("--seed", type=int, default=0)
     sv.add_argument("--warmup-rounds", type=int, default=1, help="unmeasured rounds over every rate first")
+    st = sub.add_parser("structured")
+    st.add_argument("--model", default="default")
+    st.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    st.add_argument("--max-tokens", type=int, default=160)
     args = parser.parse_args(argv)
     if args.command in ("decode", "offline"):
         sizes = args.batch_sizes if args.command == "decode" else [args.num_prompts]
@@ -615,6 +701,10 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--num-prompts, --input-len, --output-len, --burstiness and --rates must be > 0, "
                          "--warmup-rounds >= 0, and --input-len + --output-len <= --max-model-len")
         bench_serve(args)
+    elif args.command == "structured":
+        if args.max_tokens <= 0 or any(b <= 0 for b in args.batch_sizes):
+            parser.error("--max-tokens and batch sizes must be > 0")
+        bench_structured(args)
     elif args.command == "fuzz":
         if args.examples <= 0:
             parser.error("--examples must be > 0")

@@ -17,15 +17,19 @@ reserved for the lookahead slots the tree writes past the sequence's end.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import time
 from typing import Protocol, Sequence
+
+import numpy as np
 
 from serving import scheduler as sched
 from serving.draft_tree import DraftTree
 from serving.kv_manager import KVManager, pages_for
 from serving.output import Decode, OutputProcessor, SeqOutput
 from serving.params import SEED_BITS, SamplingParams
+from serving.structured import GrammarCompiler, advance
 
 RECOMPUTE, SWAP = "recompute", "swap"
 PREEMPTION_MODES = (RECOMPUTE, SWAP)
@@ -46,17 +50,24 @@ class Row:
     counter: int = 0  # tokens generated so far (with the seed, the step's sampling key)
     next_token: int | None = None  # the token after the row when known (a prompt's)
     tree: DraftTree | None = None  # verify this draft tree (its root is tokens[0])
+    # structured outputs: the grammar's bitmask (serving/structured.py) for the sampled
+    # token, int32 [words]; for a tree, one row per node [N, words]; None: unconstrained
+    token_mask: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
 class RowResult:
-    """A sampled row's outcome: the tokens it emits in order (after a verified tree, the
+    """A row's outcome: the tokens a sampled row emits in order (after a verified tree, the
     accepted draft tokens then the bonus token), their logprobs when the row asked for
-    them, and the draft tree grown for the next step (speculative decoding)."""
+    them, the draft tree grown for the next step (speculative decoding), and, when its
+    params ask for prompt logprobs, those of the prompt tokens that follow its tokens
+    (entry j scores the token at position start + j + 1). A row that does not sample
+    returns a result only for its prompt logprobs."""
 
     tokens: tuple[int, ...]
     logprobs: tuple[tuple[float, dict[int, float]], ...] | None = None  # (logprob, top logprobs)
     tree: DraftTree | None = None
+    prompt_logprobs: tuple[tuple[float, dict[int, float]], ...] | None = None
 
 
 class Runner(Protocol):
@@ -81,6 +92,7 @@ class SeqState:
     output: SeqOutput
     swapped: object = None  # host copy of its pages while swapped out
     tree: DraftTree | None = None  # the draft tree to verify next (speculative decoding)
+    matcher: object = None  # structured outputs: its llguidance matcher, at the output's end
 
     @property
     def finished(self) -> bool:
@@ -96,6 +108,10 @@ class RequestState:
     seq_ids: list[str]
     num_cached_tokens: int = 0
     forked: bool = False
+    # per prompt position (params.prompt_logprobs): (logprob, top logprobs); None at 0
+    prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
+    # structured outputs: the matchers being built (a future), None once handed to the seqs
+    grammar: concurrent.futures.Future | None = None
 
 
 class EngineCore:
@@ -110,7 +126,8 @@ class EngineCore:
     def __init__(self, runner: Runner, sched_config: sched.SchedulerConfig, num_pages: int,
                  max_model_len: int, eos_token_id: int | None, enable_prefix_caching: bool = True,
                  preemption_mode: str = RECOMPUTE, seed: int = 0, clock=time.monotonic,
-                 decode: Decode | None = None):
+                 decode: Decode | None = None, grammars: GrammarCompiler | None = None,
+                 jump_forward: bool = True):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if not sched_config.enable_chunked_prefill and sched_config.max_num_batched_tokens < max_model_len:
@@ -118,6 +135,9 @@ class EngineCore:
                              f"({sched_config.max_num_batched_tokens}) must be >= max_model_len "
                              f"({max_model_len}): a longer sequence could never be scheduled")
         self.runner, self.config = runner, sched_config
+        # structured outputs (None: the engine has no tokenizer and refuses them); with
+        # jump_forward, tokens the grammar forces are taken without sampling each
+        self.grammars, self.jump_forward = grammars, jump_forward
         self.kv = KVManager(num_pages, sched_config.page_size, enable_prefix_caching)
         self.output = OutputProcessor(eos_token_id, max_model_len, decode)
         self.max_model_len = max_model_len
@@ -150,8 +170,15 @@ class EngineCore:
         if need > self.kv.pool.num_pages:
             raise ValueError(f"{what} needs {need} KV pages, the pool has {self.kv.pool.num_pages}; "
                              f"lower max_tokens or raise num_kv_blocks")
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured outputs need an engine with a tokenizer")
+            grammar = self.grammars.submit(params.structured_outputs, params.n)  # checked here, built off-thread
         seq_ids = [f"{request_id}#{i}" for i in range(params.n)]
-        self.requests[request_id] = RequestState(request_id, prompt, params, arrival, seq_ids)
+        self.requests[request_id] = RequestState(
+            request_id, prompt, params, arrival, seq_ids,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt), grammar=grammar)
         for i, sid in enumerate(seq_ids):
             seed = (params.seed + i) % 2**SEED_BITS if params.seed is not None else self._fresh_seed()
             self.seqs[sid] = SeqState(sid, request_id, i, params, seed, self.output.new())
@@ -223,7 +250,8 @@ class EngineCore:
     def step(self) -> set[str]:
         """Schedule and run one batch; returns the request ids that made progress."""
         self.state, plan = sched.schedule(self.state, self.config, self._kv_view(),
-                                          preempt_keeps_computed=self.preemption_mode == SWAP)
+                                          preempt_keeps_computed=self.preemption_mode == SWAP,
+                                          blocked=self._grammars_pending())
         for sid in plan.preempted:
             self._preempt(sid)
         running = {s.seq_id: s for s in self.state.running}
@@ -235,23 +263,37 @@ class EngineCore:
             start, end = s.num_computed_tokens, s.num_computed_tokens + n
             copies += self.kv.prepare(sid, start, end + self.config.num_lookahead_slots)
             last = end == s.num_tokens
+            tree = seq.tree if last and n == 1 else None
+            mask = None
+            if last and seq.matcher is not None:
+                mask = (self.grammars.mask(seq.matcher) if tree is None
+                        else self.grammars.tree_masks(seq.matcher, tree.tokens, tree.parents))
             rows.append(Row(self.tokens(sid, start, end), start, tuple(self.kv.tables[sid]), sample=last,
                             params=seq.params, seed=seq.seed, counter=len(seq.output.tokens),
                             next_token=None if last else self.tokens(sid, end, end + 1)[0],
-                            tree=seq.tree if last and n == 1 else None))
+                            tree=tree, token_mask=mask))
         self.runner.copy_pages(copies)
         results = self.runner.execute(rows) if rows else []
         taken: dict[str, int] = {}
+        forced: dict[str, int] = {}  # jump-forward: tokens appended without being computed
         for (sid, _), row, res in zip(plan.scheduled, rows, results):
             if res is None:
                 continue
             seq = self.seqs[sid]
+            if res.prompt_logprobs:
+                table = self.requests[seq.request_id].prompt_logprobs
+                table[row.start + 1:row.start + 1 + len(res.prompt_logprobs)] = res.prompt_logprobs
+            if not row.sample:
+                continue
             if row.tree is not None:
                 self.accepted_counts[len(res.tokens) - 1] += 1
             prompt_len = len(self.requests[seq.request_id].prompt_ids)
             taken[sid] = self.output.append(seq.output, seq.params, prompt_len, res.tokens, res.logprobs)
             seq.tree = res.tree
+            if seq.matcher is not None and not seq.finished:
+                forced[sid] = self._follow_grammar(seq, res.tokens[:taken[sid]], prompt_len)
         self.state = sched.update(self.state, plan, taken)
+        self.state = sched.extend(self.state, forced)
         running = {s.seq_id: s for s in self.state.running}
         for sid, _ in plan.scheduled:
             s = running[sid]
@@ -263,12 +305,51 @@ class EngineCore:
                 self._release_seq(self.seqs[sid])
         return {self.seqs[sid].request_id for sid in taken}
 
+    def _follow_grammar(self, seq: SeqState, tokens: Sequence[int], prompt_len: int) -> int:
+        """Feed the matcher the sequence's new tokens; end the sequence once the grammar is
+        complete; jump forward over the tokens it then forces (not when the request wants
+        logprobs, which forced tokens would not have). Returns how many forced tokens the
+        output took: the next step computes them as one chunk."""
+        forced = advance(seq.matcher, tokens, self.jump_forward and seq.params.logprobs is None)
+        taken = self.output.append(seq.output, seq.params, prompt_len, forced) if forced else 0
+        if taken:
+            seq.tree = None  # grown from the sampled token; the chunk grows the next one
+        if seq.matcher.is_stopped():
+            self.output.finish(seq.output, "stop", None, seq.params)
+        return taken
+
+    def _grammars_pending(self) -> frozenset[str]:
+        """Hand built matchers to their sequences; returns the waiting sequences whose
+        grammar is still being built (the scheduler does not start them). A grammar that
+        failed to build ends its request with "abort". When nothing else can run, waits
+        for the first grammar instead of spinning."""
+        pending = [r for r in self.requests.values()
+                   if r.grammar is not None and not self.request_finished(r.request_id)]
+        if pending and not self.state.running and all(
+                self.requests[self.seqs[s.seq_id].request_id].grammar is not None for s in self.state.waiting):
+            concurrent.futures.wait([r.grammar for r in pending], return_when=concurrent.futures.FIRST_COMPLETED)
+        blocked = set()
+        for req in pending:
+            if not req.grammar.done():
+                blocked.update(req.seq_ids)
+                continue
+            future, req.grammar = req.grammar, None
+            try:
+                matchers = future.result()
+            except ValueError:
+                for sid in req.seq_ids:
+                    self.finish_seq(sid, "abort")
+                continue
+            for sid, matcher in zip(req.seq_ids, matchers):
+                self.seqs[sid].matcher = matcher
+        return frozenset(blocked)
+
     def _kv_view(self) -> sched.KVView:
         """The KV manager's pages as the scheduler sees them this step."""
         cached = {}
         if self.kv.radix is not None:
             cached = {s.seq_id: self.kv.cached_prefix_len(self.tokens(s.seq_id)) for s in self.state.waiting
-                      if self.seqs[s.seq_id].swapped is None}
+                      if self.seqs[s.seq_id].swapped is None and self._reads_cache(s.seq_id)}
         writable = {s.seq_id: self.kv.writable_pages(s.seq_id, s.num_computed_tokens)
                     for s in self.state.running}
         return sched.KVView(self.kv.num_available, writable, cached)
@@ -281,11 +362,16 @@ class EngineCore:
             self.runner.write_pages(self.kv.tables[s.seq_id], seq.swapped)
             seq.swapped = None
             return
-        hit = self.kv.admit(s.seq_id, self.tokens(s.seq_id))
+        hit = self.kv.admit(s.seq_id, self.tokens(s.seq_id), use_cache=self._reads_cache(s.seq_id))
         assert hit == s.num_computed_tokens, (hit, s.num_computed_tokens)
         req = self.requests[seq.request_id]
         if seq.index == 0 and not req.forked:
             req.num_cached_tokens = hit
+
+    def _reads_cache(self, seq_id: str) -> bool:
+        """Prompt logprobs need every prompt position computed: such a request does not
+        read the prefix cache (as in vLLM); it still fills it."""
+        return self.seqs[seq_id].params.prompt_logprobs is None
 
     def _preempt(self, seq_id: str) -> None:
         self.num_preemptions += 1

@@ -33,6 +33,7 @@ from serving.engine import PREEMPTION_MODES, RECOMPUTE, EngineCore
 from serving.params import (CompletionOutput, RequestOutput, SamplingParams, check_bool, check_int,
                             check_text)
 from serving.runner import Drafter, ModelRunner
+from serving.structured import GrammarCompiler
 
 DEFAULT_KV_CACHE_GIB = 1.0
 SERVING_KV_CACHE_DTYPES = tuple(d for d in KV_CACHE_DTYPES if not d.startswith("kivi"))
@@ -48,14 +49,14 @@ class LLM:
                  capacity_policy: str = sched.MAX_UTILIZATION,
                  chunking_policy: str = sched.FIRST_COME_FIRST_SERVED,
                  preemption_mode: str = RECOMPUTE, seed: int = 0, dtype=jnp.float32,
-                 speculative_config: dict | None = None):
+                 speculative_config: dict | None = None, jump_forward: bool = True):
         import model as model_lib
 
         config, params = model_lib.load(model, dtype)
         self._setup(config, params, model_lib.load_tokenizer(model), max_model_len, block_size,
                     num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
                     kv_cache_dtype, scheduling_policy, capacity_policy, chunking_policy,
-                    preemption_mode, seed, dtype, speculative_config)
+                    preemption_mode, seed, dtype, speculative_config, jump_forward)
 
     @classmethod
     def from_loaded(cls, config: model.ModelConfig, params: dict, tokenizer: model.Tokenizer,
@@ -75,7 +76,7 @@ class LLM:
     def _setup(self, config, params, tokenizer, max_model_len, block_size, num_kv_blocks,
                max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_dtype,
                scheduling_policy, capacity_policy, chunking_policy, preemption_mode, seed, dtype,
-               speculative_config):
+               speculative_config, jump_forward):
         # Every argument is checked here, before anything is built.
         context = config.max_position_embeddings
         max_model_len = context if max_model_len is None else check_int("max_model_len", max_model_len, 1, context)
@@ -88,6 +89,7 @@ class LLM:
         max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         enable_prefix_caching = check_bool("enable_prefix_caching", enable_prefix_caching)
         seed = check_int("seed", seed)
+        jump_forward = check_bool("jump_forward", jump_forward)
         for name, value, allowed in (("scheduling_policy", scheduling_policy, sched.ORDERS),
                                      ("capacity_policy", capacity_policy, sched.CAPACITY_POLICIES),
                                      ("chunking_policy", chunking_policy, sched.CHUNKING_POLICIES),
@@ -132,7 +134,9 @@ class LLM:
                                   max_num_seqs, dtype, kv_cache_dtype, draft)
         self.engine = EngineCore(self.runner, sched_config, num_kv_blocks, max_model_len,
                                  tokenizer.eos_token_id, enable_prefix_caching, preemption_mode, seed,
-                                 decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+                                 decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                                 grammars=GrammarCompiler(tokenizer, config.vocab_size, tokenizer.eos_token_id),
+                                 jump_forward=jump_forward)
         self._ids = itertools.count()
         self._lock = threading.RLock()  # one engine step (or request change) at a time
 
@@ -197,6 +201,7 @@ class LLM:
         """The request's outputs; with `marks` (per sequence: text pieces and tokens already
         returned), only what is new since, and `marks` moves on."""
         req = self.engine.requests[request_id]
+        first = marks is None or not any(t for _, t in marks)
         outputs = []
         for i, sid in enumerate(req.seq_ids):
             seq = self.engine.seqs[sid]
@@ -204,14 +209,20 @@ class LLM:
             pieces, tokens = marks[i] if marks is not None else (0, 0)
             logprobs = None
             if seq.params.logprobs is not None:
-                logprobs = [{tok: lp, **dict(sorted(top.items(), key=lambda kv: -kv[1])[:seq.params.logprobs])}
-                            for tok, (lp, top) in zip(out.tokens[tokens:], out.logprobs[tokens:])]
+                logprobs = [_logprob_dict(tok, entry, seq.params.logprobs)
+                            for tok, entry in zip(out.tokens[tokens:], out.logprobs[tokens:])]
             outputs.append(CompletionOutput(seq.index, "".join(out.text_pieces[pieces:]), out.tokens[tokens:],
                                             logprobs, out.finish_reason, out.stop_reason))
             if marks is not None:
                 marks[i] = (len(out.text_pieces), len(out.tokens))
-        return RequestOutput(request_id, prompt, list(req.prompt_ids), outputs,
-                             self.engine.request_finished(request_id), req.num_cached_tokens)
+        finished = self.engine.request_finished(request_id)
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and first and (finished or any(o.token_ids for o in outputs)):
+            # streamed once, with the first tokens (the prompt is computed by then)
+            prompt_logprobs = [None if entry is None else _logprob_dict(token, entry, req.params.prompt_logprobs)
+                               for token, entry in zip(req.prompt_ids, req.prompt_logprobs)]
+        return RequestOutput(request_id, prompt, list(req.prompt_ids), outputs, finished,
+                             req.num_cached_tokens, prompt_logprobs)
 
     # -- generation ------------------------------------------------------------------
 
@@ -294,6 +305,12 @@ class LLM:
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(c, tokenize=True)}
                    for c in conversations]
         return self.generate(prompts, sampling_params)
+
+
+def _logprob_dict(token: int, entry: tuple[float, dict[int, float]], k: int) -> dict[int, float]:
+    """vLLM's per-token logprobs: the token's own, then the top k at its position."""
+    logprob, top = entry
+    return {token: logprob, **dict(sorted(top.items(), key=lambda kv: -kv[1])[:k])}
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")

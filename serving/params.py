@@ -54,6 +54,48 @@ def check_text(name: str, value) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's name and fields): exactly one of
+
+    json: a JSON schema (dict or its JSON text); regex: a regular expression (Rust regex
+    syntax); choice: a list of strings, the output is one of them; grammar: an EBNF (GBNF)
+    or Lark grammar; json_object=True: any JSON object.
+
+    Checked for shape here; the engine compiles it against its tokenizer (serving/structured.py)
+    and rejects a schema, regex or grammar that does not compile with a ValueError.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        given = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured outputs need exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured outputs json must be a schema dict or its JSON text, got "
+                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not check_text(f"structured outputs {name}", value):
+                raise ValueError(f"structured outputs {name} is empty")
+        if self.json_object is not None:
+            check_bool("structured outputs json_object", self.json_object)
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError(f"structured outputs choice must be a non-empty list of strings, got "
+                                 f"{self.choice!r:.80}")
+            for c in self.choice:
+                if not check_text("a structured outputs choice", c):
+                    raise ValueError("a structured outputs choice is empty")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request (vLLM's spelling and defaults, greedy when temperature=0).
 
@@ -71,7 +113,9 @@ class SamplingParams:
     stop: tuple[str, ...] | list[str] | str | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     logprobs: int | None = None  # top-k logprobs returned per generated token
+    prompt_logprobs: int | None = None  # top-k logprobs returned per prompt token
     ignore_eos: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         checked = dict(n=check_int("n", self.n, 1), max_tokens=check_int("max_tokens", self.max_tokens, 1),
@@ -82,8 +126,13 @@ class SamplingParams:
                        ignore_eos=check_bool("ignore_eos", self.ignore_eos))
         if self.seed is not None:
             checked["seed"] = check_int("seed", self.seed, -2**63, 2**SEED_BITS - 1)
-        if self.logprobs is not None:
-            checked["logprobs"] = check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                checked[name] = check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError("structured_outputs must be StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
@@ -131,3 +180,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # with SamplingParams.prompt_logprobs: per prompt token {token_id: logprob} (its own
+    # and the top ones at its position); None for the first token, which has no context
+    prompt_logprobs: list[dict[int, float] | None] | None = None

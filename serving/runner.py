@@ -39,7 +39,7 @@ from model.transformer import forward_hidden, lm_head
 from serving.draft_tree import DraftTree, TreeSpec
 from serving.engine import Row, RowResult
 from serving.params import MAX_LOGPROBS
-from serving.sampling import processed_probs, row_keys, sample
+from serving.sampling import apply_token_masks, processed_probs, row_keys, sample
 from serving.speculative import compact_kv, grow_trees, tree_masks, verify_trees
 
 
@@ -55,7 +55,7 @@ class Drafter:
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tokens", "positions", "cu_q_lens", "kv_lens", "block_tables",
                                 "logits_indices", "seeds", "counters", "temperature", "top_k",
-                                "top_p", "min_p"],
+                                "top_p", "min_p", "targets", "token_masks", "constrained"],
                    meta_fields=["max_q_len", "max_chunks"])
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
@@ -77,6 +77,9 @@ class StepBatch:
     top_k: jax.Array  # int32 [S]; 0 = off
     top_p: jax.Array  # float32 [S]; 1 = off
     min_p: jax.Array  # float32 [S]; 0 = off
+    targets: jax.Array  # int32 [N]: the prompt token after each token, -1 where not a prompt token
+    token_masks: jax.Array  # int32 [S, ceil(V / 32)]: structured outputs' bitmask of allowed tokens
+    constrained: jax.Array  # bool [S]: rows whose token_masks apply
     max_q_len: int  # static: bucketed longest row (1 for a decode-only step)
     max_chunks: int  # static: bucketed count of rows with more than one token (0 if none)
 
@@ -109,18 +112,24 @@ def table_width(live: list[int], max_pages: int, minimum: int) -> int:
     return min(max_pages, bucket(max(live, default=1), minimum))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "page_size", "want_logprobs"),
+@functools.partial(jax.jit, static_argnames=("config", "page_size", "want_logprobs",
+                                             "want_prompt_logprobs"),
                    donate_argnames=("pool",))
-def _step(params, config, page_size, pool, batch: StepBatch, want_logprobs):
-    """One engine step of prefill chunks and decode rows: (sampled [S], logprob extras, pool)."""
+def _step(params, config, page_size, pool, batch: StepBatch, want_logprobs, want_prompt_logprobs):
+    """One engine step of prefill chunks and decode rows: (sampled [S], logprob extras,
+    prompt logprob extras (per token [N]), pool)."""
     cache = KVCache(pool["target"], batch.block_tables, page_size)
     hidden, cache, _ = model.forward_packed(params, config, batch.tokens, batch.positions, cache,
                                             batch.layout)
     logits = lm_head(params, config, hidden[batch.logits_indices])
     keys = row_keys(batch.seeds, batch.counters)
-    next_tokens = sample(logits, keys, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+    allowed = apply_token_masks(logits, batch.token_masks, batch.constrained)
+    next_tokens = sample(allowed, keys, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
     extra = _logprobs(logits, next_tokens) if want_logprobs else ()
-    return next_tokens, extra, {"target": cache.layers}
+    # Only steps with a prompt_logprobs request pay for logits at every token.
+    prompt_extra = (_logprobs(lm_head(params, config, hidden), jnp.maximum(batch.targets, 0))
+                    if want_prompt_logprobs else ())
+    return next_tokens, extra, prompt_extra, {"target": cache.layers}
 
 
 def _logprobs(logits, tokens):
@@ -133,6 +142,14 @@ def _logprobs(logits, tokens):
 
 def _wants_logprobs(row: Row) -> bool:
     return row.params.logprobs is not None
+
+
+def _prompt_targets(row: Row) -> list[int]:
+    """The prompt tokens that follow the row's tokens, one per token while they are known
+    (the row's own next tokens, then row.next_token): what prompt logprobs score."""
+    if row.params.prompt_logprobs is None:
+        return []
+    return [*row.tokens[1:], *(() if row.next_token is None else (row.next_token,))]
 
 
 def _draft_tree(tree, i: int) -> DraftTree:
@@ -172,7 +189,7 @@ def _target(params, config, draft: Drafter, pool, block_tables, page_size, token
 
 def _chunk_part(params, config, page_size, draft: Drafter, pool, block_tables, tokens, positions,
                 last_index, next_known, seeds, counters, temperature, top_k, top_p, min_p,
-                want_logprobs):
+                token_masks, constrained, want_logprobs, want_prompt_logprobs):
     """A chunk (prefill or plain decode) plus the draft over its positions and a new tree.
 
     The draft's row at position p reads token p + 1: the chunk's next token, then at the
@@ -182,18 +199,23 @@ def _chunk_part(params, config, page_size, draft: Drafter, pool, block_tables, t
                                        tokens, positions)
     rows = jnp.arange(tokens.shape[0])
     logits = lm_head(params, config, hidden[rows, last_index])
-    sampled = sample(logits, row_keys(seeds, counters), temperature, top_k, top_p, min_p)
+    sampled = sample(apply_token_masks(logits, token_masks, constrained), row_keys(seeds, counters),
+                     temperature, top_k, top_p, min_p)
     following = jnp.where(next_known >= 0, next_known, sampled)
     draft_tokens = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1).at[rows, last_index].set(following)
     tree, draft_layers = _draft_and_grow(draft, pool, block_tables, page_size, features, draft_tokens,
                                          positions, last_index, sampled)
     extra = _logprobs(logits, sampled) if want_logprobs else ()
-    return sampled, extra, tree, {"target": layers, "draft": draft_layers}
+    # prompt logprobs score draft_tokens (the next token at each position); the engine
+    # keeps only those that are prompt tokens
+    prompt_extra = (_logprobs(lm_head(params, config, hidden), draft_tokens)
+                    if want_prompt_logprobs else ())
+    return sampled, extra, prompt_extra, tree, {"target": layers, "draft": draft_layers}
 
 
 def _verify_part(params, config, page_size, draft: Drafter, pool, block_tables, tree_tokens,
                  tree_parents, tree_scores, start, seeds, counters, temperature, top_k, top_p, min_p,
-                 want_logprobs):
+                 token_masks, constrained, want_logprobs):
     """Score each row's draft tree (root at position `start`, -1 for padding rows), accept
     a path, move its KV into place, catch the draft up and grow the next tree."""
     spec = draft.spec
@@ -206,7 +228,9 @@ def _verify_part(params, config, page_size, draft: Drafter, pool, block_tables, 
     hidden, features, layers = _target(params, config, draft, pool, block_tables, page_size,
                                        tree_tokens, positions, tree)
     logits = lm_head(params, config, hidden)
-    probs = processed_probs(logits, temperature, top_k, top_p, min_p)
+    # one mask row per tree node: the grammar's state after the path to it
+    probs = processed_probs(apply_token_masks(logits, token_masks, constrained), temperature, top_k, top_p,
+                            min_p)
     path, count, bonus = verify_trees(probs, tree_tokens, tree_parents, tree_scores,
                                       row_keys(seeds, counters), spec)
     layers = compact_kv(layers, block_tables, page_size, start, path, count)
@@ -224,20 +248,23 @@ def _verify_part(params, config, page_size, draft: Drafter, pool, block_tables, 
 
 
 @functools.partial(jax.jit, static_argnames=("config", "page_size", "draft_config", "spec",
-                                             "want_logprobs"),
+                                             "want_logprobs", "prompt_logprobs_parts"),
                    donate_argnames=("pool",))
 def _spec_step(params, config, page_size, draft_params, draft_config, spec, pool, parts,
-               want_logprobs):
+               want_logprobs, prompt_logprobs_parts):
     """One speculative engine step, one device call: parts maps "prefill", "decode" and
-    "verify" (each present only when the step has such rows) to their padded inputs.
-    Returns ({part: results without the pool}, pool)."""
+    "verify" (each present only when the step has such rows) to their padded inputs;
+    the parts named in prompt_logprobs_parts also score their prompt tokens. Returns ({part: results without the pool}, pool)."""
     draft = Drafter(draft_config, draft_params, spec)
     results = {}
     for name in ("prefill", "decode", "verify"):
         if name in parts:
-            body = _verify_part if name == "verify" else _chunk_part
-            *results[name], pool = body(params, config, page_size, draft, pool, *parts[name],
-                                        want_logprobs)
+            if name == "verify":  # a verify row holds no prompt tokens
+                *results[name], pool = _verify_part(params, config, page_size, draft, pool, *parts[name],
+                                                    want_logprobs)
+            else:
+                *results[name], pool = _chunk_part(params, config, page_size, draft, pool, *parts[name],
+                                                   want_logprobs, name in prompt_logprobs_parts)
     return results, pool
 
 
@@ -261,6 +288,7 @@ class ModelRunner:
         self.page_size, self.num_pages = page_size, num_pages
         self.max_pages_per_seq, self.max_num_seqs = max_pages_per_seq, max_num_seqs
         self.min_table_width = -(-MIN_TABLE_POSITIONS // page_size)
+        self.mask_words = -(-config.vocab_size // 32)
         self.pool = {"target": model.init_kv_pool(config, num_pages, page_size, dtype, kv_cache_dtype)}
         if draft is not None:
             self.pool["draft"] = model.init_kv_pool(draft.config.layer_config, num_pages, page_size, dtype,
@@ -280,8 +308,10 @@ class ModelRunner:
         parts = {name: (self._verify_inputs(g) if name == "verify" else self._chunk_inputs(g))
                  for name, g in groups.items()}
         want_logprobs = any(_wants_logprobs(r) for r in rows)
+        prompt_parts = tuple(name for name, g in groups.items() if any(_prompt_targets(r) for r in g))
         out, self.pool = _spec_step(self.params, self.config, self.page_size, self.draft.params,
-                                    self.draft.config, self.draft.spec, self.pool, parts, want_logprobs)
+                                    self.draft.config, self.draft.spec, self.pool, parts, want_logprobs,
+                                    prompt_parts)
         by_row = {}
         for name, group in groups.items():
             done = self._verify_results if name == "verify" else self._chunk_results
@@ -299,6 +329,16 @@ class ModelRunner:
             seeds[i], counters[i] = (r.seed & 0xFFFFFFFF, (r.seed >> 32) & 0xFFFFFFFF), r.counter
             temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
         return [jnp.asarray(a) for a in (seeds, counters, temp, top_k, top_p, min_p)]
+
+    def _mask_arrays(self, rows: list[Row], b: int, per_row: tuple[int, ...] = ()) -> list[jax.Array]:
+        """token_masks int32 [b, *per_row, words] and constrained bool [b] for `rows`
+        padded to b (structured outputs; all zero when no row is constrained)."""
+        masks = np.zeros((b, *per_row, self.mask_words), np.int32)
+        constrained = np.zeros(b, bool)
+        for i, r in enumerate(rows):
+            if r.token_mask is not None:
+                masks[i], constrained[i] = r.token_mask, True
+        return [jnp.asarray(masks), jnp.asarray(constrained)]
 
     def _tables(self, rows: list[Row], b: int) -> jax.Array:
         """Block tables [b, width] cut to the pages this step can see, so attention reads
@@ -321,7 +361,7 @@ class ModelRunner:
             trees[0][i], trees[1][i], trees[2][i] = r.tree.tokens, r.tree.parents, r.tree.scores
             start[i] = r.start
         return (self._tables(rows, b), *map(jnp.asarray, trees), jnp.asarray(start),
-                *self._sampling_arrays(rows, b))
+                *self._sampling_arrays(rows, b), *self._mask_arrays(rows, b, (n,)))
 
     def _verify_results(self, rows: list[Row], out) -> list[RowResult]:
         accepted, count, bonus, extra, tree = out
@@ -349,29 +389,46 @@ class ModelRunner:
             positions[start:end] = np.arange(r.start, r.start + len(r.tokens))
             kv_lens[i] = r.start + len(r.tokens)
             cu_q_lens[i + 1:] = end
+        targets = np.full(n, -1, np.int32)
+        for i, r in enumerate(rows):
+            following = _prompt_targets(r)
+            targets[cu_q_lens[i]:cu_q_lens[i] + len(following)] = following
         seeds, counters, temperature, top_k, top_p, min_p = self._sampling_arrays(rows, s)
         return StepBatch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(cu_q_lens),
                          jnp.asarray(kv_lens), self._tables(rows, s),
                          jnp.asarray(np.maximum(cu_q_lens[1:] - 1, 0)), seeds, counters, temperature,
-                         top_k, top_p, min_p, max_q_len=bucket(max(lens)),
+                         top_k, top_p, min_p, jnp.asarray(targets), *self._mask_arrays(rows, s),
+                         max_q_len=bucket(max(lens)),
                          max_chunks=bucket(chunks) if (chunks := sum(n > 1 for n in lens)) else 0)
 
     def _run_packed(self, rows: list[Row]) -> list[RowResult | None]:
         if not rows:
             return []
         want_logprobs = any(_wants_logprobs(r) and r.sample for r in rows)
-        next_tokens, extra, self.pool = _step(self.params, self.config, self.page_size, self.pool,
-                                              self.step_batch(rows), want_logprobs)
-        return self._results(rows, np.asarray(next_tokens), [np.asarray(e) for e in extra])
+        batch = self.step_batch(rows)
+        next_tokens, extra, prompt_extra, self.pool = _step(
+            self.params, self.config, self.page_size, self.pool, batch, want_logprobs,
+            any(_prompt_targets(r) for r in rows))
+        starts = np.asarray(batch.cu_q_lens)[:-1]
+        return self._results(rows, np.asarray(next_tokens), [np.asarray(e) for e in extra],
+                             prompt_extra=[np.asarray(e) for e in prompt_extra],
+                             prompt_index=lambda i, j: (starts[i] + j,))
 
-    def _results(self, rows: list[Row], next_tokens, extra, tree=None) -> list[RowResult | None]:
+    def _results(self, rows: list[Row], next_tokens, extra, tree=None, prompt_extra=(),
+                 prompt_index=None) -> list[RowResult | None]:
+        """Row results: sampled rows always; a prompt chunk only when it carries prompt
+        logprobs (prompt_index(i, j): where row i's token j is in prompt_extra)."""
         out: list[RowResult | None] = []
         for i, r in enumerate(rows):
+            prompt = None
+            if prompt_extra and (targets := _prompt_targets(r)):
+                prompt = tuple(_logprob_entry(prompt_extra, *prompt_index(i, j)) for j in range(len(targets)))
             if not r.sample:
-                out.append(None)
+                out.append(None if prompt is None else RowResult((), prompt_logprobs=prompt))
                 continue
             entries = (_logprob_entry(extra, i),) if _wants_logprobs(r) and extra else None
-            out.append(RowResult((int(next_tokens[i]),), entries, _draft_tree(tree, i) if tree else None))
+            out.append(RowResult((int(next_tokens[i]),), entries, _draft_tree(tree, i) if tree else None,
+                                 prompt))
         return out
 
     def _chunk_inputs(self, rows: list[Row]) -> tuple:
@@ -390,11 +447,11 @@ class ModelRunner:
             if not r.sample and r.next_token is not None:
                 next_known[i] = r.next_token
         return (self._tables(rows, b), jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(last),
-                jnp.asarray(next_known), *self._sampling_arrays(rows, b))
+                jnp.asarray(next_known), *self._sampling_arrays(rows, b), *self._mask_arrays(rows, b))
 
     def _chunk_results(self, rows: list[Row], out) -> list[RowResult | None]:
-        next_tokens, extra, tree = out
-        return self._results(rows, next_tokens, extra, tree)
+        next_tokens, extra, prompt_extra, tree = out
+        return self._results(rows, next_tokens, extra, tree, prompt_extra, lambda i, j: (i, j))
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: page src -> page dst in every layer."""

@@ -29,6 +29,21 @@ def row_keys(seeds: jnp.ndarray, counters: jnp.ndarray) -> jax.Array:
     return jax.vmap(one)(seeds.astype(jnp.uint32), counters)
 
 
+def apply_token_masks(logits: jnp.ndarray, masks: jnp.ndarray, constrained: jnp.ndarray) -> jnp.ndarray:
+    """logits with the tokens a row's grammar forbids at -inf (structured outputs).
+
+    logits [B, ..., V]; masks int32 [B, ..., ceil(V / 32)]: bit t % 32 of word t // 32 set
+    = token t allowed (llguidance's bitmask); constrained bool [B]: rows whose mask
+    applies. A batch with no constrained row skips the unpacking entirely.
+    """
+    def masked():
+        ids = jnp.arange(logits.shape[-1])
+        allowed = (jnp.take(masks, ids // 32, axis=-1) >> (ids % 32)) & 1
+        flag = constrained.reshape(constrained.shape + (1,) * (logits.ndim - 1))
+        return jnp.where((allowed != 0) | ~flag, logits, -jnp.inf)
+    return jax.lax.cond(jnp.any(constrained), masked, lambda: logits)
+
+
 def sample(logits: jnp.ndarray, keys: jax.Array, temperature: jnp.ndarray, top_k: jnp.ndarray,
            top_p: jnp.ndarray, min_p: jnp.ndarray | None = None) -> jnp.ndarray:
     """Next tokens int32 [B] from logits [B, V].

@@ -183,6 +183,15 @@ def update(state: SchedulerState, plan: StepPlan, num_new_tokens: Mapping[str, i
     return dataclasses.replace(state, running=tuple(advance(s) for s in state.running))
 
 
+def extend(state: SchedulerState, num_forced_tokens: Mapping[str, int]) -> SchedulerState:
+    """Tokens the engine appended to running sequences without computing them (a
+    grammar's forced tokens, jump-forward): the next steps compute them like a chunk."""
+    def grow(s: Seq) -> Seq:
+        n = num_forced_tokens.get(s.seq_id, 0)
+        return dataclasses.replace(s, num_tokens=s.num_tokens + n) if n else s
+    return dataclasses.replace(state, running=tuple(grow(s) for s in state.running)) if num_forced_tokens else state
+
+
 def fork(state: SchedulerState, parent_id: str, child: Seq) -> SchedulerState:
     """Add a running child sharing the parent's computed KV (parallel sampling); the
     parent's reservation for it passes to the child."""
@@ -210,11 +219,14 @@ def _order_waiting(waiting: tuple[Seq, ...], order: str, cached: Mapping[str, in
 
 
 def schedule(state: SchedulerState, config: SchedulerConfig, kv: KVView,
-             preempt_keeps_computed: bool = False) -> tuple[SchedulerState, StepPlan]:
+             preempt_keeps_computed: bool = False, blocked: frozenset[str] = frozenset()
+             ) -> tuple[SchedulerState, StepPlan]:
     """One scheduling step over what the KV manager shows (`kv`).
 
     preempt_keeps_computed: preempted sequences keep num_computed_tokens (swap
-    preemption); otherwise they restart from zero (recompute).
+    preemption); otherwise they restart from zero (recompute). blocked: waiting
+    sequences that may not start yet (their structured-output grammar is still being
+    built); they keep their place in the queue and the others pass them.
     """
     cached, num_available_pages = kv.cached, kv.num_available
     active = list(state.running)
@@ -236,6 +248,8 @@ def schedule(state: SchedulerState, config: SchedulerConfig, kv: KVView,
         for seq in _order_waiting(state.waiting, config.order, cached):
             if len(active) >= config.max_num_seqs:
                 break
+            if seq.seq_id in blocked:
+                continue
             hit = 0 if seq.num_computed_tokens else cached.get(seq.seq_id, 0)
             if config.order == LPM and hit <= DEFER_MAX_CACHED and any(
                     _shared_prefix(seq.prompt, a.prompt) - hit >= DEFER_MIN_SHARED for a in admitted):

@@ -137,6 +137,37 @@ def test_stream_deltas_add_up_to_generate(make_llm):
     assert (text, toks) == (full.text, full.token_ids)
 
 
+def reference_prompt_logprobs(config, params, prompt):
+    """log p(prompt[i] | prompt[:i]) for i >= 1 from one whole-prompt forward, in float64."""
+    cache = model.init_cache(config, 1, 64 * -(-len(prompt) // 64))
+    logits, _ = model.forward(params, config, np.asarray([prompt], np.int32),
+                              np.arange(len(prompt), dtype=np.int32)[None], cache)
+    logits = np.asarray(logits[0], np.float64)
+    logprobs = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    return logprobs[np.arange(len(prompt) - 1), prompt[1:]], logprobs
+
+
+def test_prompt_logprobs_equal_a_whole_prompt_forward(make_llm, tiny_model):
+    """Prompt logprobs, computed chunk by chunk (chunks of 16 here), equal one forward over
+    the whole prompt; a request asking for them computes its whole prompt even when the
+    prefix cache holds it, and streaming reports them once."""
+    prompt = prompts(1, length=40)[0]["prompt_token_ids"]
+    want, full = reference_prompt_logprobs(*tiny_model, prompt)
+    llm = make_llm(max_num_batched_tokens=16)
+    llm.generate({"prompt_token_ids": prompt}, GREEDY)  # the prompt's pages are now cached
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    out = llm.generate({"prompt_token_ids": prompt}, params)[0]
+    assert out.num_cached_tokens == 0 and out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(prompt)
+    np.testing.assert_allclose([lp[t] for lp, t in zip(out.prompt_logprobs[1:], prompt[1:])], want, atol=1e-4)
+    for i, lp in enumerate(out.prompt_logprobs[1:]):
+        top = np.argsort(-full[i])[:2]
+        assert set(top) <= set(lp) and len(lp) <= 3
+    streamed = [o.prompt_logprobs for o in llm.stream({"prompt_token_ids": prompt}, params)]
+    assert streamed[0] == out.prompt_logprobs and all(s is None for s in streamed[1:])
+    assert llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].prompt_logprobs is None
+
+
 def test_stop_token_ids_stop_strings_and_logprobs(make_llm):
     llm = make_llm()
     p = prompts(1)[0]

@@ -214,6 +214,9 @@ BAD_BODIES = [  # (body, param the error names)
      "response_format"),
     ({"prompt": PROMPT, "structured_outputs": {"regex": "a+", "choice": ["x"]}}, None),
     ({"prompt": PROMPT, "structured_outputs": {"choice": []}}, None),
+    ({"prompt": PROMPT, "structured_outputs": {"regex": "(["}}, "regex"),  # checked by the engine
+    ({"prompt": PROMPT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "bad", "schema": {"type": "object", "properties": {"a": {"type": "sometimes"}}}}}}, "json"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "message"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "message"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
@@ -262,6 +265,22 @@ def test_structured_output_fields_map_to_structured_outputs_params():
     with pytest.raises(ValueError, match="not both"):
         completion_request({"prompt": "x", "structured_outputs": {"regex": "a"},
                             "response_format": {"type": "json_object"}}, "m")
+
+
+def test_response_format_json_schema_answers_valid_json(app, llm):
+    schema = {"type": "object", "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "unit": {"enum": ["cm", "kg"]}},
+              "required": ["count", "unit"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "measure", "schema": schema}}
+
+    async def go(client, _):
+        return await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=32, temperature=0,
+                                               extra_body={"response_format": fmt})
+    answer = run(go, app)
+    value = json.loads(answer.choices[0].text)
+    assert set(value) == {"count", "unit"} and 0 <= value["count"] <= 99 and value["unit"] in ("cm", "kg")
+    assert answer.choices[0].finish_reason == "stop"
+    assert_engine_clean(llm)
 
 
 def test_api_key_guards_v1_routes_only(app):

@@ -32,7 +32,7 @@ def _step_specs(config, params, kv_cache_dtype, lens=(1, 1), pages_per_seq=8):
     rows = [Row(tokens=[3] * n, start=5, block_table=[2 * i, 2 * i + 1], sample=True)
             for i, n in enumerate(lens)]
     batch = runner.step_batch(rows)
-    fn = lambda params, pool, batch: _step(params, config, PAGE_SIZE, pool, batch, False)
+    fn = lambda params, pool, batch: _step(params, config, PAGE_SIZE, pool, batch, False, False)
     return fn, [jax.tree.map(spec, params), jax.tree.map(spec, runner.pool), jax.tree.map(spec, batch)]
 
 
@@ -80,7 +80,7 @@ def test_speculative_step_runs_every_attention_of_target_and_draft_on_the_tpu_ke
     decode = Row(tokens=[3], start=7, block_table=[2, 3], sample=True)
     parts = {"decode": runner._chunk_inputs([decode]), "verify": runner._verify_inputs([verify])}
     fn = lambda params, draft_params, pool, parts: _spec_step(
-        params, config, PAGE_SIZE, draft_params, draft_config, spec_, pool, parts, False)
+        params, config, PAGE_SIZE, draft_params, draft_config, spec_, pool, parts, False, ())
     specs = [jax.tree.map(spec, x) for x in (params, draft_params, runner.pool, parts)]
     per_part = 4 + 1 + (spec_.depth - 1)  # target, draft over the chunk, tree levels
     assert kernel_calls(export_tpu(fn, *specs), "tpu_custom_call") == 2 * per_part
