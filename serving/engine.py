@@ -32,6 +32,7 @@ from serving.params import SEED_BITS, SamplingParams
 from serving.structured import GrammarCompiler, advance
 
 RECOMPUTE, SWAP = "recompute", "swap"
+GRAMMAR_GATHER_S = 0.5  # an idle engine waits this long for every pending grammar
 PREEMPTION_MODES = (RECOMPUTE, SWAP)
 
 # -- the engine-runner contract ------------------------------------------------------
@@ -322,12 +323,15 @@ class EngineCore:
         """Hand built matchers to their sequences; returns the waiting sequences whose
         grammar is still being built (the scheduler does not start them). A grammar that
         failed to build ends its request with "abort". When nothing else can run, waits
-        for the first grammar instead of spinning."""
+        for the grammars instead of spinning: all of them for up to GRAMMAR_GATHER_S (so
+        requests added together start together, in the same step shapes), then the first."""
         pending = [r for r in self.requests.values()
                    if r.grammar is not None and not self.request_finished(r.request_id)]
         if pending and not self.state.running and all(
                 self.requests[self.seqs[s.seq_id].request_id].grammar is not None for s in self.state.waiting):
-            concurrent.futures.wait([r.grammar for r in pending], return_when=concurrent.futures.FIRST_COMPLETED)
+            futures = [r.grammar for r in pending]
+            if concurrent.futures.wait(futures, timeout=GRAMMAR_GATHER_S).not_done:
+                concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
         blocked = set()
         for req in pending:
             if not req.grammar.done():
