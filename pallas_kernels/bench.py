@@ -6,8 +6,8 @@ bound, so the table reports achieved GB/s (KV bytes actually read or written + q
 for the indexer, the index keys + q + scores), that as a fraction of the device's copy
 bandwidth measured in the same run (an elementwise pass over 2 GiB, bytes read + written)
 and of the datasheet peak, and, for paged decode attention, as a ratio to JAX's bundled
-kernel. The ragged, block-sparse and indexer ops have no GPU kernel: on GPU their
-"platform default" row is the XLA reference. On CPU there is no Pallas compiler: the
+kernel. On GPU the ragged row runs the Triton ragged kernel; the block-sparse and indexer
+ops have no GPU kernel, so their "platform default" row there is the XLA reference. On CPU there is no Pallas compiler: the
 kernels run in interpret mode on tiny sizes, so the numbers only show that it runs.
 
 `--ops paged` times paged decode attention alone (what `pallas_kernels.gpu_check` runs);

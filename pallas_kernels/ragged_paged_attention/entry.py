@@ -8,7 +8,12 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import validate
 from pallas_kernels.dispatch import bind, dispatch
 from pallas_kernels.paged_attention import kv_formats
-from pallas_kernels.ragged_paged_attention.kernel_gpu import decode_supported, ragged_decode_gpu
+from pallas_kernels.ragged_paged_attention.kernel_gpu import (
+    decode_supported,
+    ragged_decode_gpu,
+    ragged_paged_attention_gpu,
+    ragged_supported,
+)
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 from pallas_kernels.tree_mask import TreeMask
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
@@ -60,9 +65,11 @@ def ragged_paged_attention(
       sm_scale, sliding_window, soft_cap, sinks, variant: as paged_attention (q_pos and
         kv_pos seen by the variant are absolute positions in the sequence).
       interpret: True or a pltpu.InterpretParams runs the TPU kernel in TPU interpret mode
-        (it uses DMAs, so True means InterpretParams()); None runs Mosaic on TPU, on GPU the
-        Triton paged decode kernel for decode-only steps (max_q_len 1, float pages, no
-        tree) and the XLA path otherwise, and the XLA path (xla.py) on CPU.
+        (it uses DMAs, so True means InterpretParams()); None runs Mosaic on TPU; on GPU
+        the Triton paged decode kernel for decode-only steps (max_q_len 1, float pages, no
+        tree), the Triton ragged kernel (kernel_gpu.py) for other steps over float, int8
+        or fp8 pages with power-of-two page_size and head_dim >= 16, and the XLA path
+        otherwise; the XLA path (xla.py) on CPU.
 
     Returns:
       out [total_q_tokens, num_q_heads, head_dim] in q.dtype, lse f32 [total_q_tokens,
@@ -121,9 +128,12 @@ def ragged_paged_attention(
         kv_format=fmt,
         **validate.attention_options(head_dim, num_q_heads, sm_scale, soft_cap, sinks, variant),
     )
-    gpu = None  # no GPU ragged kernel: decode-only steps use the paged decode kernel
+    gpu = None  # GPU: the paged decode kernel for decode-only steps, else the ragged one
     if decode_supported(num_tokens, num_seqs, page_size, head_dim, tree, fmt, max_q_len):
         gpu = bind(ragged_decode_gpu, **{k: x for k, x in static.items() if k != "kv_format"})
+    elif ragged_supported(page_size, head_dim, fmt):
+        block_q = 16 if max_q_len is None else min(16, 1 << (max_q_len - 1).bit_length())
+        gpu = bind(ragged_paged_attention_gpu, block_q=block_q, **static)
     if interpret is True:
         interpret = pltpu.InterpretParams()
     return dispatch(

@@ -51,78 +51,15 @@ from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.paged_attention.kv_formats import merge_parts, split_parts
 from pallas_kernels import tree_mask
 from pallas_kernels.ragged_paged_attention.ref import token_layout
+from pallas_kernels.ragged_paged_attention.tiles import lowest_seen, plan_tiles, visible
 from pallas_kernels.variant import AttentionVariant
 from quant.blockscaled import nvfp4_quantize
-
-
-def plan_tiles(cu_q_lens, num_tokens, block_q):
-    """Cut each sequence's query tokens into tiles of <= block_q tokens.
-
-    Returns int32 arrays over a static number of tiles: tile_seq (sequence id, -1 for a
-    spare tile), tile_start (first query index inside the sequence's chunk), tile_len
-    (live rows, 0 for a spare tile), and tile_first (index of each sequence's first tile).
-    """
-    num_seqs = cu_q_lens.shape[0] - 1
-    num_tiles = -(-num_tokens // block_q) + num_seqs
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    tiles_per_seq = (q_lens + block_q - 1) // block_q
-    tile_end = jnp.cumsum(tiles_per_seq)
-    tile_first = tile_end - tiles_per_seq
-    tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.sum(tile[:, None] >= tile_end[None, :], axis=1).astype(jnp.int32)
-    live = seq < num_seqs
-    s = jnp.minimum(seq, num_seqs - 1)
-    start = (tile - tile_first[s]) * block_q
-    length = jnp.where(live, jnp.clip(q_lens[s] - start, 0, block_q), 0)
-    return (
-        jnp.where(live, seq, -1),
-        jnp.where(live, start, 0),
-        length.astype(jnp.int32),
-        tile_first.astype(jnp.int32),
-    )
-
-
-def _lowest_seen(tok, tile_len, pos, logical, region_start, sliding_window):
-    """int32 [num_tiles]: the lowest KV position any live row of a tile may see.
-
-    tok: int32 [num_tiles, block_q], each row's token; pos, logical, region_start: int32
-    [T], each token's slot, logical position and tree region start (None: no tree). The
-    window counts from the logical position and never cuts positions from the region
-    start on, so a tree node reaches back to min(its window's start, the region start)."""
-    if sliding_window is None:
-        return jnp.zeros(tok.shape[:1], jnp.int32)
-    lo = jnp.maximum(logical - sliding_window + 1, 0)
-    if region_start is not None:
-        lo = jnp.where(pos >= region_start, jnp.minimum(lo, region_start), lo)
-    live = jnp.arange(tok.shape[1])[None, :] < tile_len[:, None]
-    return jnp.min(jnp.where(live, lo[tok], jnp.iinfo(jnp.int32).max), axis=1)
 
 
 def _head_getter(bufs, h):
     """kv_formats.Getter over one page's VMEM leaf buffers, for KV head h: [page_size, n]
     for 4-D leaves, [page_size, 1] for 3-D (per-token) ones."""
     return lambda i: bufs[i][:, h, :] if len(bufs[i].shape) == 3 else bufs[i][:, h : h + 1]
-
-
-def _visible(q_pos, kv_pos, sliding_window, region_start, bits, logical):
-    """bool [rows, C]: which positions kv_pos [1, C] queries at slots q_pos [rows, 1] see
-    (tree.visible's rule). Without a tree (region_start None): causal and the window.
-    With one: bits int32 [rows, words] over the region from region_start (a scalar);
-    logical [rows, 1], the positions the window counts from (None without a window)."""
-    seen = kv_pos <= q_pos
-    if region_start is None:
-        return seen if sliding_window is None else seen & (kv_pos > q_pos - sliding_window)
-    near = True if sliding_window is None else kv_pos > logical - sliding_window
-    offset = kv_pos - region_start
-    in_bits = jnp.zeros(jnp.broadcast_shapes(q_pos.shape, kv_pos.shape), jnp.bool_)
-    for w in range(bits.shape[1]):
-        word_offset = offset - w * tree_mask.WORD_BITS
-        shift = jnp.clip(word_offset, 0, tree_mask.WORD_BITS - 1)
-        word = jnp.broadcast_to(bits[:, w : w + 1], in_bits.shape)
-        bit = lax.shift_right_logical(word, jnp.broadcast_to(shift, in_bits.shape)) & 1
-        in_bits |= (word_offset >= 0) & (word_offset < tree_mask.WORD_BITS) & (bit != 0)
-    in_region = (offset >= 0) & (offset < bits.shape[1] * tree_mask.WORD_BITS)
-    return seen & jnp.where(offset < 0, near, jnp.where(in_region, in_bits, True))
 
 
 def _kernel(
@@ -249,10 +186,12 @@ def _kernel(
         s = variant.transform(s, q_pos, kv_pos, row // block_q)
         if has_tree:
             logical = None if logical_ref is None else logical_ref[...]
-            tree = (region_start_ref[seq], bits_ref[...], logical)
+            bits = bits_ref[...]
+            columns = [bits[:, w : w + 1] for w in range(bits.shape[1])]
+            tree = (region_start_ref[seq], columns, logical)
         else:
             tree = (None, None, None)
-        mask = _visible(q_pos, kv_pos, sliding_window, *tree) & (q_row < length)
+        mask = visible(q_pos, kv_pos, sliding_window, *tree) & (q_row < length)
         m_new, l_new, alpha, probs = online_softmax.update(variant, m_ref[...], l_ref[...], s, mask)
         for part in range(parts):
             pv = online_softmax.grouped_pv(probs, decoded(v_bufs, part), num_kv_heads, prec)
@@ -352,7 +291,7 @@ def ragged_paged_attention_tpu(
         if sliding_window is not None:
             in_specs.append(pl.BlockSpec((None, rows, 1), row_map))
             operands.append(row_tiles(logical[:, None]))
-    tile_lo = _lowest_seen(tok, tile_len, pos_tok, logical, region_start, sliding_window)
+    tile_lo = lowest_seen(tok, tile_len, pos_tok, logical, region_start, sliding_window)
     if sinks is not None:
         in_specs.append(pl.BlockSpec((rows, 1), lambda j, p, *_: (0, 0)))
         operands.append(jnp.repeat(sinks.astype(jnp.float32), block_q)[:, None])

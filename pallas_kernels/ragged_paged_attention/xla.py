@@ -3,7 +3,7 @@
 ref.py gathers every page of a query's sequence once per query token: a 512-token
 prefill chunk over 512 positions moves 512 copies of its KV. Here the new K/V rows are
 written first, then the query tokens are cut into tiles of one sequence each, as the TPU
-kernel does (kernel_tpu.plan_tiles), and pallas_kernels/paged_blocks.py attends each
+kernel does (tiles.plan_tiles), and pallas_kernels/paged_blocks.py attends each
 tile over its sequence's pages a block at a time. Rows of one query token (decode)
 get tiles of one, so they cost what paged decode attention costs even in a step with
 prefill chunks; chunks get tiles of min(max_q_len, 16) tokens, at most
@@ -18,7 +18,7 @@ import functools
 import jax.numpy as jnp
 
 from pallas_kernels.paged_blocks import attend_tiles
-from pallas_kernels.ragged_paged_attention.kernel_tpu import plan_tiles
+from pallas_kernels.ragged_paged_attention.tiles import plan_tiles
 from pallas_kernels.ragged_paged_attention.ref import (
     ragged_paged_attention_ref,
     token_layout,

@@ -9,9 +9,10 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from model import kv_formats
-from pallas_kernels import AttentionVariant, ragged_paged_attention
+from pallas_kernels import AttentionVariant, ragged_paged_attention, validate
 from pallas_kernels.paged_attention import kv_formats as pk_formats
 from pallas_kernels.ragged_paged_attention import TreeMask, pack_mask
+from pallas_kernels.ragged_paged_attention.kernel_gpu import ragged_paged_attention_gpu
 from tests.pallas_kernels.helpers import (
     TRITON_CALL,
     assert_close,
@@ -171,16 +172,97 @@ def test_reference_drops_writes_through_bad_block_table_entries():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_lowers_for_tpu_and_reference_for_cuda(dtype):
-    args, sinks = _mixed_batch(4)
-    specs = [spec(x.astype(dtype)) for x in args[:5]] + [spec(x) for x in args[5:]]
-    fn = lambda *a, sinks: ragged_paged_attention(
-        *a[:8], sinks=sinks, sliding_window=4, soft_cap=30.0
-    )
-    mlir = export_tpu(lambda *a: fn(*a[:8], sinks=a[8]), *specs, spec(sinks))
-    assert "tpu_custom_call" in mlir
-    # No GPU kernel yet: CUDA lowers the XLA reference (scatter + gather + dense).
-    assert TRITON_CALL not in export_cuda(lambda *a: fn(*a[:8], sinks=a[8]), *specs, spec(sinks))
+def test_lowers_for_tpu_and_cuda(dtype):
+    """Mosaic on TPU; on CUDA the Triton ragged kernel where its tiles fit (page 16) and
+    the XLA path where they do not (page 8 is below Triton's smallest dot)."""
+    for page_size in (PAGE_SIZE, GPU_PAGE):
+        args, sinks = _gpu_batch(4) if page_size == GPU_PAGE else _mixed_batch(4)
+        specs = [spec(x.astype(dtype)) for x in args[:5]] + [spec(x) for x in args[5:]]
+        fn = lambda *a: ragged_paged_attention(*a[:8], sinks=a[8], sliding_window=4, soft_cap=30.0)
+        assert "tpu_custom_call" in export_tpu(fn, *specs, spec(sinks))
+        triton = TRITON_CALL in export_cuda(fn, *specs, spec(sinks))
+        assert triton == (page_size == GPU_PAGE)
+
+
+# The Triton kernel's tiles: page_size and head_dim powers of two >= 16.
+GPU_PAGE = 16
+# (q_len, kv_len after the step): decode; a 20-token chunk over a 20-token prefix crossing
+# two page boundaries (two query tiles of 16); a fresh prefill; decode opening page 3.
+GPU_SEQS = [(1, 9), (20, 40), (6, 6), (1, 33)]
+
+
+def _gpu_batch(seed, *, num_q_heads=6, num_kv_heads=2, head_dim=32):
+    rng = np.random.default_rng(seed)
+    q_lens, kv_lens = (np.array(x, np.int32) for x in zip(*GPU_SEQS))
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_pages = 14  # 9 used, 5 nobody owns
+    table = rng.permutation(num_pages)[:12].reshape(4, 3).astype(np.int32)
+    t = int(cu[-1]) + NUM_PADDING
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    args = (f32(t, num_q_heads, head_dim), f32(t, num_kv_heads, head_dim), f32(t, num_kv_heads, head_dim),
+            f32(num_pages, GPU_PAGE, num_kv_heads, head_dim), f32(num_pages, GPU_PAGE, num_kv_heads, head_dim),
+            jnp.asarray(table), jnp.asarray(cu), jnp.asarray(kv_lens))
+    return args, f32(num_q_heads) + 1.0
+
+
+def _gpu_kernel(*args, sinks=None, tree=None, sliding_window=None, soft_cap=None, variant=None,
+                kv_format=None, block_q=16):
+    head_dim, num_q_heads = args[0].shape[-1], args[0].shape[1]
+    opts = validate.attention_options(head_dim, num_q_heads, None, soft_cap, sinks, variant)
+    fmt = None if kv_format is None else pk_formats.resolve(kv_format)
+    return ragged_paged_attention_gpu(*args, sinks, tree, sliding_window=sliding_window, kv_format=fmt,
+                                      block_q=block_q, interpret=True, **opts)
+
+
+@pytest.mark.parametrize("block_q,window,cap,with_sinks", [(16, None, None, False), (4, 5, 3.0, True)])
+def test_gpu_kernel_matches_ref(block_q, window, cap, with_sinks):
+    """The Triton ragged kernel (interpreted): outputs, lse and pages equal the reference
+    for a mixed step, with query tiles smaller than a chunk (4) or as large as it can be (16),
+    GQA 3:1 padded to the smallest dot, window, soft-cap and sinks."""
+    args, sinks = _gpu_batch(10)
+    kw = dict(sliding_window=window, soft_cap=cap, sinks=sinks if with_sinks else None)
+    want = _ref(*args, **kw)
+    got = _gpu_kernel(*args, block_q=block_q, **kw)
+    for g, w in zip(got, want):
+        assert_close(g, w)
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8"])
+def test_gpu_kernel_reads_int8_and_fp8_pages(fmt_name):
+    args, _ = _gpu_batch(11)
+    q, k, v, kp, vp, table, cu, kl = args
+    fmt = pk_formats.resolve(fmt_name)
+    low = (q, k, v, fmt.quantize(kp), fmt.quantize(vp), table, cu, kl)
+    want = _ref(*low, kv_format=fmt_name)
+    got = _gpu_kernel(*low, kv_format=fmt_name)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_gpu_kernel_tree_rows(window):
+    """A 6-node draft tree at slots 20..25 beside a chunk and a decode row: the kernel's
+    ancestor bits (one word padded to none) and logical windows equal the reference."""
+    rng = np.random.default_rng(12)
+    parents = [-1, 0, 0, 1, 1, 2]
+    anc = np.zeros((6, 6), bool)
+    for i, p in enumerate(parents):
+        anc[i] = anc[p] if p >= 0 else False
+        anc[i, i] = True
+    q_lens, kv_lens = np.array([6, 5, 1], np.int32), np.array([26, 12, 40], np.int32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t, num_pages, hq, hkv, d = int(cu[-1]) + 1, 12, 4, 2, 32
+    table = rng.permutation(num_pages)[:9].reshape(3, 3).astype(np.int32)
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    args = (f32(t, hq, d), f32(t, hkv, d), f32(t, hkv, d), f32(num_pages, GPU_PAGE, hkv, d),
+            f32(num_pages, GPU_PAGE, hkv, d), jnp.asarray(table), jnp.asarray(cu), jnp.asarray(kv_lens))
+    mask = np.zeros((t, 6), bool)
+    mask[:6] = anc
+    tree = TreeMask(jnp.asarray([20, 12, 40], jnp.int32), pack_mask(jnp.asarray(mask)))
+    want = _ref(*args, tree=tree, sliding_window=window)
+    got = _gpu_kernel(*args, tree=tree, sliding_window=window, block_q=8)
+    for g, w in zip(got, want):
+        assert_close(g, w)
 
 
 def _ref(*args, **kw):

@@ -1,7 +1,8 @@
 """The engine's jitted step lowers to a Pallas kernel in every attention layer, for TPU
 and CUDA, checked by jax.export from this CPU host (no device needed): decode-only steps
-and mixed prefill + decode steps, float and low-bit pools. On CUDA only decode-only float
-steps have a kernel (the Triton paged decode kernel); the rest lower to the XLA path."""
+and mixed prefill + decode steps, float and low-bit pools. On CUDA decode-only float steps
+run the Triton paged decode kernel and other steps over float, int8 and fp8 pools the
+Triton ragged kernel; nvfp4 and TurboQuant pools lower to the XLA path there."""
 
 import jax
 import pytest
@@ -43,19 +44,22 @@ def test_float_pool_decode_step_calls_the_kernel_in_every_layer(tiny):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "nvfp4", "turboquant-3.5"])
-def test_quantized_pool_decode_step_calls_the_tpu_kernel_in_every_layer(tiny, kv_cache_dtype):
+def test_quantized_pool_decode_step_calls_the_kernels_in_every_layer(tiny, kv_cache_dtype):
     fn, specs = _step_specs(*tiny, kv_cache_dtype)
     assert kernel_calls(export_tpu(fn, *specs), "tpu_custom_call") == LAYERS
+    on_gpu = kv_cache_dtype in ("int8", "fp8")
+    assert kernel_calls(export_cuda(fn, *specs), TRITON_CALL) == (LAYERS if on_gpu else 0)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_mixed_prefill_and_decode_step_calls_the_tpu_kernel_in_every_layer(tiny, kv_cache_dtype):
+def test_mixed_prefill_and_decode_step_calls_the_kernels_in_every_layer(tiny, kv_cache_dtype):
     """A prefill chunk and a decode row in one packed step: one ragged kernel per layer."""
     fn, specs = _step_specs(*tiny, kv_cache_dtype, lens=(9, 1))
     assert kernel_calls(export_tpu(fn, *specs), "tpu_custom_call") == LAYERS
+    assert kernel_calls(export_cuda(fn, *specs), TRITON_CALL) == LAYERS
 
 
-def test_speculative_step_runs_every_attention_of_target_and_draft_on_the_tpu_kernel(tiny):
+def test_speculative_step_runs_every_attention_of_target_and_draft_on_the_kernels(tiny):
     """One speculative step with a decode row and a verify row: the target's layers, the
     draft's pass over the accepted tokens and each level of tree growth all call the
     ragged kernel (trees as ancestor bits), for both parts, in one jitted call."""
@@ -84,3 +88,4 @@ def test_speculative_step_runs_every_attention_of_target_and_draft_on_the_tpu_ke
     specs = [jax.tree.map(spec, x) for x in (params, draft_params, runner.pool, parts)]
     per_part = 4 + 1 + (spec_.depth - 1)  # target, draft over the chunk, tree levels
     assert kernel_calls(export_tpu(fn, *specs), "tpu_custom_call") == 2 * per_part
+    assert kernel_calls(export_cuda(fn, *specs), TRITON_CALL) == 2 * per_part
