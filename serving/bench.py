@@ -586,7 +586,10 @@ def bench_serve(args) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    # log_config=None: uvicorn's default dictConfig would close every logging handler the
+    # process already has (absl's, installed by orbax, holds sys.stderr: it gets closed).
+    http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                         log_config=None))
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
     try:
