@@ -41,6 +41,11 @@ class KVManager:
         first = position // self.page_size
         return len(table) - sum(int(self.pool.ref_counts[p] > 1) for p in table[first:])
 
+    def flush_prefix_cache(self) -> int:
+        """Drop every cached prefix no sequence holds (their K/V is stale once the weights
+        change); returns the pages freed."""
+        return 0 if self.radix is None else self.radix.evict(self.radix.evictable_pages)
+
     def _allocate(self, n: int) -> list[int]:
         if n > self.pool.num_free and self.radix is not None:
             self.radix.evict(n - self.pool.num_free)

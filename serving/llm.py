@@ -16,9 +16,11 @@ from __future__ import annotations
 import inspect
 import itertools
 import numbers
+import os
 import threading
 from typing import Iterator, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import tqdm
@@ -139,6 +141,28 @@ class LLM:
                                  jump_forward=jump_forward)
         self._ids = itertools.count()
         self._lock = threading.RLock()  # one engine step (or request change) at a time
+
+    def update_weights(self, params) -> None:
+        """Swap the model's weights, as an RL loop does between rollouts.
+
+        params: a pytree with the loaded params' structure and leaf shapes (leaves are cast
+        to the running dtype, so a bfloat16 trainer state fits a float32 engine), or a
+        checkpoint path `model.load` reads, of the same model config. Nothing recompiles:
+        the weights are arguments of the jitted step, never constants. The prefix cache is
+        flushed, since its pages hold K/V the old weights computed. Call it between
+        `generate` calls: with requests in flight it raises ValueError, as it does for a
+        pytree or checkpoint that does not match; the old weights stay on error."""
+        with self._lock:
+            if self.engine.has_unfinished():
+                raise ValueError("update_weights needs an idle engine: requests are still in flight")
+            if isinstance(params, (str, os.PathLike)):
+                path = os.fspath(params)
+                config, params = model.load(path, jax.tree.leaves(self.runner.params)[0].dtype)
+                if config != self.config:
+                    raise ValueError(f"checkpoint {path!r} is another model: its config differs "
+                                     f"from the running one ({config} != {self.config})")
+            self.runner.params = _matching_params(self.runner.params, params)
+            self.engine.kv.flush_prefix_cache()
 
     def get_tokenizer(self) -> model.Tokenizer:
         return self.tokenizer
@@ -305,6 +329,28 @@ class LLM:
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(c, tokenize=True)}
                    for c in conversations]
         return self.generate(prompts, sampling_params)
+
+
+def _matching_params(current, new):
+    """`new` on device with `current`'s leaf dtypes; ValueError naming the first leaf whose
+    path or shape differs (a different structure would recompile every step)."""
+    want, structure = jax.tree_util.tree_flatten_with_path(current)
+    try:
+        got, new_structure = jax.tree_util.tree_flatten_with_path(new)
+    except Exception as e:  # noqa: BLE001 - any non-pytree
+        raise ValueError(f"params must be a pytree of arrays: {e}") from e
+    if new_structure != structure:
+        missing = {jax.tree_util.keystr(p) for p, _ in want} ^ {jax.tree_util.keystr(p) for p, _ in got}
+        raise ValueError(f"params differ in structure from the loaded ones (keys only on one side: "
+                         f"{sorted(missing)[:5]})")
+    leaves = []
+    for (path, old), (_, leaf) in zip(want, got):
+        shape = getattr(leaf, "shape", None)
+        if shape is None or tuple(shape) != old.shape:
+            raise ValueError(f"params{jax.tree_util.keystr(path)} has shape {shape}, the loaded "
+                             f"weights {old.shape}")
+        leaves.append(jnp.asarray(leaf, old.dtype))
+    return jax.tree.unflatten(structure, leaves)
 
 
 def _logprob_dict(token: int, entry: tuple[float, dict[int, float]], k: int) -> dict[int, float]:

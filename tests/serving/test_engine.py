@@ -67,6 +67,41 @@ def test_warm_engine_never_recompiles(make_llm):
     assert llm.runner.num_compilations() == warm
 
 
+def test_update_weights_follows_the_new_weights_without_recompiling(make_llm, tiny_model,
+                                                                   default_tokenizer):
+    """RL rollouts: after update_weights the engine answers as one built on the new
+    weights, misses the prefix cache it had (stale K/V), and compiles nothing new; bad
+    pytrees and in-flight requests are ValueErrors that keep the weights."""
+    import jax.numpy as jnp
+
+    config, _ = tiny_model
+    other = model.init_params(config, jax.random.key(1))
+    ps = prompts(3)
+    fresh = LLM.from_loaded(config, other, default_tokenizer, max_model_len=128, max_num_seqs=4,
+                            max_num_batched_tokens=64)
+    want = ids(fresh.generate(ps, GREEDY))
+    llm = make_llm()
+    assert ids(llm.generate(ps, GREEDY)) != want
+    warm = llm.runner.num_compilations()
+    llm.update_weights(jax.tree.map(np.asarray, other))  # host arrays are put on device
+    again = llm.generate(ps, GREEDY)
+    assert ids(again) == want
+    assert all(o.num_cached_tokens == 0 for o in again)
+    assert llm.runner.num_compilations() == warm
+    narrow = {**other, "embed": other["embed"][:, :16]}
+    with pytest.raises(ValueError, match=r"params\['embed'\] has shape \(49152, 16\)"):
+        llm.update_weights(narrow)
+    with pytest.raises(ValueError, match="differ in structure"):
+        llm.update_weights({"embed": other["embed"]})
+    stream = llm.stream(ps[0], GREEDY)
+    next(stream)
+    with pytest.raises(ValueError, match="in flight"):
+        llm.update_weights(other)
+    list(stream)
+    assert ids(llm.generate(ps, GREEDY)) == want
+    assert llm.runner.params["embed"].dtype == jnp.float32
+
+
 def test_step_block_tables_follow_the_live_context(make_llm):
     """A step's block tables are cut to the bucketed live page count, not max_model_len,
     and the cut changes no token: full tables, the default cut and a one-page minimum agree."""

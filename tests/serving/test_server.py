@@ -519,3 +519,22 @@ def test_cli_rejects_bad_flags_with_a_message():
                           (["serve", "--max-waiting-requests", "0"], "--max-waiting-requests is out of range")):
         with pytest.raises(SystemExit, match=message):
             cli(argv)
+
+
+def test_update_weights_from_a_checkpoint_path(tiny_dir):
+    """update_weights(path) loads the checkpoint's weights: negated weights change the
+    answer, the checkpoint brings it back; a missing path is a ValueError."""
+    import jax
+
+    from serving.llm import LLM
+
+    llm = LLM(tiny_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, max_num_batched_tokens=64)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    answer = lambda: llm.generate(PROMPT, greedy)[0].outputs[0].token_ids
+    before = answer()
+    llm.update_weights(jax.tree.map(lambda x: -x, llm.runner.params))
+    assert answer() != before
+    llm.update_weights(tiny_dir)
+    assert answer() == before
+    with pytest.raises(ValueError, match="does not exist"):
+        llm.update_weights(os.path.join(tiny_dir, "missing"))
