@@ -20,7 +20,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import time
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from serving import scheduler as sched
 from serving.draft_tree import DraftTree
 from serving.kv_manager import KVManager, pages_for
 from serving.output import Decode, OutputProcessor, SeqOutput
-from serving.params import SEED_BITS, SamplingParams
+from serving.params import SEED_BITS, SamplingParams, adjusts_logits
 from serving.structured import GrammarCompiler, advance
 
 RECOMPUTE, SWAP = "recompute", "swap"
@@ -54,6 +54,11 @@ class Row:
     # structured outputs: the grammar's bitmask (serving/structured.py) for the sampled
     # token, int32 [words]; for a tree, one row per node [N, words]; None: unconstrained
     token_mask: np.ndarray | None = dataclasses.field(default=None, compare=False)
+    # penalties and biases of a sampled row (SamplingParams.presence_penalty ...): the
+    # tokens whose logit changes, as (ids int32, output counts int32, seen in prompt or
+    # output bool, bias float32 with -inf = banned), each [k]; None: nothing to adjust
+    adjust: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = dataclasses.field(
+        default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +118,8 @@ class RequestState:
     prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
     # structured outputs: the matchers being built (a future), None once handed to the seqs
     grammar: concurrent.futures.Future | None = None
+    # SamplingParams.bad_words as token sequences (each word alone and after a space)
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
 
 class EngineCore:
@@ -128,7 +135,8 @@ class EngineCore:
                  max_model_len: int, eos_token_id: int | None, enable_prefix_caching: bool = True,
                  preemption_mode: str = RECOMPUTE, seed: int = 0, clock=time.monotonic,
                  decode: Decode | None = None, grammars: GrammarCompiler | None = None,
-                 jump_forward: bool = True):
+                 jump_forward: bool = True, encode: Callable[[str], list[int]] | None = None,
+                 vocab_size: int | None = None):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if not sched_config.enable_chunked_prefill and sched_config.max_num_batched_tokens < max_model_len:
@@ -139,6 +147,9 @@ class EngineCore:
         # structured outputs (None: the engine has no tokenizer and refuses them); with
         # jump_forward, tokens the grammar forces are taken without sampling each
         self.grammars, self.jump_forward = grammars, jump_forward
+        # penalties and biases: bad_words are tokenized with `encode`, logit_bias ids checked
+        # against vocab_size (None: the engine has no tokenizer / vocabulary to check with)
+        self.encode, self.vocab_size = encode, vocab_size
         self.kv = KVManager(num_pages, sched_config.page_size, enable_prefix_caching)
         self.output = OutputProcessor(eos_token_id, max_model_len, decode)
         self.max_model_len = max_model_len
@@ -171,6 +182,7 @@ class EngineCore:
         if need > self.kv.pool.num_pages:
             raise ValueError(f"{what} needs {need} KV pages, the pool has {self.kv.pool.num_pages}; "
                              f"lower max_tokens or raise num_kv_blocks")
+        bad_words = self._check_adjustments(params)
         grammar = None
         if params.structured_outputs is not None:
             if self.grammars is None:
@@ -179,11 +191,63 @@ class EngineCore:
         seq_ids = [f"{request_id}#{i}" for i in range(params.n)]
         self.requests[request_id] = RequestState(
             request_id, prompt, params, arrival, seq_ids,
-            prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt), grammar=grammar)
+            prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt), grammar=grammar,
+            bad_words=bad_words)
         for i, sid in enumerate(seq_ids):
             seed = (params.seed + i) % 2**SEED_BITS if params.seed is not None else self._fresh_seed()
             self.seqs[sid] = SeqState(sid, request_id, i, params, seed, self.output.new())
         self.state = sched.add(self.state, seq)
+
+    def _check_adjustments(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """Check a request's penalties and biases against this engine; returns its bad
+        words as token sequences."""
+        if not adjusts_logits(params):
+            return ()
+        if self.config.tokens_per_decode > 1:
+            raise ValueError("penalties, logit_bias, bad_words and min_tokens are not supported with "
+                             "speculative decoding yet")
+        if params.logit_bias and self.vocab_size is not None:
+            bad = [t for t in params.logit_bias if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        if not params.bad_words:
+            return ()
+        if self.encode is None:
+            raise ValueError("bad_words need an engine with a tokenizer")
+        words = {tuple(self.encode(text)) for w in params.bad_words for text in (w.lstrip(), " " + w.lstrip())}
+        return tuple(sorted(w for w in words if w))
+
+    def _adjustments(self, seq: SeqState):
+        """Row.adjust for a sampled row of `seq`, from its tokens so far (None when its
+        params change no logit)."""
+        p = seq.params
+        if not adjusts_logits(p):
+            return None
+        req = self.requests[seq.request_id]
+        out = seq.output.tokens
+        bias = dict(p.logit_bias or {})
+        banned = set()
+        if len(out) < p.min_tokens:
+            banned.update(p.stop_token_ids)
+            if self.output.eos_token_id is not None:
+                banned.add(self.output.eos_token_id)
+        for word in req.bad_words:  # vLLM's rule: ban the last token once the rest was just generated
+            if len(word) == 1 or (len(out) >= len(word) - 1 and tuple(out[len(out) - len(word) + 1:]) == word[:-1]):
+                banned.add(word[-1])
+        counted = np.asarray(out, np.int64) if (p.presence_penalty or p.frequency_penalty
+                                                or p.repetition_penalty != 1.0) else np.zeros(0, np.int64)
+        out_ids, out_counts = np.unique(counted, return_counts=True)
+        seen = np.unique(np.concatenate([np.asarray(req.prompt_ids, np.int64), counted])) \
+            if p.repetition_penalty != 1.0 else np.zeros(0, np.int64)
+        ids = np.union1d(np.union1d(out_ids, seen), np.fromiter(set(bias) | banned, np.int64))
+        if not len(ids):
+            return None
+        counts = np.zeros(len(ids), np.int32)
+        counts[np.searchsorted(ids, out_ids)] = out_counts
+        values = np.asarray([bias.get(int(t), 0.0) for t in ids], np.float32)
+        values[np.isin(ids, np.fromiter(banned, np.int64))] = -np.inf
+        return ids.astype(np.int32), counts, np.isin(ids, seen), values
 
     def _fresh_seed(self) -> int:
         self._next_seed += 1
@@ -272,7 +336,7 @@ class EngineCore:
             rows.append(Row(self.tokens(sid, start, end), start, tuple(self.kv.tables[sid]), sample=last,
                             params=seq.params, seed=seq.seed, counter=len(seq.output.tokens),
                             next_token=None if last else self.tokens(sid, end, end + 1)[0],
-                            tree=tree, token_mask=mask))
+                            tree=tree, token_mask=mask, adjust=self._adjustments(seq) if last else None))
         self.runner.copy_pages(copies)
         results = self.runner.execute(rows) if rows else []
         taken: dict[str, int] = {}

@@ -138,7 +138,9 @@ class LLM:
                                  tokenizer.eos_token_id, enable_prefix_caching, preemption_mode, seed,
                                  decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
                                  grammars=GrammarCompiler(tokenizer, config.vocab_size, tokenizer.eos_token_id),
-                                 jump_forward=jump_forward)
+                                 jump_forward=jump_forward,
+                                 encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                                 vocab_size=config.vocab_size)
         self._ids = itertools.count()
         self._lock = threading.RLock()  # one engine step (or request change) at a time
 

@@ -1,9 +1,10 @@
 """OpenAI request bodies in, `SamplingParams` out; `RequestOutput` deltas in, OpenAI JSON out.
 
 Fields follow the OpenAI API and vLLM's extras (`top_k`, `min_p`, `ignore_eos`,
-`stop_token_ids`, `structured_outputs`), as top-level body fields. Every field is checked
-here or by `SamplingParams` (a ValueError naming it); a field neither knows is an error,
-and so is a known field set to something kvfold does not do (a penalty, `echo`, tools).
+`stop_token_ids`, `structured_outputs`, `repetition_penalty`, `min_tokens`, `bad_words`),
+as top-level body fields. Every field is checked here or by `SamplingParams` (a ValueError
+naming it); a field neither knows is an error, and so is a known field set to something
+kvfold does not do (`echo`, `suffix`, tools).
 JSON null means "not given", as in vLLM's request models.
 """
 
@@ -22,14 +23,13 @@ from serving.params import (MAX_LOGPROBS, SamplingParams, StructuredOutputsParam
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream",
                  "stream_options", "user", "top_k", "min_p", "ignore_eos", "stop_token_ids",
                  "response_format", "structured_outputs", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logit_bias", "best_of")
+                 "repetition_penalty", "logit_bias", "best_of", "min_tokens", "bad_words")
 COMPLETION_FIELDS = COMMON_FIELDS + ("prompt", "logprobs", "echo", "suffix")
 CHAT_FIELDS = COMMON_FIELDS + ("messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools",
                                "tool_choice")
 STRUCTURED_KEYS = tuple(f.name for f in dataclasses.fields(StructuredOutputsParams))
 # Known fields that must keep their neutral value: kvfold does not implement them.
-NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-           "logit_bias": ({},), "echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",)}
+NEUTRAL = {"echo": (False,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +99,13 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingPara
         raise ValueError("best_of is not supported by kvfold (only best_of == n is accepted), "
                          f"got {body['best_of']!r}")
     kwargs = {k: body[k] for k in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                                   "stop_token_ids", "ignore_eos") if k in body}
+                                   "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
+                                   "repetition_penalty", "min_tokens", "bad_words") if k in body}
+    if "logit_bias" in body:  # JSON object keys are strings: {"50256": -100}
+        bias = body["logit_bias"]
+        if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isdigit() for k in bias):
+            raise ValueError(f"logit_bias must map token ids (as strings) to biases, got {bias!r:.80}")
+        kwargs["logit_bias"] = {int(k): v for k, v in bias.items()}
     return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=_structured(body),
                           **kwargs)
 

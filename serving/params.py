@@ -116,6 +116,17 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k logprobs returned per prompt token
     ignore_eos: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    # Penalties and biases (vLLM's names and rules, applied in the jitted sampler in
+    # vLLM's order: logit_bias, bad_words and min_tokens first, then repetition, then
+    # frequency and presence). presence / frequency count generated tokens only;
+    # repetition divides a positive logit (multiplies a negative one) of every token seen
+    # in the prompt or the output.
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to its logit
+    bad_words: tuple[str, ...] | list[str] | None = None  # never generated (as their tokens, with or without a leading space)
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens are out
 
     def __post_init__(self):
         checked = dict(n=check_int("n", self.n, 1), max_tokens=check_int("max_tokens", self.max_tokens, 1),
@@ -124,6 +135,24 @@ class SamplingParams:
                        top_k=max(check_int("top_k", self.top_k, -1), 0),
                        min_p=check_number("min_p", self.min_p, 0.0, 1.0),
                        ignore_eos=check_bool("ignore_eos", self.ignore_eos))
+        checked.update(presence_penalty=check_number("presence_penalty", self.presence_penalty, -2.0, 2.0),
+                       frequency_penalty=check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0),
+                       repetition_penalty=check_number("repetition_penalty", self.repetition_penalty, 0.0,
+                                                       low_open=True),
+                       min_tokens=check_int("min_tokens", self.min_tokens, 0, checked["max_tokens"]))
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            checked["logit_bias"] = {check_int("a logit_bias token id", t, 0):
+                                     check_number(f"logit_bias[{t}]", b, -100.0, 100.0)
+                                     for t, b in self.logit_bias.items()} or None
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)):
+                raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r:.80}")
+            for w in self.bad_words:
+                if not check_text("a bad word", w).strip():
+                    raise ValueError("a bad word is empty")
+            checked["bad_words"] = tuple(self.bad_words) or None
         if self.seed is not None:
             checked["seed"] = check_int("seed", self.seed, -2**63, 2**SEED_BITS - 1)
         for name in ("logprobs", "prompt_logprobs"):
@@ -153,6 +182,12 @@ class SamplingParams:
 
 
 MAX_LOGPROBS = 20
+
+
+def adjusts_logits(params: SamplingParams) -> bool:
+    """Whether a request's penalties or biases change any logit."""
+    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+                or params.logit_bias or params.bad_words or params.min_tokens)
 
 
 @dataclasses.dataclass

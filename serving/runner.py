@@ -39,7 +39,7 @@ from model.transformer import forward_hidden, lm_head
 from serving.draft_tree import DraftTree, TreeSpec
 from serving.engine import Row, RowResult
 from serving.params import MAX_LOGPROBS
-from serving.sampling import apply_token_masks, processed_probs, row_keys, sample
+from serving.sampling import apply_adjustments, apply_token_masks, processed_probs, row_keys, sample
 from serving.speculative import compact_kv, grow_trees, tree_masks, verify_trees
 
 
@@ -55,7 +55,9 @@ class Drafter:
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tokens", "positions", "cu_q_lens", "kv_lens", "block_tables",
                                 "logits_indices", "seeds", "counters", "temperature", "top_k",
-                                "top_p", "min_p", "targets", "token_masks", "constrained"],
+                                "top_p", "min_p", "targets", "token_masks", "constrained",
+                                "adjust_ids", "adjust_counts", "adjust_seen", "adjust_bias",
+                                "penalties"],
                    meta_fields=["max_q_len", "max_chunks"])
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
@@ -80,6 +82,13 @@ class StepBatch:
     targets: jax.Array  # int32 [N]: the prompt token after each token, -1 where not a prompt token
     token_masks: jax.Array  # int32 [S, ceil(V / 32)]: structured outputs' bitmask of allowed tokens
     constrained: jax.Array  # bool [S]: rows whose token_masks apply
+    # penalties and biases (sampling.apply_adjustments): per row, the tokens it adjusts,
+    # K of them (K = 1 and all padding when no row adjusts; padding ids = V)
+    adjust_ids: jax.Array  # int32 [S, K]
+    adjust_counts: jax.Array  # int32 [S, K]: times the row generated each token
+    adjust_seen: jax.Array  # bool [S, K]: the token is in the prompt or the output
+    adjust_bias: jax.Array  # float32 [S, K]: logit_bias, -inf for banned tokens
+    penalties: jax.Array  # float32 [S, 3]: presence, frequency, repetition
     max_q_len: int  # static: bucketed longest row (1 for a decode-only step)
     max_chunks: int  # static: bucketed count of rows with more than one token (0 if none)
 
@@ -123,7 +132,9 @@ def _step(params, config, page_size, pool, batch: StepBatch, want_logprobs, want
                                             batch.layout)
     logits = lm_head(params, config, hidden[batch.logits_indices])
     keys = row_keys(batch.seeds, batch.counters)
-    allowed = apply_token_masks(logits, batch.token_masks, batch.constrained)
+    adjusted = apply_adjustments(logits, batch.adjust_ids, batch.adjust_counts, batch.adjust_seen,
+                                 batch.adjust_bias, batch.penalties)
+    allowed = apply_token_masks(adjusted, batch.token_masks, batch.constrained)
     next_tokens = sample(allowed, keys, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
     extra = _logprobs(logits, next_tokens) if want_logprobs else ()
     # Only steps with a prompt_logprobs request pay for logits at every token.
@@ -340,6 +351,23 @@ class ModelRunner:
                 masks[i], constrained[i] = r.token_mask, True
         return [jnp.asarray(masks), jnp.asarray(constrained)]
 
+    def _adjust_arrays(self, rows: list[Row], b: int) -> list[jax.Array]:
+        """adjust_ids, adjust_counts, adjust_seen, adjust_bias [b, K] and penalties [b, 3]
+        for `rows` padded to b (Row.adjust; K a power of two >= 16, or 1 when no row
+        adjusts, so plain batches keep one shape)."""
+        k = max((len(r.adjust[0]) for r in rows if r.adjust is not None), default=0)
+        k = bucket(k, 16) if k else 1
+        ids = np.full((b, k), self.config.vocab_size, np.int32)
+        counts, seen = np.zeros((b, k), np.int32), np.zeros((b, k), bool)
+        bias, penalties = np.zeros((b, k), np.float32), np.tile(np.float32([0, 0, 1]), (b, 1))
+        for i, r in enumerate(rows):
+            if r.adjust is not None:
+                n = len(r.adjust[0])
+                ids[i, :n], counts[i, :n], seen[i, :n], bias[i, :n] = r.adjust
+                p = r.params
+                penalties[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        return [jnp.asarray(a) for a in (ids, counts, seen, bias, penalties)]
+
     def _tables(self, rows: list[Row], b: int) -> jax.Array:
         """Block tables [b, width] cut to the pages this step can see, so attention reads
         (and its cost follows) the live context rather than max_model_len."""
@@ -398,7 +426,7 @@ class ModelRunner:
                          jnp.asarray(kv_lens), self._tables(rows, s),
                          jnp.asarray(np.maximum(cu_q_lens[1:] - 1, 0)), seeds, counters, temperature,
                          top_k, top_p, min_p, jnp.asarray(targets), *self._mask_arrays(rows, s),
-                         max_q_len=bucket(max(lens)),
+                         *self._adjust_arrays(rows, s), max_q_len=bucket(max(lens)),
                          max_chunks=bucket(chunks) if (chunks := sum(n > 1 for n in lens)) else 0)
 
     def _run_packed(self, rows: list[Row]) -> list[RowResult | None]:

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p — one jittable function.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p — one jittable function —
+and what comes before it: structured outputs' token masks, penalties and biases.
 
 Per-row parameters are arrays so one compiled step serves a batch of requests with
 different settings. A row with temperature 0 is greedy. Each row draws with its own
@@ -42,6 +43,30 @@ def apply_token_masks(logits: jnp.ndarray, masks: jnp.ndarray, constrained: jnp.
         flag = constrained.reshape(constrained.shape + (1,) * (logits.ndim - 1))
         return jnp.where((allowed != 0) | ~flag, logits, -jnp.inf)
     return jax.lax.cond(jnp.any(constrained), masked, lambda: logits)
+
+
+def apply_adjustments(logits: jnp.ndarray, ids: jnp.ndarray, counts: jnp.ndarray, seen: jnp.ndarray,
+                      bias: jnp.ndarray, penalties: jnp.ndarray) -> jnp.ndarray:
+    """logits [B, V] after each row's penalties and biases (SamplingParams), in vLLM's order.
+
+    Per row, a sparse list of the tokens it adjusts, K of them (padding ids = V, dropped):
+    ids int32 [B, K]; counts int32 [B, K], how often the row generated each; seen bool
+    [B, K], whether it is in the prompt or the output; bias float32 [B, K], logit_bias
+    plus -inf for banned tokens (bad_words, min_tokens). penalties float32 [B, 3]:
+    presence, frequency, repetition. A token's logit x becomes
+    x' = x + bias; x' / rep if x' > 0 else x' * rep (when seen); then
+    x' - frequency * count - presence * (count > 0). A batch in which no row adjusts
+    anything skips the gather and scatter.
+    """
+    def adjusted():
+        vocab = logits.shape[-1]
+        x = jnp.take_along_axis(logits, jnp.minimum(ids, vocab - 1), axis=-1).astype(jnp.float32) + bias
+        presence, frequency, repetition = (penalties[:, i:i + 1] for i in range(3))
+        x = jnp.where(seen, jnp.where(x > 0, x / repetition, x * repetition), x)
+        x = x - frequency * counts - presence * (counts > 0)
+        rows = jnp.arange(logits.shape[0])[:, None]
+        return logits.at[rows, ids].set(x.astype(logits.dtype), mode="drop")
+    return jax.lax.cond(jnp.any(ids < logits.shape[-1]), adjusted, lambda: logits)
 
 
 def sample(logits: jnp.ndarray, keys: jax.Array, temperature: jnp.ndarray, top_k: jnp.ndarray,

@@ -291,3 +291,52 @@ def test_default_model_chat_names_paris(default_model, default_tokenizer):
                    SamplingParams(temperature=0, max_tokens=16))
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"
+
+
+def test_penalties_and_biases_follow_a_numpy_statement_of_each(make_llm, tiny_model):
+    """Greedy decoding with presence, frequency and repetition penalties and a logit_bias
+    picks, at every step, the argmax of the numpy-adjusted logits of one whole-sequence
+    forward (tests/serving/test_sampling.py's numpy_adjusted); the penalties change the
+    output. min_tokens holds back a heavily favoured EOS exactly that long; bad_words
+    never appear; ids outside the vocabulary are a ValueError."""
+    from tests.serving.test_sampling import numpy_adjusted
+
+    llm = make_llm()
+    prompt = prompts(1, length=12)[0]["prompt_token_ids"]
+    favoured = prompt[3]  # in the prompt: the repetition penalty also reaches it
+    kw = dict(presence_penalty=0.4, frequency_penalty=1.5, repetition_penalty=1.4, logit_bias={favoured: 6.0})
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, **kw)
+    got = llm.generate({"prompt_token_ids": prompt}, sp)[0].outputs[0].token_ids
+    plain = ids(llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=10,
+                                                                          ignore_eos=True, logit_bias={favoured: 6.0})))[0]
+    assert got != plain and got.count(favoured) < plain.count(favoured)
+    seq = prompt + got  # raw logits (the repetition penalty is not shift-invariant)
+    config, params = tiny_model
+    full, _ = model.forward(params, config, np.asarray([seq], np.int32), np.arange(len(seq), dtype=np.int32)[None],
+                            model.init_cache(config, 1, 64))
+    full = np.asarray(full[0], np.float64)
+    for i, token in enumerate(got):
+        logits = full[len(prompt) - 1 + i]
+        adjusted = numpy_adjusted(logits, got[:i], prompt, presence=0.4, frequency=1.5, repetition=1.4,
+                                  bias={favoured: 6.0})
+        assert token == int(np.argmax(adjusted)), i
+
+    eos = tiny_model[0].eos_token_id
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=10, min_tokens=4, logit_bias={eos: 100.0}, stop_token_ids=[9]))[0].outputs[0]
+    # EOS (favoured by 100) ends the sequence at the first step it is allowed; it is not output
+    assert len(out.token_ids) == 4 and out.finish_reason == "stop" and out.stop_reason is None
+
+    base = ids(llm.generate({"prompt_token_ids": prompt}, GREEDY))[0]
+    word = llm.tokenizer.decode([base[1]])  # e.g. " spiral": banned with and without the space
+    banned = ids(llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, bad_words=[word])))[0]
+    assert base[1] not in banned and banned[0] == base[0] and banned[1] != base[1]
+    pair = llm.tokenizer.decode(base[:2])  # two tokens: only the second is banned, after the first
+    assert llm.tokenizer.encode(pair.lstrip(), add_special_tokens=False) != base[:2]
+    assert llm.tokenizer.encode(" " + pair.lstrip(), add_special_tokens=False) == base[:2]
+    banned = ids(llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, bad_words=[pair])))[0]
+    assert banned[0] == base[0] and banned[1] != base[1]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate("hi", SamplingParams(logit_bias={10**6: 1.0}))

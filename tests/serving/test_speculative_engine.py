@@ -289,3 +289,10 @@ def test_logprobs_equal_plain_decoding(make_llm, spec_llm):
 def test_small_token_budget_rejected(make_llm):
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make_llm(max_num_batched_tokens=4)
+
+
+def test_penalties_are_refused_with_speculation_before_scheduling(spec_llm):
+    for kw in (dict(frequency_penalty=0.5), dict(logit_bias={5: 1.0}), dict(min_tokens=2), dict(bad_words=["a"])):
+        with pytest.raises(ValueError, match="not supported with speculative decoding"):
+            spec_llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4, **kw))
+    assert not spec_llm.engine.has_unfinished()
