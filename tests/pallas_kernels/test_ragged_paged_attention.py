@@ -242,23 +242,8 @@ def test_gpu_kernel_reads_int8_and_fp8_pages(fmt_name):
 @pytest.mark.parametrize("window", [None, 7])
 def test_gpu_kernel_tree_rows(window):
     """A 6-node draft tree at slots 20..25 beside a chunk and a decode row: the kernel's
-    ancestor bits (one word padded to none) and logical windows equal the reference."""
-    rng = np.random.default_rng(12)
-    parents = [-1, 0, 0, 1, 1, 2]
-    anc = np.zeros((6, 6), bool)
-    for i, p in enumerate(parents):
-        anc[i] = anc[p] if p >= 0 else False
-        anc[i, i] = True
-    q_lens, kv_lens = np.array([6, 5, 1], np.int32), np.array([26, 12, 40], np.int32)
-    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    t, num_pages, hq, hkv, d = int(cu[-1]) + 1, 12, 4, 2, 32
-    table = rng.permutation(num_pages)[:9].reshape(3, 3).astype(np.int32)
-    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    args = (f32(t, hq, d), f32(t, hkv, d), f32(t, hkv, d), f32(num_pages, GPU_PAGE, hkv, d),
-            f32(num_pages, GPU_PAGE, hkv, d), jnp.asarray(table), jnp.asarray(cu), jnp.asarray(kv_lens))
-    mask = np.zeros((t, 6), bool)
-    mask[:6] = anc
-    tree = TreeMask(jnp.asarray([20, 12, 40], jnp.int32), pack_mask(jnp.asarray(mask)))
+    ancestor bits and logical windows equal the reference."""
+    args, tree, _, _ = _tree_batch(12, page_size=GPU_PAGE, root=20, decode_len=40)
     want = _ref(*args, tree=tree, sliding_window=window)
     got = _gpu_kernel(*args, tree=tree, sliding_window=window, block_q=8)
     for g, w in zip(got, want):
@@ -285,26 +270,27 @@ def test_blocked_xla_path_matches_the_reference(max_q_len, max_chunks, window, w
     _assert_pages(got[2], got[3], args)
 
 
-def _tree_batch(seed):
-    """Sequence 0 verifies a branching 6-node tree rooted at position 9 (slots 9..14);
-    sequence 1 is a plain 5-token chunk; sequence 2 a decode row; one padding token."""
+def _tree_batch(seed, page_size=PAGE_SIZE, root=9, decode_len=20):
+    """Sequence 0 verifies a branching 6-node tree rooted at position `root` (slots 9..14
+    by default); sequence 1 is a plain 5-token chunk; sequence 2 a decode row at
+    `decode_len`; one padding token; three pages of `page_size` per sequence."""
     rng = np.random.default_rng(seed)
     parents = [-1, 0, 0, 1, 1, 2]  # node 3 and 4 under 1, node 5 under 2
     anc = np.zeros((6, 6), bool)
     for i, p in enumerate(parents):
         anc[i] = anc[p] if p >= 0 else False
         anc[i, i] = True
-    q_lens, kv_lens = np.array([6, 5, 1], np.int32), np.array([15, 12, 20], np.int32)
+    q_lens, kv_lens = np.array([6, 5, 1], np.int32), np.array([root + 6, 12, decode_len], np.int32)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     t, num_pages, hq, hkv, d = int(cu[-1]) + 1, 12, 4, 2, 32
     table = rng.permutation(num_pages)[:9].reshape(3, 3).astype(np.int32)
     f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    args = (f32(t, hq, d), f32(t, hkv, d), f32(t, hkv, d), f32(num_pages, PAGE_SIZE, hkv, d),
-            f32(num_pages, PAGE_SIZE, hkv, d), jnp.asarray(table), jnp.asarray(cu),
+    args = (f32(t, hq, d), f32(t, hkv, d), f32(t, hkv, d), f32(num_pages, page_size, hkv, d),
+            f32(num_pages, page_size, hkv, d), jnp.asarray(table), jnp.asarray(cu),
             jnp.asarray(kv_lens))
     mask = np.zeros((t, 6), bool)
     mask[:6] = anc
-    start = jnp.asarray([9, 12, 20], jnp.int32)  # no region for the others: start = kv_len
+    start = jnp.asarray([root, 12, decode_len], jnp.int32)  # no region for the others: start = kv_len
     tree = TreeMask(start, pack_mask(jnp.asarray(mask)))
     depth = anc.sum(1) - 1
     return args, tree, anc, depth
