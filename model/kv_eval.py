@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model import compile_cache
 from model.config import SLIDING_ATTENTION, ModelConfig
 from model.context import ForwardContext
 from model.kv_cache import slot_mapping
@@ -174,8 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown kv_cache_dtype {unknown}; allowed: {', '.join(KV_CACHE_DTYPES)}")
     if args.tokens < 64:
         parser.error("--tokens must be >= 64")
-    jax.config.update("jax_compilation_cache_dir",
-                      os.path.join(os.path.expanduser("~"), ".cache", "kvfold", "jax"))
+    compile_cache.enable()
     from model.loader import load, load_tokenizer
 
     config, params = load(args.model)

@@ -15,13 +15,11 @@ import json
 import os
 import sys
 
-import jax
 
+from model import compile_cache
 from serving.llm import LLM
 from serving.params import SamplingParams, check_text
 
-# Compiled steps persist across runs: a second `generate` skips XLA compilation.
-COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "kvfold", "jax")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,6 +36,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--speculative-config", default=None,
                         help="JSON, as LLM(speculative_config=...): EAGLE-3 speculative decoding")
+    parser.add_argument("--compile-cache-dir", default=None,
+                        help=f"where compiled steps persist ('off' disables; default ${compile_cache.ENV} "
+                             "or ~/.cache/kvfold/jax)")
     args = parser.parse_args(argv)
     try:
         check_text("prompt", args.prompt)  # bytes that were not UTF-8 arrive as lone surrogates
@@ -51,8 +52,8 @@ def main(argv: list[str] | None = None) -> None:
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         if not args.prompt:
             raise ValueError("prompt is empty")
-        if COMPILATION_CACHE:
-            jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
+        if args.compile_cache_dir is not None:  # compiled steps persist across runs (model/compile_cache.py)
+            os.environ[compile_cache.ENV] = args.compile_cache_dir
         llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=1,
                   speculative_config=speculative)
         tok = llm.get_tokenizer()

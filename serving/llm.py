@@ -29,6 +29,7 @@ import model
 from model import eagle3
 from model.config import ATTENTION, SLIDING_ATTENTION
 from model.kv_formats import KV_CACHE_DTYPES, bytes_per_token, check_kv_cache_dtype
+from model import compile_cache
 from serving import scheduler as sched
 from serving.draft_tree import TreeSpec
 from serving.engine import PREEMPTION_MODES, RECOMPUTE, EngineCore
@@ -80,6 +81,7 @@ class LLM:
                scheduling_policy, capacity_policy, chunking_policy, preemption_mode, seed, dtype,
                speculative_config, jump_forward):
         # Every argument is checked here, before anything is built.
+        compile_cache.enable()  # steps compiled by an earlier process load from disk
         context = config.max_position_embeddings
         max_model_len = context if max_model_len is None else check_int("max_model_len", max_model_len, 1, context)
         block_size = check_int("block_size", block_size, 1)

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from model import compile_cache
 from serving import openai_protocol as protocol
 from serving.async_llm import AsyncLLM, EngineDead, Overloaded, Stream
 from serving.metrics import ServerMetrics
@@ -266,6 +267,9 @@ def _parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="prompt tokens allowed to wait for the engine; more get 429")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="larger request bodies get 413")
+    parser.add_argument("--compile-cache-dir", default=None,
+                        help="where compiled steps persist ('off' disables; default $KVFOLD_COMPILE_CACHE "
+                             "or ~/.cache/kvfold/jax)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser
@@ -277,6 +281,8 @@ def build(args: argparse.Namespace) -> FastAPI:
 
     from serving.llm import LLM
 
+    if args.compile_cache_dir is not None:  # read when the LLM is built (model/compile_cache.py)
+        os.environ[compile_cache.ENV] = args.compile_cache_dir
     speculative = None
     if args.speculative_config is not None:
         try:

@@ -14,9 +14,12 @@ import os
 
 import pytest
 
-# No persistent compilation cache: on a clean run it is write-only, and with jax 0.10.2
-# XLA:CPU segfaulted serialising the speculative engine step's executable in the full
-# suite (twice, at the same test; the same test alone serialised it fine).
+# No persistent compilation cache (LLM turns it on by default, model/compile_cache.py):
+# on a clean run it is write-only, and with jax 0.10.2 XLA:CPU segfaulted serialising the
+# speculative engine step's executable in the full suite (twice, at the same test; the
+# same test alone serialised it fine). tests/serving/test_compile_cache.py turns it on in
+# subprocesses of its own.
+os.environ["KVFOLD_COMPILE_CACHE"] = "off"
 
 KERNELS_ENV = "KVFOLD_KERNELS"
 KERNEL_MODES = ("interpret", "compiled")

@@ -10,7 +10,6 @@ from serving import generate
 def cli_on_loaded_model(monkeypatch, default_model, default_tokenizer):
     monkeypatch.setattr(model, "load", lambda source, dtype=None: default_model)
     monkeypatch.setattr(model, "load_tokenizer", lambda source: default_tokenizer)
-    monkeypatch.setattr(generate, "COMPILATION_CACHE", None)
 
 
 def test_cli_answers_paris_streaming(cli_on_loaded_model, capsys):
