@@ -17,7 +17,8 @@ so no dequantized cache is ever materialised. The XLA paths use the same object:
 | rows(pages, part)                       | tile(part) in bulk: f32 [..., D / parts] (below) |
 | prepare_q / finish_out                  | the query into the tiles' basis, the output back |
 | bytes_per_token(H, D)                   | bytes one token takes in one pool (K or V)       |
-| check / leaves / extras / tile / parts  | the kernel's view (kernel_tpu.py)                |
+| check / leaves / extras / tile / parts  | the kernels' view (kernel_tpu.py; the Triton     |
+|                                         | kernel tiles with expand=repeat_blocks)          |
 
 | kv_format   | container                 | leaves (page axis first)                         |
 |-------------|---------------------------|--------------------------------------------------|
@@ -133,6 +134,14 @@ def _expand_blocks(scales, width, cols_per_block):
     col = lax.broadcasted_iota(jnp.int32, (nb, width), 1)
     onehot = (col // cols_per_block == block).astype(jnp.float32)
     return jnp.dot(scales, onehot, precision=lax.Precision.HIGHEST)
+
+
+def repeat_blocks(scales, width, cols_per_block):
+    """_expand_blocks as a broadcast and a reshape, for Triton, whose dots need K >= 16
+    (nb is a handful of blocks) but whose reshapes are free."""
+    page_size, nb = scales.shape
+    wide = jnp.broadcast_to(scales[:, :, None], (page_size, nb, cols_per_block))
+    return wide.reshape(page_size, width)
 
 
 def _ue8m0_to_f32(codes):
@@ -253,7 +262,7 @@ class Plain(_Format):
     def extras(self):
         return ()
 
-    def tile(self, get: Getter, part, extras):
+    def tile(self, get: Getter, part, extras, expand=_expand_blocks):
         return get(0)
 
     def prepare_q(self, k_pages, q):
@@ -290,7 +299,7 @@ class Rows(_Format):
     def extras(self):
         return ()
 
-    def tile(self, get: Getter, part, extras):
+    def tile(self, get: Getter, part, extras, expand=_expand_blocks):
         return get(0).astype(jnp.float32) * get(1)
 
     def dequantize(self, pages):
@@ -347,12 +356,12 @@ class BlockFP4(_Format):
     def extras(self):
         return ()
 
-    def tile(self, get: Getter, part, extras):
+    def tile(self, get: Getter, part, extras, expand=_expand_blocks):
         codes = get(0).astype(jnp.int32) >> (4 * part)
         raw = get(1)
         scales = raw.astype(jnp.float32) if self.label == "nvfp4" else _ue8m0_to_f32(raw)
         width = codes.shape[1]
-        return e2m1_decode_arith(codes) * _expand_blocks(scales, width, self.block // 2)
+        return e2m1_decode_arith(codes) * expand(scales, width, self.block // 2)
 
     def _part(self, pages, part, tensor_scale):
         """Part `part` (the low or high nibbles: channels part::2) times its block scale
@@ -426,7 +435,7 @@ class Turbo(_Format):
     def extras(self):
         return (jnp.asarray(sphere_codebook(self.tq.dim, self.bits), jnp.float32),)
 
-    def tile(self, get: Getter, part, extras):
+    def tile(self, get: Getter, part, extras, expand=_expand_blocks):
         (codebook,) = extras
         codes = (get(0).astype(jnp.int32) >> (self.bits * part)) & ((1 << self.bits) - 1)
         return _lookup(codes, codebook, 1 << self.bits) * get(1)
@@ -510,7 +519,7 @@ class TurboSplit(_Format):
         return tuple(jnp.asarray(sphere_codebook(inst.dim, int(inst.bits)), jnp.float32)
                      for inst in (self.tq.hi, self.tq.lo))
 
-    def tile(self, get: Getter, part, extras):
+    def tile(self, get: Getter, part, extras, expand=_expand_blocks):
         halves = []
         for i, inst in enumerate((self.tq.hi, self.tq.lo)):
             bits = int(inst.bits)

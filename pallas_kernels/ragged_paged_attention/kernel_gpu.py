@@ -1,5 +1,5 @@
 """Ragged paged attention (mixed prefill chunks, decode rows, draft trees) as a Pallas GPU
-kernel (Triton lowering), reading float, int8 and fp8 pages.
+kernel (Triton lowering), reading float, int8, fp8, nvfp4 and mxfp4 pages.
 
 Plan, then run, as the TPU kernel (tiles.py): each sequence's query tokens are cut in XLA
 into tiles of `block_q` tokens of that one sequence, and the new K/V rows are scattered
@@ -9,16 +9,19 @@ its KV head's group for its tile, head-major (row g * block_q + i is query head
 kv_head * group + g, token i of the tile), padded to a power of two >= 16 rows (the
 smallest Triton dot), and walks the pages the tile can see (clamped below by the
 sliding window and above by its last token) with a fori_loop, loading one page of its KV
-head at a time through the block table and decoding it with the format's `tile` (codes
-times the per-token scale for int8 / fp8) right before the dot.
+head at a time through the block table and decoding it with the format's `tile` right
+before the dot: codes times the per-token scale for int8 / fp8; for nvfp4 / mxfp4 the
+E2M1 nibbles times their block scales, one channel part (the low or the high nibbles)
+at a time, as the TPU kernel does: the query is split into the same parts outside the
+kernel, scores add over parts and each part keeps its own accumulator.
 
 Draft trees: the rows' ancestor bits ride along as a [rows, words] block (words padded
 to a power of two with zero words, which change nothing: tiles.visible), the region start
 and, with a sliding window, each row's logical position as per-tile / per-row inputs.
 
-Not covered (the entry sends these to the XLA path on GPU): page sizes or head dims that
-are not powers of two >= 16, and formats whose tile decode needs small matmuls or table
-lookups (nvfp4, mxfp4, TurboQuant).
+Not covered (the entry sends these to the XLA path on GPU): page sizes or channel parts
+that are not powers of two >= 16, and TurboQuant pages (their tile decode gathers code
+bytes with small 0/1 matmuls, below Triton's smallest dot).
 
 For decode-only steps (one token per sequence, no tree, float pages) the entry keeps
 using the paged decode kernel (`ragged_decode_gpu`), whose programs hold a KV head's
@@ -38,6 +41,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import online_softmax, tree_mask
 from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.paged_attention.kernel_gpu import MIN_DOT, gpu_supported, paged_attention_gpu
+from pallas_kernels.paged_attention.kv_formats import merge_parts, split_parts
 from pallas_kernels.ragged_paged_attention.ref import token_layout, write_new_kv
 from pallas_kernels.ragged_paged_attention.tiles import lowest_seen, plan_tiles, visible
 from pallas_kernels.variant import AttentionVariant
@@ -46,10 +50,13 @@ _POW2 = lambda n: 1 << max(n - 1, 0).bit_length()
 
 
 def ragged_supported(page_size: int, head_dim: int, kv_format) -> bool:
-    """Whether the Triton ragged kernel takes a step: power-of-two tiles >= 16 and float,
-    int8 or fp8 pages."""
-    fmt_ok = kv_format is None or isinstance(kv_format, kv_formats.Rows)
-    return fmt_ok and gpu_supported(page_size, head_dim)
+    """Whether the Triton ragged kernel takes a step: float, int8, fp8, nvfp4 or mxfp4
+    pages, and power-of-two tiles >= 16 (a channel part of head_dim for the fp4 formats)."""
+    if kv_format is None:
+        return gpu_supported(page_size, head_dim)
+    if not isinstance(kv_format, (kv_formats.Rows, kv_formats.BlockFP4)):
+        return False
+    return head_dim % kv_format.parts == 0 and gpu_supported(page_size, head_dim // kv_format.parts)
 
 
 def decode_supported(num_tokens, num_seqs, page_size, head_dim, tree, kv_format, max_q_len) -> bool:
@@ -89,7 +96,7 @@ def _kernel(q_first_ref, length_ref, lo_ref, region_ref, table_ref, q_ref, *refs
     out_ref, lse_ref = refs
 
     kv_head = pl.program_id(1)
-    rows, head_dim = q_ref.shape
+    rows, part_dim = q_ref.shape[1:]
     num_pages, page_size = k_leaves[0].shape[:2]
     q_first, length = q_first_ref[0], length_ref[0]
     last = jnp.maximum(q_first + length - 1, 0) // page_size
@@ -107,30 +114,34 @@ def _kernel(q_first_ref, length_ref, lo_ref, region_ref, table_ref, q_ref, *refs
     else:
         tree = (None, None, None)
     prec = online_softmax.dot_precision(q_ref.dtype)
-    q = q_ref[...]
+    parts = q_ref.shape[0]
+    qs = [q_ref[part] for part in range(parts)]  # [rows, part_dim] each
 
-    def page_tile(leaves, page):
-        return kv_format.tile(lambda n: leaves[n][page], 0, ()).astype(q.dtype)
+    def page_tile(leaves, page, part):
+        get = lambda n: leaves[n][page]
+        return kv_format.tile(get, part, (), expand=kv_formats.repeat_blocks).astype(q_ref.dtype)
 
     def body(i, carry):
-        m, l, acc = carry
+        m, l, accs = carry
         page = jnp.clip(table_ref[i], 0, num_pages - 1)
-        k = page_tile(k_leaves, page)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
-                            preferred_element_type=jnp.float32) * sm_scale
+        s = sum(lax.dot_general(qs[part], page_tile(k_leaves, page, part), (((1,), (1,)), ((), ())),
+                                precision=prec, preferred_element_type=jnp.float32)
+                for part in range(parts)) * sm_scale
         kv_pos = i * page_size + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
         s = variant.transform(s, q_pos, kv_pos, q_head)
         mask = visible(q_pos, kv_pos, sliding_window, *tree) & live
         m, l, alpha, p = online_softmax.update(variant, m, l, s, mask)
-        v = page_tile(v_leaves, page)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
-                             preferred_element_type=jnp.float32)
-        return m, l, alpha * acc + pv
+        accs = tuple(alpha * acc + lax.dot_general(
+            p.astype(q_ref.dtype), page_tile(v_leaves, page, part), (((1,), (0,)), ((), ())),
+            precision=prec, preferred_element_type=jnp.float32) for part, acc in enumerate(accs))
+        return m, l, accs
 
-    m, l, acc = lax.fori_loop(first, last + 1, body, online_softmax.init_state(rows, head_dim))
+    m0, l0, acc0 = online_softmax.init_state(rows, part_dim)
+    m, l, accs = lax.fori_loop(first, last + 1, body, (m0, l0, (acc0,) * parts))
     sinks = None if sinks_ref is None else sinks_ref[...]
-    out, lse = online_softmax.finalize(variant, m, l, acc, sinks)
-    out_ref[...] = out.astype(out_ref.dtype)
+    for part, acc in enumerate(accs):
+        out, lse = online_softmax.finalize(variant, m, l, acc, sinks)
+        out_ref[part] = out.astype(out_ref.dtype)
     lse_ref[...] = lse
 
 
@@ -191,6 +202,9 @@ def ragged_paged_attention_gpu(
         """Per-token x [T, n] -> the same rows for every q head: [tile, Hkv, rows, n]."""
         return head_rows(jnp.broadcast_to(x[:, None], (num_tokens, num_q_heads, x.shape[-1])))
 
+    parts = fmt.parts
+    part_dim = head_dim // parts
+    parts_block = pl.BlockSpec((None, None, parts, rows, part_dim), lambda j, h: (j, h, 0, 0, 0))
     scalar = pl.BlockSpec((1,), lambda j, h: (j,))
     row_block = lambda n: pl.BlockSpec((None, None, rows, n), lambda j, h: (j, h, 0, 0))
     operands = [q_first, tile_len]
@@ -201,10 +215,11 @@ def ragged_paged_attention_gpu(
     if tree is not None:
         region_start = tree.start[jnp.minimum(seq_tok, num_seqs - 1)]
         region = tree.start[seq_c]
+    # the query in the format's basis, split into its channel parts: [tile, Hkv, parts, rows, D / parts]
+    q_parts = jnp.stack([head_rows(x) for x in split_parts(fmt.prepare_q(k_pages, q), parts)], axis=2)
     operands += [lowest_seen(tok, tile_len, pos_tok, logical, region_start, sliding_window), region,
-                 block_tables[seq_c], head_rows(fmt.prepare_q(k_pages, q))]
-    in_specs += [scalar, scalar, pl.BlockSpec((None, max_pages), lambda j, h: (j, 0)),
-                 row_block(head_dim)]
+                 block_tables[seq_c], q_parts]
+    in_specs += [scalar, scalar, pl.BlockSpec((None, max_pages), lambda j, h: (j, 0)), parts_block]
     if tree is not None:
         words = tree.bits.shape[1]
         bits = jnp.pad(tree.bits, ((0, 0), (0, _POW2(words) - words)))
@@ -233,8 +248,8 @@ def ragged_paged_attention_gpu(
         kernel,
         grid=(num_tiles, num_kv_heads),
         in_specs=in_specs,
-        out_specs=[row_block(head_dim), row_block(1)],
-        out_shape=[jax.ShapeDtypeStruct((num_tiles, num_kv_heads, rows, head_dim), out_dtype),
+        out_specs=[parts_block, row_block(1)],
+        out_shape=[jax.ShapeDtypeStruct((num_tiles, num_kv_heads, parts, rows, part_dim), out_dtype),
                    jax.ShapeDtypeStruct((num_tiles, num_kv_heads, rows, 1), jnp.float32)],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
@@ -254,7 +269,7 @@ def ragged_paged_attention_gpu(
         x = x[:, :, : group * block_q].reshape(num_tiles, num_kv_heads, group, block_q, -1)
         return x[tile, :, :, i].reshape(num_tokens, num_q_heads, -1)
 
-    out = fmt.finish_out(v_pages, untile(out))
+    out = fmt.finish_out(v_pages, merge_parts(jnp.stack([untile(out[:, :, part]) for part in range(parts)])))
     lse = untile(lse)[..., 0]
     out = jnp.where(padding[:, None, None], 0, out).astype(q.dtype)
     lse = jnp.where(padding[:, None], -jnp.inf, lse)

@@ -227,8 +227,10 @@ def test_gpu_kernel_matches_ref(block_q, window, cap, with_sinks):
         assert_close(g, w)
 
 
-@pytest.mark.parametrize("fmt_name", ["int8", "fp8"])
-def test_gpu_kernel_reads_int8_and_fp8_pages(fmt_name):
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8", "nvfp4", "mxfp4"])
+def test_gpu_kernel_reads_low_bit_pages(fmt_name):
+    """int8 / fp8 rows, and nvfp4 / mxfp4 read one nibble part at a time (scales
+    repeated by reshape, not by the TPU's 0/1 matmul): the reference's outputs and pages."""
     args, _ = _gpu_batch(11)
     q, k, v, kp, vp, table, cu, kl = args
     fmt = pk_formats.resolve(fmt_name)

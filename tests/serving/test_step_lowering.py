@@ -1,8 +1,8 @@
 """The engine's jitted step lowers to a Pallas kernel in every attention layer, for TPU
 and CUDA, checked by jax.export from this CPU host (no device needed): decode-only steps
 and mixed prefill + decode steps, float and low-bit pools. On CUDA decode-only float steps
-run the Triton paged decode kernel and other steps over float, int8 and fp8 pools the
-Triton ragged kernel; nvfp4 and TurboQuant pools lower to the XLA path there."""
+run the Triton paged decode kernel and other steps over float, int8, fp8, nvfp4 and mxfp4
+pools the Triton ragged kernel; TurboQuant pools lower to the XLA path there."""
 
 import jax
 import pytest
@@ -47,7 +47,7 @@ def test_float_pool_decode_step_calls_the_kernel_in_every_layer(tiny):
 def test_quantized_pool_decode_step_calls_the_kernels_in_every_layer(tiny, kv_cache_dtype):
     fn, specs = _step_specs(*tiny, kv_cache_dtype)
     assert kernel_calls(export_tpu(fn, *specs), "tpu_custom_call") == LAYERS
-    on_gpu = kv_cache_dtype in ("int8", "fp8")
+    on_gpu = kv_cache_dtype != "turboquant-3.5"  # TurboQuant pages take the XLA path on CUDA
     assert kernel_calls(export_cuda(fn, *specs), TRITON_CALL) == (LAYERS if on_gpu else 0)
 
 
