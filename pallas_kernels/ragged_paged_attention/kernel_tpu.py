@@ -13,8 +13,10 @@ output, so the cache is updated in place; a block-table entry outside [0, num_pa
 drops the write, as the reference does), then every step DMAs one page of the sequence
 (clamped to the causal / sliding-window range of the tile) into VMEM and folds it into
 the running softmax. A later tile of the same sequence reads what an earlier tile wrote,
-which is why the tile axis must not be "parallel". Page reads are not double-buffered
-yet (each step waits on its own DMA).
+which is why the tile axis must not be "parallel". Page reads are double-buffered: a
+step starts the DMA of the tile's next page into the other of two VMEM slots before it
+waits on its own, so the copy overlaps the attention of the page in hand (a tile's first
+page is started at its first step, after the tile's writes).
 
 KV formats (kv_format: None for plain float pages, or a kv_formats object). The page
 container's page-axis leaves (codes, scales, norms) each get their own DMA and VMEM
@@ -101,12 +103,11 @@ def _kernel(
     pages = take(2 * num_leaves)
     bufs = take(2 * num_leaves)
     sem, m_ref, l_ref, acc_ref = refs
-    k_bufs, v_bufs = bufs[:num_leaves], bufs[num_leaves:]
 
     j, p = pl.program_id(0), pl.program_id(1)
     parts, num_q_heads, block_q, _ = q_ref.shape
     num_pages = pages[0].shape[0]
-    page_size, num_kv_heads = k_bufs[0].shape[:2]
+    page_size, num_kv_heads = bufs[0].shape[1:3]  # [2 slots, page_size, Hkv, ...]
     rows = num_q_heads * block_q
     seq = jnp.maximum(tile_seq_ref[j], 0)
     start, length = tile_start_ref[j], tile_len_ref[j]
@@ -132,7 +133,7 @@ def _kernel(
         page = block_tables_ref[seq, jnp.minimum(index, max_pages - 1)]
         slot = pos % page_size
         copies = [
-            pltpu.make_async_copy(src.at[token], dst.at[page, slot], sem.at[1, n])
+            pltpu.make_async_copy(src.at[token], dst.at[page, slot], sem.at[2, n])
             for n, (src, dst) in enumerate(zip(new_rows, pages))
         ]
         return (index < max_pages) & (page >= 0) & (page < num_pages), copies
@@ -155,17 +156,32 @@ def _kernel(
         lax.fori_loop(0, length, each_copy("start"), 0)
         lax.fori_loop(0, length, each_copy("wait"), 0)
 
-    @pl.when(live & (p >= first) & (p <= last))
-    def _step():
-        page = jnp.clip(block_tables_ref[seq, p], 0, num_pages - 1)
-        reads = [
-            pltpu.make_async_copy(src.at[page], buf, sem.at[0, n])
+    def reads(step, buffer):
+        """The DMAs of page `step` of the tile's sequence into buffer slot `buffer`."""
+        page = jnp.clip(block_tables_ref[seq, step], 0, num_pages - 1)
+        return [
+            pltpu.make_async_copy(src.at[page], buf.at[buffer], sem.at[buffer, n])
             for n, (src, buf) in enumerate(zip(pages, bufs))
         ]
-        for cp in reads:
+
+    @pl.when(live & (p == first))
+    def _first_read():  # after this tile's writes: it may read the rows they put there
+        for cp in reads(p, p % 2):
             cp.start()
-        for cp in reads:
+
+    @pl.when(live & (p >= first) & (p <= last))
+    def _step():
+        buffer = p % 2
+
+        @pl.when(p < last)
+        def _prefetch():  # the next page lands while this one is attended
+            for cp in reads(p + 1, 1 - buffer):
+                cp.start()
+
+        for cp in reads(p, buffer):
             cp.wait()
+        k_bufs = [buf.at[buffer] for buf in bufs[:num_leaves]]
+        v_bufs = [buf.at[buffer] for buf in bufs[num_leaves:]]
         prec = online_softmax.dot_precision(q_ref.dtype)
 
         def decoded(leaf_bufs, part):
@@ -329,9 +345,9 @@ def ragged_paged_attention_tpu(
                 pl.BlockSpec((None, rows, 1), row_map),
             ]
             + [any_spec] * len(page_leaves),
-            scratch_shapes=[pltpu.VMEM((page_size, *x.shape[2:]), x.dtype) for x in page_leaves]
+            scratch_shapes=[pltpu.VMEM((2, page_size, *x.shape[2:]), x.dtype) for x in page_leaves]
             + [
-                pltpu.SemaphoreType.DMA((2, len(page_leaves))),  # [read | write, leaf]
+                pltpu.SemaphoreType.DMA((3, len(page_leaves))),  # [read slot 0 | 1 | write, leaf]
                 pltpu.VMEM((rows, 1), jnp.float32),
                 pltpu.VMEM((rows, 1), jnp.float32),
                 pltpu.VMEM((parts, rows, part_dim), jnp.float32),
