@@ -309,6 +309,25 @@ def test_models_and_oversized_bodies(app):
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
 
 
+def test_penalties_and_logit_bias_reach_the_sampler(app, llm):
+    """OpenAI's penalty fields and logit_bias (string keys) and vLLM's extras answer what
+    LLM.generate answers for the same SamplingParams."""
+    favoured = llm.tokenizer.encode(" fox", add_special_tokens=False)[0]
+    fields = dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.2, min_tokens=2,
+                  bad_words=["dog"])
+
+    async def go(client, _):
+        return await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
+                                               logit_bias={str(favoured): 5.0}, presence_penalty=0.5,
+                                               frequency_penalty=1.0, extra_body={  # vLLM's extras
+                                                   k: fields[k] for k in ("repetition_penalty", "min_tokens",
+                                                                          "bad_words")})
+    got = run(go, app)
+    fields.update(logit_bias={favoured: 5.0})
+    want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, **fields))[0].outputs[0]
+    assert got.choices[0].text == want.text and favoured in want.token_ids
+
+
 def test_a_dead_engine_thread_is_a_503(app, llm, monkeypatch):
     """Last in process: it kills the module's engine thread."""
     def broken_step():
@@ -541,22 +560,3 @@ def test_update_weights_from_a_checkpoint_path(tiny_dir):
     assert answer() == before
     with pytest.raises(ValueError, match="does not exist"):
         llm.update_weights(os.path.join(tiny_dir, "missing"))
-
-
-def test_penalties_and_logit_bias_reach_the_sampler(app, llm):
-    """OpenAI's penalty fields and logit_bias (string keys) and vLLM's extras answer what
-    LLM.generate answers for the same SamplingParams."""
-    favoured = llm.tokenizer.encode(" fox", add_special_tokens=False)[0]
-    fields = dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.2, min_tokens=2,
-                  bad_words=["dog"])
-
-    async def go(client, _):
-        return await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
-                                               logit_bias={str(favoured): 5.0}, presence_penalty=0.5,
-                                               frequency_penalty=1.0, extra_body={  # vLLM's extras
-                                                   k: fields[k] for k in ("repetition_penalty", "min_tokens",
-                                                                          "bad_words")})
-    got = run(go, app)
-    fields.update(logit_bias={favoured: 5.0})
-    want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, **fields))[0].outputs[0]
-    assert got.choices[0].text == want.text and favoured in want.token_ids
