@@ -23,7 +23,7 @@ import numpy as np
 
 from serving import scheduler as sched
 from serving.engine import PREEMPTION_MODES
-from serving.params import SamplingParams
+from serving.params import SamplingParams, StructuredOutputsParams
 
 VOCAB = 49152  # the default model's tokenizer: text prompts and stop strings are real
 MAX_MODEL_LEN = 64
@@ -55,6 +55,13 @@ PARAMS = [
     (dict(logit_bias={VOCAB: 1.0}), False), (dict(logit_bias={5: 101.0}), False),
     (dict(logit_bias=[(5, 1.0)]), False), (dict(min_tokens=-1), False), (dict(bad_words="the"), False),
     (dict(bad_words=[" "]), False),
+    (dict(temperature=0.9, seed=5, max_tokens=10, structured_outputs=StructuredOutputsParams(regex="[a-z]{1,6}!")),
+     True),
+    (dict(n=2, temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no way"])),
+     True),
+    (dict(structured_outputs=StructuredOutputsParams(regex="([")), False),
+    (dict(structured_outputs=StructuredOutputsParams(json={"type": 5})), False),
+    (dict(structured_outputs={"regex": "a+"}), False),
     (dict(seed=1.5), False), (dict(logprobs=2.5), False), (dict(temperature="0.5"), False),
     (dict(stop=5), False), (dict(temperature=math.nan), False), (dict(top_k=2.5), False),
     (dict(seed=2**64), False), (dict(ignore_eos="no"), False), (dict(stop_token_ids="ab"), False),
