@@ -1,8 +1,9 @@
-"""Attention kernels for kvfold: one folder per op, each with ref.py (the jnp truth),
+"""Attention (and batched LoRA) kernels for kvfold: one folder per op, each with ref.py (the jnp truth),
 its Pallas kernel(s) and one entry function, the only thing the model calls."""
 
 from pallas_kernels.block_sparse_attention import block_sparse_attention
 from pallas_kernels.indexer import indexer_topk
+from pallas_kernels.lora import lora_matmul
 from pallas_kernels.merge_states import merge_states
 from pallas_kernels.paged_attention import paged_attention, paged_attention_quantized
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -17,6 +18,7 @@ __all__ = [
     "block_sparse_attention",
     "indexer_topk",
     "merge_states",
+    "lora_matmul",
     "AttentionVariant",
     "alibi",
     "sigmoid",

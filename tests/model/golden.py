@@ -14,6 +14,9 @@ What is stored:
   subset plus transformers' top tokens, and transformers' greedy continuation.
 - tokenizer.json: transformers' token ids for a set of tricky strings and its
   rendered chat template.
+- tiny_llama/lora_<name>/: PEFT LoRA adapters of tiny_llama (`LORA_ADAPTERS`, random
+  A and B so they change the output) saved with peft's `save_pretrained`, and
+  `logits.npz` with the PEFT model's float32 logits for the same batch.
 """
 
 from __future__ import annotations
@@ -91,6 +94,42 @@ def make_tiny(name: str, out_dir: str) -> None:
              logits=tiny_logits(path))
 
 
+# name -> peft LoraConfig kwargs (on tiny_llama)
+LORA_ADAPTERS = {
+    "all": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                   "gate_proj", "up_proj", "down_proj"]),
+    "qv_rslora": dict(r=8, lora_alpha=4, target_modules=["q_proj", "v_proj"], use_rslora=True),
+}
+
+
+def make_lora(name: str, out_dir: str) -> None:
+    """A PEFT adapter of tiny_llama with random A and B, and the PEFT model's logits."""
+    import peft
+    import torch
+    import transformers
+
+    base = os.path.join(out_dir, "tiny_llama")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    torch.manual_seed(1)
+    lora = peft.get_peft_model(hf, peft.LoraConfig(init_lora_weights=False, **LORA_ADAPTERS[name]))
+    with torch.no_grad():  # peft's own random init leaves B small; make the change visible
+        for n, p in lora.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn_like(p) * 0.2)
+    path = os.path.join(base, f"lora_{name}")
+    lora.save_pretrained(path)
+    os.remove(os.path.join(path, "README.md"))  # peft's model card template
+    config_path = os.path.join(path, "adapter_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["base_model_name_or_path"] = "tiny_llama"  # not this machine's path
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    with torch.no_grad():
+        logits = lora.eval()(torch.tensor(tiny_tokens())).logits.numpy()
+    np.savez(os.path.join(path, "logits.npz"), tokens=tiny_tokens(), logits=logits)
+
+
 def tiny_logits(path: str) -> np.ndarray:
     """transformers' float32 logits [batch, seq, vocab] of a tiny checkpoint."""
     import torch
@@ -148,6 +187,9 @@ def main() -> None:
     for name in TINY_MODELS:
         make_tiny(name, FIXTURES)
         print("wrote", f"tiny_{name}")
+    for name in LORA_ADAPTERS:
+        make_lora(name, FIXTURES)
+        print("wrote", f"tiny_llama/lora_{name}")
     path = default_model_path()
     np.savez_compressed(os.path.join(FIXTURES, "smollm2.npz"), **smollm2_reference(path))
     with open(os.path.join(FIXTURES, "tokenizer.json"), "w") as f:
