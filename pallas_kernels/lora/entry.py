@@ -6,7 +6,9 @@ import jax.numpy as jnp
 
 from pallas_kernels import validate as v
 from pallas_kernels.dispatch import bind, dispatch
-from pallas_kernels.lora.kernel import MAX_SLOTS, lora_matmul_gpu, lora_matmul_tpu
+from pallas_kernels.lora.kernel_gpu import lora_matmul_gpu
+from pallas_kernels.lora.kernel_tpu import lora_matmul_tpu
+from pallas_kernels.lora.tiles import MAX_SLOTS
 from pallas_kernels.lora.xla import lora_matmul_xla
 
 

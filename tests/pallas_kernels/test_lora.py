@@ -10,7 +10,7 @@ import pytest
 
 import pallas_kernels.lora.entry as entry
 from pallas_kernels.lora import lora_matmul
-from pallas_kernels.lora.kernel import lora_matmul_gpu
+from pallas_kernels.lora.kernel_gpu import lora_matmul_gpu
 from pallas_kernels.lora.ref import lora_matmul_ref
 from tests.pallas_kernels.helpers import (TRITON_CALL, assert_close, compile_kernels, export_cuda,
                                           export_tpu, kernel_calls, spec)
