@@ -14,7 +14,7 @@ from model.kv_formats import KVPages, kernel_pages, plain_pages, read_kv, write_
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.paged_attention.kv_formats import resolve as resolve_format
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
-from quant import linear  # float [in, out] weights or quantized containers alike
+from model.lora import linear  # float [in, out] weights, quantized containers or LoRAWeight alike
 from model.rope import apply_rope
 
 
