@@ -4,9 +4,9 @@ The host-side modules (scheduler, kv_manager, engine, output, simulator) import 
 and no model; `LLM` (which loads a model) is imported on first use.
 """
 
-from serving.params import CompletionOutput, RequestOutput, SamplingParams
+from serving.params import CompletionOutput, LoRARequest, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 
 
 def __getattr__(name: str):

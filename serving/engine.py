@@ -28,7 +28,7 @@ from serving import scheduler as sched
 from serving.draft_tree import DraftTree
 from serving.kv_manager import KVManager, pages_for
 from serving.output import Decode, OutputProcessor, SeqOutput
-from serving.params import SEED_BITS, SamplingParams, adjusts_logits
+from serving.params import SEED_BITS, LoRARequest, SamplingParams, adjusts_logits
 from serving.structured import GrammarCompiler, advance
 
 RECOMPUTE, SWAP = "recompute", "swap"
@@ -59,6 +59,7 @@ class Row:
     # output bool, bias float32 with -inf = banned), each [k]; None: nothing to adjust
     adjust: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = dataclasses.field(
         default=None, compare=False)
+    lora: int = 0  # the LoRA adapter's lora_int_id (0: the base model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,8 @@ class Runner(Protocol):
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None: ...
     def read_pages(self, pages: list[int]): ...
     def write_pages(self, pages: list[int], data) -> None: ...
+    # with LoRA (sched_config.max_loras > 0): read and check an adapter (ValueError if bad)
+    def add_lora(self, request: LoRARequest) -> None: ...
 
 
 @dataclasses.dataclass
@@ -120,6 +123,7 @@ class RequestState:
     grammar: concurrent.futures.Future | None = None
     # SamplingParams.bad_words as token sequences (each word alone and after a space)
     bad_words: tuple[tuple[int, ...], ...] = ()
+    lora_id: int = 0  # its LoRA adapter's lora_int_id (0: the base model)
 
 
 class EngineCore:
@@ -165,16 +169,25 @@ class EngineCore:
     # -- requests ----------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                    arrival: float | None = None) -> None:
+                    arrival: float | None = None, lora_request: LoRARequest | None = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.output.check(params)
+        lora_id = 0
+        if lora_request is not None:
+            if not self.config.max_loras:
+                raise ValueError("a LoRA request needs an engine with LoRA enabled (LLM(enable_lora=True))")
+            if self.config.tokens_per_decode > 1:
+                raise ValueError("LoRA adapters are not supported with speculative decoding yet")
+            self.runner.add_lora(lora_request)  # reads and checks the adapter
+            lora_id = lora_request.lora_int_id
         prompt = tuple(prompt_ids)
         if not 0 < len(prompt) < self.max_model_len:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit max_model_len={self.max_model_len} "
                              "with room to generate")
         arrival = self.clock() if arrival is None else arrival
-        seq = self._sched_seq(f"{request_id}#0", prompt, params, arrival, num_forks=params.n - 1)
+        seq = self._sched_seq(f"{request_id}#0", prompt, params, arrival, num_forks=params.n - 1,
+                              lora_id=lora_id)
         need = pages_for(seq.max_total_tokens + self.config.num_lookahead_slots, self.kv.page_size)
         what = "prompt + max_tokens"
         if self.config.capacity_policy != sched.MAX_UTILIZATION:
@@ -192,7 +205,7 @@ class EngineCore:
         self.requests[request_id] = RequestState(
             request_id, prompt, params, arrival, seq_ids,
             prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt), grammar=grammar,
-            bad_words=bad_words)
+            bad_words=bad_words, lora_id=lora_id)
         for i, sid in enumerate(seq_ids):
             seed = (params.seed + i) % 2**SEED_BITS if params.seed is not None else self._fresh_seed()
             self.seqs[sid] = SeqState(sid, request_id, i, params, seed, self.output.new())
@@ -336,7 +349,8 @@ class EngineCore:
             rows.append(Row(self.tokens(sid, start, end), start, tuple(self.kv.tables[sid]), sample=last,
                             params=seq.params, seed=seq.seed, counter=len(seq.output.tokens),
                             next_token=None if last else self.tokens(sid, end, end + 1)[0],
-                            tree=tree, token_mask=mask, adjust=self._adjustments(seq) if last else None))
+                            tree=tree, token_mask=mask, adjust=self._adjustments(seq) if last else None,
+                            lora=s.lora_id))
         self.runner.copy_pages(copies)
         results = self.runner.execute(rows) if rows else []
         taken: dict[str, int] = {}
@@ -416,7 +430,8 @@ class EngineCore:
         """The KV manager's pages as the scheduler sees them this step."""
         cached = {}
         if self.kv.radix is not None:
-            cached = {s.seq_id: self.kv.cached_prefix_len(self.tokens(s.seq_id)) for s in self.state.waiting
+            cached = {s.seq_id: self.kv.cached_prefix_len(self.tokens(s.seq_id), s.lora_id)
+                      for s in self.state.waiting
                       if self.seqs[s.seq_id].swapped is None and self._reads_cache(s.seq_id)}
         writable = {s.seq_id: self.kv.writable_pages(s.seq_id, s.num_computed_tokens)
                     for s in self.state.running}
@@ -425,12 +440,13 @@ class EngineCore:
     def _admit(self, s: sched.Seq) -> None:
         seq = self.seqs[s.seq_id]
         if seq.swapped is not None:
-            self.kv.admit(s.seq_id, (), use_cache=False)
+            self.kv.admit(s.seq_id, (), use_cache=False, namespace=s.lora_id)
             self.kv.ensure(s.seq_id, s.num_computed_tokens)
             self.runner.write_pages(self.kv.tables[s.seq_id], seq.swapped)
             seq.swapped = None
             return
-        hit = self.kv.admit(s.seq_id, self.tokens(s.seq_id), use_cache=self._reads_cache(s.seq_id))
+        hit = self.kv.admit(s.seq_id, self.tokens(s.seq_id), use_cache=self._reads_cache(s.seq_id),
+                            namespace=s.lora_id)
         assert hit == s.num_computed_tokens, (hit, s.num_computed_tokens)
         req = self.requests[seq.request_id]
         if seq.index == 0 and not req.forked:
@@ -465,5 +481,6 @@ class EngineCore:
         for sid in req.seq_ids[1:]:
             self.kv.fork(seq_id, sid, len(req.prompt_ids))
             child = self._sched_seq(sid, req.prompt_ids, req.params, req.arrival,
-                                    num_computed_tokens=len(req.prompt_ids) - 1, started=self.state.step)
+                                    num_computed_tokens=len(req.prompt_ids) - 1, started=self.state.step,
+                                    lora_id=req.lora_id)
             self.state = sched.fork(self.state, seq_id, child)

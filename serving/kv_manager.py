@@ -24,6 +24,7 @@ class KVManager:
         self.radix = RadixCache(self.pool, page_size) if enable_prefix_caching else None
         self.tables: dict[str, list[int]] = {}
         self._locks: dict[str, object] = {}  # seq_id -> radix node it keeps locked
+        self._namespaces: dict[str, int] = {}  # seq_id -> its prefix-cache namespace (LoRA id)
 
     # -- capacity ------------------------------------------------------------
 
@@ -53,23 +54,26 @@ class KVManager:
 
     # -- prefix cache ----------------------------------------------------------
 
-    def cached_prefix_len(self, tokens) -> int:
-        """Tokens of `tokens` the cache could serve (page-aligned, leaving one to compute)."""
+    def cached_prefix_len(self, tokens, namespace: int = 0) -> int:
+        """Tokens of `tokens` the cache could serve (page-aligned, leaving one to compute).
+        namespace: whose KV (0: the base model; a LoRA adapter's id: computed under it)."""
         if self.radix is None or len(tokens) < 2:
             return 0
-        pages, _ = self.radix.match_prefix(tokens[:len(tokens) - 1], touch=False)
+        pages, _ = self.radix.match_prefix(tokens[:len(tokens) - 1], touch=False, namespace=namespace)
         return len(pages) * self.page_size
 
-    def admit(self, seq_id: str, tokens, use_cache: bool = True) -> int:
-        """Start a block table for seq_id, reusing cached prefix pages; returns cached tokens."""
+    def admit(self, seq_id: str, tokens, use_cache: bool = True, namespace: int = 0) -> int:
+        """Start a block table for seq_id, reusing cached prefix pages of its namespace;
+        returns cached tokens."""
         assert seq_id not in self.tables
         pages, node = [], None
         if use_cache and self.radix is not None and len(tokens) >= 2:
-            pages, node = self.radix.match_prefix(tokens[:len(tokens) - 1])
+            pages, node = self.radix.match_prefix(tokens[:len(tokens) - 1], namespace=namespace)
             self.radix.lock(node)
             self.pool.incref(pages)
         self.tables[seq_id] = list(pages)
         self._locks[seq_id] = node
+        self._namespaces[seq_id] = namespace
         return len(pages) * self.page_size
 
     def cache_computed(self, seq_id: str, tokens, num_computed: int) -> None:
@@ -79,7 +83,8 @@ class KVManager:
         full = num_computed // self.page_size
         if full == 0:
             return
-        node = self.radix.insert(tokens[:full * self.page_size], self.tables[seq_id][:full])
+        node = self.radix.insert(tokens[:full * self.page_size], self.tables[seq_id][:full],
+                                 self._namespaces[seq_id])
         self.radix.lock(node)
         old = self._locks[seq_id]
         if old is not None:
@@ -106,6 +111,7 @@ class KVManager:
         if node is not None:
             self.radix.lock(node)
         self._locks[child] = node
+        self._namespaces[child] = self._namespaces[parent]
 
     def prepare(self, seq_id: str, start: int, end: int) -> list[tuple[int, int]]:
         """Before a step writes positions [start, end): grow the table to hold them and give
@@ -126,6 +132,7 @@ class KVManager:
         """Release the sequence's pages now (finish, abort, preemption)."""
         table = self.tables.pop(seq_id)
         node = self._locks.pop(seq_id)
+        del self._namespaces[seq_id]
         if node is not None:
             self.radix.unlock(node)
         self.pool.decref(table)

@@ -9,6 +9,11 @@ Speculative decoding with an EAGLE-3 draft (`python -m training.train_eagle3` wr
 
     llm = LLM(speculative_config={"method": "eagle3", "model": "path/to/draft",
                                   "num_speculative_tokens": 15, "depth": 4, "top_k": 4})
+
+Many fine-tunes of one base (S-LoRA): PEFT adapters chosen per request, mixed in a batch:
+
+    llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=16)
+    out = llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "path/to/peft_dir"))
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ from model import compile_cache
 from serving import scheduler as sched
 from serving.draft_tree import TreeSpec
 from serving.engine import PREEMPTION_MODES, RECOMPUTE, EngineCore
-from serving.params import (CompletionOutput, RequestOutput, SamplingParams, check_bool, check_int,
+from serving.params import (CompletionOutput, LoRARequest, RequestOutput, SamplingParams, check_bool, check_int,
                             check_text)
+from serving.lora import LoRAManager
 from serving.runner import Drafter, ModelRunner
 from serving.structured import GrammarCompiler
 
@@ -52,14 +58,17 @@ class LLM:
                  capacity_policy: str = sched.MAX_UTILIZATION,
                  chunking_policy: str = sched.FIRST_COME_FIRST_SERVED,
                  preemption_mode: str = RECOMPUTE, seed: int = 0, dtype=jnp.float32,
-                 speculative_config: dict | None = None, jump_forward: bool = True):
+                 speculative_config: dict | None = None, jump_forward: bool = True,
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
+                 max_cpu_loras: int | None = None):
         import model as model_lib
 
         config, params = model_lib.load(model, dtype)
         self._setup(config, params, model_lib.load_tokenizer(model), max_model_len, block_size,
                     num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
                     kv_cache_dtype, scheduling_policy, capacity_policy, chunking_policy,
-                    preemption_mode, seed, dtype, speculative_config, jump_forward)
+                    preemption_mode, seed, dtype, speculative_config, jump_forward, enable_lora,
+                    max_loras, max_lora_rank, max_cpu_loras)
 
     @classmethod
     def from_loaded(cls, config: model.ModelConfig, params: dict, tokenizer: model.Tokenizer,
@@ -79,7 +88,7 @@ class LLM:
     def _setup(self, config, params, tokenizer, max_model_len, block_size, num_kv_blocks,
                max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_dtype,
                scheduling_policy, capacity_policy, chunking_policy, preemption_mode, seed, dtype,
-               speculative_config, jump_forward):
+               speculative_config, jump_forward, enable_lora, max_loras, max_lora_rank, max_cpu_loras):
         # Every argument is checked here, before anything is built.
         compile_cache.enable()  # steps compiled by an earlier process load from disk
         context = config.max_position_embeddings
@@ -112,6 +121,13 @@ class LLM:
                              "page yet)")
         check_kv_cache_dtype(kv_cache_dtype, config, block_size)
         draft = _drafter(speculative_config, config, dtype)
+        lora = None
+        if check_bool("enable_lora", enable_lora):
+            if draft is not None:
+                raise ValueError("enable_lora with speculative_config is not supported yet")
+            if any(kind not in (ATTENTION, SLIDING_ATTENTION) for kind in config.layer_kinds):
+                raise ValueError("LoRA adapters need a Llama-family model (standard attention layers)")
+            lora = LoRAManager(config, max_loras, max_lora_rank, max_cpu_loras, dtype)
         if draft is not None and max_num_batched_tokens < draft.spec.num_tokens:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot fit one draft tree "
                              f"({draft.spec.num_tokens} tokens)")
@@ -133,9 +149,10 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, capacity_policy=capacity_policy,
             chunking_policy=chunking_policy, order=scheduling_policy,
             chunk_unit_size=min(sched.SchedulerConfig.chunk_unit_size, max_num_batched_tokens),
-            tokens_per_decode=draft.spec.num_tokens if draft else 1, num_lookahead_slots=lookahead)
+            tokens_per_decode=draft.spec.num_tokens if draft else 1, num_lookahead_slots=lookahead,
+            max_loras=lora.max_loras if lora else 0)
         self.runner = ModelRunner(config, params, num_kv_blocks, block_size, max_pages_per_seq,
-                                  max_num_seqs, dtype, kv_cache_dtype, draft)
+                                  max_num_seqs, dtype, kv_cache_dtype, draft, lora)
         self.engine = EngineCore(self.runner, sched_config, num_kv_blocks, max_model_len,
                                  tokenizer.eos_token_id, enable_prefix_caching, preemption_mode, seed,
                                  decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
@@ -200,8 +217,10 @@ class LLM:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
         return text, [int(t) for t in ids]  # the engine checks the length against max_model_len
 
-    def _requests(self, prompts, sampling_params) -> list[tuple[str | None, list[int], SamplingParams]]:
-        """Every prompt and its SamplingParams, all checked before any is scheduled."""
+    def _requests(self, prompts, sampling_params, lora_request=None
+                  ) -> list[tuple[str | None, list[int], SamplingParams, LoRARequest | None]]:
+        """Every prompt, its SamplingParams and LoRARequest, all checked before any is
+        scheduled."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -220,7 +239,14 @@ class LLM:
         for p in sampling_params:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-        return [(*self._prompt(p), sp) for p, sp in zip(prompts, sampling_params)]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if not isinstance(lora_request, (list, tuple)) or len(lora_request) != len(prompts):
+            raise ValueError("lora_request must be a LoRARequest, None, or a list of them (one per prompt)")
+        for r in lora_request:
+            if r is not None and not isinstance(r, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest or None, got {type(r).__name__}")
+        return [(*self._prompt(p), sp, lr) for p, sp, lr in zip(prompts, sampling_params, lora_request)]
 
     # -- output (read only: the engine's output processor wrote it) ----------------------
 
@@ -254,15 +280,15 @@ class LLM:
 
     # -- generation ------------------------------------------------------------------
 
-    def _add(self, prompts, sampling_params) -> list[tuple[str, str | None]]:
+    def _add(self, prompts, sampling_params, lora_request=None) -> list[tuple[str, str | None]]:
         """Validate every request, then add them all or none."""
-        requests = self._requests(prompts, sampling_params)
+        requests = self._requests(prompts, sampling_params, lora_request)
         added = []
         with self._lock:
             try:
-                for text, ids, params in requests:
+                for text, ids, params, lora in requests:
                     rid = str(next(self._ids))
-                    self.engine.add_request(rid, ids, params)
+                    self.engine.add_request(rid, ids, params, lora_request=lora)
                     added.append((rid, text))
             except BaseException:
                 self._forget(added)
@@ -287,11 +313,12 @@ class LLM:
                 raise RuntimeError("requests are unfinished but the engine holds no sequence")
             self.engine.step()
 
-    def stream(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+    def stream(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                ) -> Iterator[RequestOutput]:
         """Yield RequestOutputs whose outputs hold only what is new (text and token deltas);
         the work per step does not grow with the text already generated."""
-        added = self._add(prompts, sampling_params)
+        added = self._add(prompts, sampling_params, lora_request)
         marks = {rid: [(0, 0)] * len(self.engine.requests[rid].seq_ids) for rid, _ in added}
         pending = dict(added)
         try:
@@ -308,10 +335,13 @@ class LLM:
             self._forget(added)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Run every prompt to completion; one RequestOutput per prompt, in order (use_tqdm:
-        a progress bar over finished requests)."""
-        added = self._add(prompts, sampling_params)
+        a progress bar over finished requests; lora_request: the adapter every prompt, or
+        each prompt, runs under, None for the base model; needs enable_lora=True)."""
+        added = self._add(prompts, sampling_params, lora_request)
         try:
             with tqdm.tqdm(total=len(added), desc="requests", disable=not use_tqdm) as bar:
                 while (done := sum(self.engine.request_finished(rid) for rid, _ in added)) < len(added):
@@ -324,7 +354,8 @@ class LLM:
             self._forget(added)
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Apply the chat template to one conversation (or a list of them) and generate."""
         conversations = messages if messages and isinstance(messages, list) and isinstance(messages[0], list) \
             else [messages]
@@ -332,7 +363,7 @@ class LLM:
             check_messages(conversation)
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(c, tokenize=True)}
                    for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, lora_request=lora_request)
 
 
 def _matching_params(current, new):

@@ -184,6 +184,26 @@ class SamplingParams:
 MAX_LOGPROBS = 20
 
 
+@dataclasses.dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter a request runs under (vLLM's LoRARequest): a name, a positive
+    integer id unique per adapter (the engine's handle: its prefix-cache namespace and
+    device slot key), and a PEFT directory (adapter_config.json and
+    adapter_model.safetensors, as peft's save_pretrained writes them)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self):
+        check_text("lora_name", self.lora_name)
+        if not self.lora_name:
+            raise ValueError("lora_name is empty")
+        check_int("lora_int_id", self.lora_int_id, 1)
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise ValueError(f"lora_path must be a directory path, got {self.lora_path!r}")
+
+
 def adjusts_logits(params: SamplingParams) -> bool:
     """Whether a request's penalties or biases change any logit."""
     return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0

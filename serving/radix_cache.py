@@ -67,22 +67,31 @@ class RadixCache:
 
     def __init__(self, pool: PagePool, page_size: int):
         self.pool, self.page_size = pool, page_size
-        self.root = Node((), [], None)
-        self.root.lock_ref = 1  # the root is never evicted
+        self.roots: dict[int, Node] = {}  # one tree per namespace (a LoRA adapter's KV differs)
+        self.root = self._root(0)
         self.evictable_pages = 0  # pages in unlocked nodes
         self.protected_pages = 0  # pages in locked nodes
         self._clock = itertools.count(1)
 
+    def _root(self, namespace: int) -> Node:
+        root = self.roots.get(namespace)
+        if root is None:
+            root = self.roots[namespace] = Node((), [], None)
+            root.lock_ref = 1  # a root is never evicted
+        return root
+
     def _child_key(self, tokens, start: int) -> tuple[int, ...]:
         return tuple(tokens[start:start + self.page_size])
 
-    def match_prefix(self, tokens, touch: bool = True) -> tuple[list[int], Node]:
-        """Pages of the longest cached page-aligned prefix of `tokens`, and its last node.
+    def match_prefix(self, tokens, touch: bool = True, namespace: int = 0) -> tuple[list[int], Node]:
+        """Pages of the longest cached page-aligned prefix of `tokens` in `namespace`, and
+        its last node.
 
         Splits a node when the match ends inside its key, so the returned node covers
-        exactly the matched prefix.
+        exactly the matched prefix. Namespaces never share pages (0: the base model; a
+        LoRA adapter's id: KV computed under that adapter).
         """
-        node, pages, i = self.root, [], 0
+        node, pages, i = self._root(namespace), [], 0
         tokens = tuple(tokens)
         now = next(self._clock)
         while len(tokens) - i >= self.page_size:
@@ -117,8 +126,8 @@ class RadixCache:
         upper.children[self._child_key(child.key, 0)] = child
         return upper
 
-    def insert(self, tokens, pages: list[int]) -> Node:
-        """Cache full pages of `tokens` (len(tokens) == len(pages) * page_size).
+    def insert(self, tokens, pages: list[int], namespace: int = 0) -> Node:
+        """Cache full pages of `tokens` (len(tokens) == len(pages) * page_size) in `namespace`.
 
         Pages whose tokens are already cached stay with the caller (they are not
         taken); the tree takes a reference on the pages it adds. Returns the node
@@ -126,7 +135,7 @@ class RadixCache:
         """
         tokens = tuple(tokens)
         assert len(tokens) == len(pages) * self.page_size
-        _, node = self.match_prefix(tokens)
+        _, node = self.match_prefix(tokens, namespace=namespace)
         depth = self._depth(node)
         if depth < len(tokens):
             new_pages = list(pages[depth // self.page_size:])
@@ -146,7 +155,7 @@ class RadixCache:
         return n
 
     def lock(self, node: Node) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:  # up to, not including, its root
             if node.lock_ref == 0:
                 self.evictable_pages -= len(node.pages)
                 self.protected_pages += len(node.pages)
@@ -154,7 +163,7 @@ class RadixCache:
             node = node.parent
 
     def unlock(self, node: Node) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             assert node.lock_ref > 0, "unlock of an unlocked node"
             node.lock_ref -= 1
             if node.lock_ref == 0:
@@ -174,12 +183,12 @@ class RadixCache:
             self.pool.decref(leaf.pages)
             self.evictable_pages -= len(leaf.pages)
             freed += len(leaf.pages)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
     def _nodes(self):
-        stack = list(self.root.children.values())
+        stack = [c for root in self.roots.values() for c in root.children.values()]
         while stack:
             n = stack.pop()
             yield n

@@ -34,10 +34,13 @@ import numpy as np
 
 import model
 from model import eagle3
+from model import lora as model_lora
 from model.kv_cache import KVCache
 from model.transformer import forward_hidden, lm_head
 from serving.draft_tree import DraftTree, TreeSpec
 from serving.engine import Row, RowResult
+from serving.lora import LoRAManager
+from serving.params import LoRARequest
 from serving.params import MAX_LOGPROBS
 from serving.sampling import apply_adjustments, apply_token_masks, processed_probs, row_keys, sample
 from serving.speculative import compact_kv, grow_trees, tree_masks, verify_trees
@@ -57,7 +60,7 @@ class Drafter:
                                 "logits_indices", "seeds", "counters", "temperature", "top_k",
                                 "top_p", "min_p", "targets", "token_masks", "constrained",
                                 "adjust_ids", "adjust_counts", "adjust_seen", "adjust_bias",
-                                "penalties"],
+                                "penalties", "lora_slots"],
                    meta_fields=["max_q_len", "max_chunks"])
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
@@ -89,6 +92,7 @@ class StepBatch:
     adjust_seen: jax.Array  # bool [S, K]: the token is in the prompt or the output
     adjust_bias: jax.Array  # float32 [S, K]: logit_bias, -inf for banned tokens
     penalties: jax.Array  # float32 [S, 3]: presence, frequency, repetition
+    lora_slots: jax.Array  # int32 [N]: each token's LoRA adapter slot (-1: the base model)
     max_q_len: int  # static: bucketed longest row (1 for a decode-only step)
     max_chunks: int  # static: bucketed count of rows with more than one token (0 if none)
 
@@ -124,9 +128,13 @@ def table_width(live: list[int], max_pages: int, minimum: int) -> int:
 @functools.partial(jax.jit, static_argnames=("config", "page_size", "want_logprobs",
                                              "want_prompt_logprobs"),
                    donate_argnames=("pool",))
-def _step(params, config, page_size, pool, batch: StepBatch, want_logprobs, want_prompt_logprobs):
+def _step(params, config, page_size, pool, batch: StepBatch, want_logprobs, want_prompt_logprobs,
+          lora_stacks=None):
     """One engine step of prefill chunks and decode rows: (sampled [S], logprob extras,
-    prompt logprob extras (per token [N]), pool)."""
+    prompt logprob extras (per token [N]), pool). With lora_stacks (serving/lora.py), each
+    token's projections add its adapter slot's term (batch.lora_slots)."""
+    if lora_stacks is not None:
+        params = model_lora.attach(params, lora_stacks, batch.lora_slots)
     cache = KVCache(pool["target"], batch.block_tables, page_size)
     hidden, cache, _ = model.forward_packed(params, config, batch.tokens, batch.positions, cache,
                                             batch.layout)
@@ -294,8 +302,10 @@ class ModelRunner:
 
     def __init__(self, config: model.ModelConfig, params: dict, num_pages: int, page_size: int,
                  max_pages_per_seq: int, max_num_seqs: int, dtype=jnp.float32,
-                 kv_cache_dtype: str = "auto", draft: Drafter | None = None):
-        self.config, self.params, self.draft = config, params, draft
+                 kv_cache_dtype: str = "auto", draft: Drafter | None = None, lora: LoRAManager | None = None):
+        if lora is not None and draft is not None:
+            raise ValueError("LoRA adapters are not supported with speculative decoding yet")
+        self.config, self.params, self.draft, self.lora = config, params, draft, lora
         self.page_size, self.num_pages = page_size, num_pages
         self.max_pages_per_seq, self.max_num_seqs = max_pages_per_seq, max_num_seqs
         self.min_table_width = -(-MIN_TABLE_POSITIONS // page_size)
@@ -402,9 +412,16 @@ class ModelRunner:
                                      _draft_tree(tree, i)))
         return results
 
-    def step_batch(self, rows: list[Row]) -> StepBatch:
+    def add_lora(self, request: LoRARequest) -> None:
+        """Read and check a LoRA adapter (ValueError: no LoRA in this runner, a bad adapter)."""
+        if self.lora is None:
+            raise ValueError("a LoRA request needs an engine with LoRA enabled (LLM(enable_lora=True))")
+        self.lora.add(request)
+
+    def step_batch(self, rows: list[Row], lora_slot: dict[int, int] | None = None) -> StepBatch:
         """Pack rows (none with a tree) into a StepBatch: tokens to a power of two (at least
-        16 when any row is a chunk), rows to a power of two, tables to the live width."""
+        16 when any row is a chunk), rows to a power of two, tables to the live width.
+        lora_slot: device slot of each LoRA adapter id the rows use."""
         lens = [len(r.tokens) for r in rows]
         decode_only = max(lens) == 1
         n = bucket(sum(lens), minimum=1 if decode_only else 16)
@@ -417,26 +434,29 @@ class ModelRunner:
             positions[start:end] = np.arange(r.start, r.start + len(r.tokens))
             kv_lens[i] = r.start + len(r.tokens)
             cu_q_lens[i + 1:] = end
-        targets = np.full(n, -1, np.int32)
+        targets, lora_slots = np.full(n, -1, np.int32), np.full(n, -1, np.int32)
         for i, r in enumerate(rows):
             following = _prompt_targets(r)
             targets[cu_q_lens[i]:cu_q_lens[i] + len(following)] = following
+            if r.lora:
+                lora_slots[cu_q_lens[i]:cu_q_lens[i + 1]] = lora_slot[r.lora]
         seeds, counters, temperature, top_k, top_p, min_p = self._sampling_arrays(rows, s)
         return StepBatch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(cu_q_lens),
                          jnp.asarray(kv_lens), self._tables(rows, s),
                          jnp.asarray(np.maximum(cu_q_lens[1:] - 1, 0)), seeds, counters, temperature,
                          top_k, top_p, min_p, jnp.asarray(targets), *self._mask_arrays(rows, s),
-                         *self._adjust_arrays(rows, s), max_q_len=bucket(max(lens)),
+                         *self._adjust_arrays(rows, s), jnp.asarray(lora_slots), max_q_len=bucket(max(lens)),
                          max_chunks=bucket(chunks) if (chunks := sum(n > 1 for n in lens)) else 0)
 
     def _run_packed(self, rows: list[Row]) -> list[RowResult | None]:
         if not rows:
             return []
         want_logprobs = any(_wants_logprobs(r) and r.sample for r in rows)
-        batch = self.step_batch(rows)
+        lora_slot = self.lora.slots_for({r.lora for r in rows if r.lora}) if self.lora else None
+        batch = self.step_batch(rows, lora_slot)
         next_tokens, extra, prompt_extra, self.pool = _step(
             self.params, self.config, self.page_size, self.pool, batch, want_logprobs,
-            any(_prompt_targets(r) for r in rows))
+            any(_prompt_targets(r) for r in rows), self.lora.stacks if self.lora else None)
         starts = np.asarray(batch.cu_q_lens)[:-1]
         return self._results(rows, np.asarray(next_tokens), [np.asarray(e) for e in extra],
                              prompt_extra=[np.asarray(e) for e in prompt_extra],

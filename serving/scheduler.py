@@ -55,6 +55,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     tokens_per_decode: int = 1
     num_lookahead_slots: int = 0
+    max_loras: int = 0  # distinct LoRA adapters among running sequences (0: no LoRA)
 
     def __post_init__(self):
         if self.capacity_policy not in CAPACITY_POLICIES:
@@ -67,8 +68,9 @@ class SchedulerConfig:
                      "tokens_per_decode"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.num_lookahead_slots < 0:
-            raise ValueError(f"num_lookahead_slots must be >= 0, got {self.num_lookahead_slots}")
+        for name in ("num_lookahead_slots", "max_loras"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         # Progress: a decode row and a prefill chunk of one unit always fit the budget.
         for name in ("chunk_unit_size", "tokens_per_decode"):
             if getattr(self, name) > self.max_num_batched_tokens:
@@ -86,7 +88,8 @@ class Seq:
     have KV in its pages;
     max_total_tokens: prompt + max_tokens (what GUARANTEED_NO_EVICT reserves);
     num_forks: samples that will fork from it after its first token (n - 1 of parallel
-    sampling; 0 once they have), whose pages the reserving policies count in advance.
+    sampling; 0 once they have), whose pages the reserving policies count in advance;
+    lora_id: the LoRA adapter it runs under (0: the base model).
     """
 
     seq_id: str
@@ -97,6 +100,7 @@ class Seq:
     started: int = -1  # step at which it last started running
     num_forks: int = 0
     num_tokens: int = -1  # -1: the prompt's length
+    lora_id: int = 0
 
     def __post_init__(self):
         if self.num_tokens < 0:
@@ -226,7 +230,9 @@ def schedule(state: SchedulerState, config: SchedulerConfig, kv: KVView,
     preempt_keeps_computed: preempted sequences keep num_computed_tokens (swap
     preemption); otherwise they restart from zero (recompute). blocked: waiting
     sequences that may not start yet (their structured-output grammar is still being
-    built); they keep their place in the queue and the others pass them.
+    built); they keep their place in the queue and the others pass them. With
+    config.max_loras, a sequence whose LoRA adapter would be one too many among the
+    running ones waits the same way (S-LoRA: a step holds at most max_loras adapters).
     """
     cached, num_available_pages = kv.cached, kv.num_available
     active = list(state.running)
@@ -250,6 +256,10 @@ def schedule(state: SchedulerState, config: SchedulerConfig, kv: KVView,
                 break
             if seq.seq_id in blocked:
                 continue
+            if seq.lora_id and config.max_loras:
+                adapters = {s.lora_id for s in active if s.lora_id}
+                if seq.lora_id not in adapters and len(adapters) >= config.max_loras:
+                    continue  # every adapter slot is taken by running sequences; it waits its turn
             hit = 0 if seq.num_computed_tokens else cached.get(seq.seq_id, 0)
             if config.order == LPM and hit <= DEFER_MAX_CACHED and any(
                     _shared_prefix(seq.prompt, a.prompt) - hit >= DEFER_MIN_SHARED for a in admitted):

@@ -89,3 +89,19 @@ def test_speculative_step_runs_every_attention_of_target_and_draft_on_the_kernel
     per_part = 4 + 1 + (spec_.depth - 1)  # target, draft over the chunk, tree levels
     assert kernel_calls(export_tpu(fn, *specs), "tpu_custom_call") == 2 * per_part
     assert kernel_calls(export_cuda(fn, *specs), TRITON_CALL) == 2 * per_part
+
+
+def test_a_lora_step_runs_every_projection_through_the_lora_kernel(tiny):
+    """With LoRA stacks every projection of every layer (7 per layer) adds its tokens'
+    adapter terms through the batched LoRA kernel, beside one attention kernel per layer."""
+    from model import lora
+
+    config, params = tiny
+    fn, specs = _step_specs(config, params, "auto", lens=(9, 1))
+    stacks = lora.init_stacks(config, num_slots=2, rank=16)
+    lora_fn = lambda params, pool, batch, stacks: _step(params, config, PAGE_SIZE, pool, batch, False, False,
+                                                        stacks)
+    lora_specs = [*specs, jax.tree.map(spec, stacks)]
+    per_layer = 1 + len(lora.PROJECTIONS)
+    assert kernel_calls(export_tpu(lora_fn, *lora_specs), "tpu_custom_call") == LAYERS * per_layer
+    assert kernel_calls(export_cuda(lora_fn, *lora_specs), TRITON_CALL) == LAYERS * per_layer
