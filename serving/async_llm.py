@@ -145,15 +145,17 @@ class AsyncLLM:
 
     # -- asyncio side ---------------------------------------------------------------
 
-    async def add(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> Stream:
-        """Validate and queue `prompts` (all or none). ValueError: a bad prompt or parameter;
+    async def add(self, prompts: list, params: SamplingParams | list[SamplingParams],
+                  lora_request=None) -> Stream:
+        """Validate and queue `prompts` (all or none), under `lora_request` (a LoRARequest
+        for all, None for the base model). ValueError: a bad prompt, parameter or adapter;
         Overloaded: over the waiting caps; EngineDead: the engine thread is gone."""
         arrival = time.monotonic()
         if not self.alive:
             raise EngineDead("the engine is not running")
         # Tokenizing and checking off the event loop; the engine checks lengths again when adding.
-        requests = await asyncio.to_thread(self.llm._requests, prompts, params)
-        num_tokens = sum(len(ids) for _, ids, _ in requests)
+        requests = await asyncio.to_thread(self.llm._requests, prompts, params, lora_request)
+        num_tokens = sum(len(ids) for _, ids, _, _ in requests)
         self._admit(len(requests), num_tokens)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -161,8 +163,9 @@ class AsyncLLM:
             with self._wake:
                 if self._closed:
                     raise EngineDead(f"the engine stopped: {self.error!r}" if self.error else "the server is stopping")
-                self._adds.append(([{"prompt": text, "prompt_token_ids": ids} for text, ids, _ in requests],
-                                   [p for _, _, p in requests], future, arrival))
+                self._adds.append(([{"prompt": text, "prompt_token_ids": ids} for text, ids, _, _ in requests],
+                                   [p for _, _, p, _ in requests], [r for *_, r in requests], future,
+                                   arrival))
                 self._wake.notify()
             return await future
         finally:
@@ -222,10 +225,10 @@ class AsyncLLM:
         finally:
             self._shut(EngineDead(f"the engine stopped: {self.error!r}" if self.error else "the server is stopping"))
 
-    def _add_now(self, prompts: list, params: list[SamplingParams], future: asyncio.Future,
+    def _add_now(self, prompts: list, params: list[SamplingParams], loras: list, future: asyncio.Future,
                  arrival: float) -> None:
         try:
-            added = self.llm._add(prompts, params)
+            added = self.llm._add(prompts, params, loras)
         except ValueError as e:
             future.get_loop().call_soon_threadsafe(_settle, future, e, None)
             return

@@ -122,14 +122,18 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
     return stream, check_bool("stream_options.include_usage", options.get("include_usage", False))
 
 
-def _model(body: dict, served: str) -> str:
-    model = body.get("model", served)
-    if model != served:
-        raise LookupError(f"the model {model!r} does not exist; this server serves {served!r}")
+def _model(body: dict, served: str | tuple[str, ...]) -> str:
+    """The model a body names: `served` is the server's name, or its names (the base
+    model's first, then its LoRA adapters'); no model field means the first."""
+    names = (served,) if isinstance(served, str) else tuple(served)
+    model = body.get("model", names[0])
+    if model not in names:
+        raise LookupError(f"the model {model!r} does not exist; this server serves "
+                          f"{', '.join(repr(n) for n in names)}")
     return model
 
 
-def completion_request(body, served_model: str) -> Request:
+def completion_request(body, served_model: str | tuple[str, ...]) -> Request:
     """A /v1/completions body; ValueError (or LookupError for the model) names what is wrong."""
     body = _check_fields(body, COMPLETION_FIELDS, "/v1/completions")
     model = _model(body, served_model)
@@ -159,7 +163,7 @@ def _prompts(prompt) -> list:
     return [{"prompt_token_ids": prompt}]
 
 
-def chat_messages(body, served_model: str) -> tuple[dict, list[dict]]:
+def chat_messages(body, served_model: str | tuple[str, ...]) -> tuple[dict, list[dict]]:
     """The checked body and its messages (content parts joined into one string) of a
     /v1/chat/completions body."""
     body = _check_fields(body, CHAT_FIELDS, "/v1/chat/completions")

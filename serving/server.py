@@ -32,6 +32,7 @@ from model import compile_cache
 from serving import openai_protocol as protocol
 from serving.async_llm import AsyncLLM, EngineDead, Overloaded, Stream
 from serving.metrics import ServerMetrics
+from serving.params import LoRARequest
 
 DEFAULT_MAX_WAITING_REQUESTS = 256
 DEFAULT_MAX_WAITING_TOKENS = 2**18
@@ -64,12 +65,22 @@ def _bad_request(e: ValueError, fields: tuple[str, ...]) -> APIError:
 def create_app(llm, served_model_name: str = "default", api_key: str | None = None,
                max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
                max_waiting_tokens: int | None = DEFAULT_MAX_WAITING_TOKENS,
-               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+               lora_modules: dict[str, str] | None = None) -> FastAPI:
     """The app over `llm` (a serving.LLM). Its lifespan starts and stops the engine thread;
     in-process callers that skip lifespan events (httpx.ASGITransport) use
-    `with app.state.engine:` instead."""
+    `with app.state.engine:` instead. lora_modules: {name: PEFT directory} served as
+    models of their own (a request's "model" picks one; vLLM's --lora-modules); the
+    adapters are read and checked here, so a bad one stops the server from starting."""
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be a non-empty string or None")
+    loras = {}
+    for i, (name, path) in enumerate((lora_modules or {}).items()):
+        if name == served_model_name:
+            raise ValueError(f"LoRA module name {name!r} is the base model's served name")
+        loras[name] = LoRARequest(name, i + 1, path)
+        llm.runner.add_lora(loras[name])
+    names = (served_model_name, *loras)
     if not isinstance(max_request_body_bytes, int) or max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes must be a positive int, got {max_request_body_bytes!r}")
     metrics = ServerMetrics(lambda: engine.stats)
@@ -131,7 +142,7 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
 
     async def serve(request: Request, req: protocol.Request, fields: tuple[str, ...]):
         try:
-            stream = await engine.add(req.prompts, req.params)
+            stream = await engine.add(req.prompts, req.params, loras.get(req.model))
         except ValueError as e:
             raise _bad_request(e, fields) from None
         except Overloaded as e:
@@ -152,14 +163,14 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
     async def completions(request: Request):
         body = await read_json(request)
         fields = protocol.COMPLETION_FIELDS
-        req = parse(protocol.completion_request, body, served_model_name, fields=fields)
+        req = parse(protocol.completion_request, body, names, fields=fields)
         return await serve(request, req, fields)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         body = await read_json(request)
         fields = protocol.CHAT_FIELDS
-        body, messages = parse(protocol.chat_messages, body, served_model_name, fields=fields)
+        body, messages = parse(protocol.chat_messages, body, names, fields=fields)
         try:
             ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=True)
         except (ValueError, jinja2.TemplateError) as e:
@@ -169,8 +180,11 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
 
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
-                                            "owned_by": "kvfold", "max_model_len": llm.max_model_len}]}
+        base = {"id": served_model_name, "object": "model", "created": created, "owned_by": "kvfold",
+                "root": served_model_name, "parent": None, "max_model_len": llm.max_model_len}
+        adapters = [{**base, "id": name, "root": r.lora_path, "parent": served_model_name}
+                    for name, r in loras.items()]
+        return {"object": "list", "data": [base, *adapters]}
 
     app.include_router(v1)
 
@@ -261,6 +275,12 @@ def _parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--speculative-config", default=None,
                         help='JSON, e.g. \'{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 15}\'')
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (S-LoRA)")
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="PEFT adapter directories, each served as model NAME (needs --enable-lora)")
+    parser.add_argument("--max-loras", type=int, default=1, help="adapters in one engine step")
+    parser.add_argument("--max-lora-rank", type=int, default=16)
+    parser.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory")
     parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                         help="requests allowed to wait for the engine; more get 429")
     parser.add_argument("--max-waiting-tokens", type=int, default=DEFAULT_MAX_WAITING_TOKENS,
@@ -293,14 +313,25 @@ def build(args: argparse.Namespace) -> FastAPI:
         value = getattr(args, name)
         if value < (0 if name == "port" else 1) or (name == "port" and value > 65535):
             raise ValueError(f"--{name.replace('_', '-')} is out of range: {value}")
+    lora_modules = {}
+    for item in args.lora_modules:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH items, got {item!r}")
+        if name in lora_modules:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        lora_modules[name] = path
+    if lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     dtype = jnp.float32 if args.dtype == "auto" else getattr(jnp, args.dtype)
     llm = LLM(args.model, max_model_len=args.max_model_len, block_size=args.block_size,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
-              seed=args.seed, dtype=dtype, speculative_config=speculative)
+              seed=args.seed, dtype=dtype, speculative_config=speculative, enable_lora=args.enable_lora,
+              max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return create_app(llm, args.served_model_name or args.model, api_key, args.max_waiting_requests,
-                      args.max_waiting_tokens, args.max_request_body_bytes)
+                      args.max_waiting_tokens, args.max_request_body_bytes, lora_modules)
 
 
 def app_from_flags(argv: list[str]) -> FastAPI:

@@ -347,7 +347,7 @@ def test_a_dead_engine_thread_is_a_503(app, llm, monkeypatch):
 def test_an_engine_failing_while_adding_answers_503_not_never(llm, monkeypatch):
     from serving.server import create_app
 
-    def broken_add(prompts, params):
+    def broken_add(*args):
         raise RuntimeError("injected add failure")
     monkeypatch.setattr(llm, "_add", broken_add)
     app = create_app(llm, "tiny")
