@@ -48,7 +48,8 @@ class LoRAWeight:
 
     base: the weight [in, out] (float or quantized, as quant.linear takes it); lora_a
     [slots, in, rank]; lora_b [slots, rank, out] with each adapter's scaling folded in;
-    slots: int32, each token's adapter slot (-1: none), shaped like x's leading axes.
+    slots: int32, each token's adapter slot (-1: none), one per token of x in order
+    (x's leading axes flattened: [B, T] or the packed step's [N] for x [1, N, in]).
     """
 
     base: object
@@ -61,7 +62,7 @@ def linear(x, w, b=None):
     """quant.linear, plus each token's adapter term when `w` is a LoRAWeight."""
     if not isinstance(w, LoRAWeight):
         return base_linear(x, w, b)
-    if w.slots.shape != x.shape[:-1]:
+    if w.slots.size != x.size // x.shape[-1]:
         raise ValueError(f"linear: LoRA slots {w.slots.shape} do not match x's tokens {x.shape[:-1]}")
     delta = lora_matmul(x.reshape(-1, x.shape[-1]), w.lora_a, w.lora_b, w.slots.reshape(-1))
     return base_linear(x, w.base, b) + delta.reshape(*x.shape[:-1], -1)
@@ -154,6 +155,26 @@ def load_peft_adapter(path: str, config: ModelConfig) -> LoRAAdapter:
                              "for another base model?)")
         weights[(layer, name)] = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T * scale))
     return LoRAAdapter(r, weights)
+
+
+def save_peft_adapter(path: str, weights: dict, r: int, lora_alpha: float) -> None:
+    """Write a PEFT LoRA directory that load_peft_adapter (and peft) read: weights maps
+    (layer, projection name) to (A [r, in], B [out, r]) in PEFT's layout, unscaled."""
+    from safetensors.numpy import save_file
+
+    names = {v: k for k, v in PEFT_MODULES.items()}
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for (layer, name), (a, b) in weights.items():
+        prefix = f"base_model.model.model.layers.{layer}.{names[name]}"
+        tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a, np.float32)
+        tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b, np.float32)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    modules = sorted({names[name].split(".")[-1] for _, name in weights})
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": lora_alpha, "target_modules": modules,
+                   "bias": "none", "use_rslora": False, "use_dora": False, "fan_in_fan_out": False}, f,
+                  indent=2)
 
 
 def init_stacks(config: ModelConfig, num_slots: int, rank: int, dtype=jnp.float32) -> dict:

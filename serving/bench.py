@@ -10,6 +10,7 @@
     python -m serving.bench fuzz       [--examples 1000] [--seed 0]
     python -m serving.bench serve      [--rates 2 8 inf] [--num-prompts 32] [--model default]
     python -m serving.bench structured [--batch-sizes 1 8] [--max-tokens 160]
+    python -m serving.bench lora       [--adapters 1 4] [--batch 16] [--rank 16]
 
 decode / offline: greedy generation throughput on the default model (generated tokens
 per second, prefill included, after a warm-up run that compiles), against
@@ -35,6 +36,12 @@ the share answered 429 by the admission caps. No peer.
 structured: a JSON-schema workload (book records, greedy) with jump-forward against the
 same engine without it: output tokens/s both ways, the share of tokens taken forced
 (without sampling), whether the outputs are identical and all valid against the schema.
+lora: a batch spread round-robin over N random PEFT adapters (every projection, rank
+--rank) served at once by one multi-LoRA engine (S-LoRA), against what a stack without
+multi-LoRA does: one adapter's requests at a time on its merged weights (swapped with
+update_weights, nothing recompiles), and against the base model alone on the same batch;
+greedy, generated tokens/s after a warm-up, and whether the outputs equal the merged
+ones (float32 sums in another order may flip a near tie).
 """
 
 from __future__ import annotations
@@ -329,6 +336,83 @@ def bench_structured(args) -> None:
     for batch, plain_tps, jump_tps, forced, same, valid in rows:
         print(f"| {batch} | {plain_tps:.1f} | {jump_tps:.1f} | {jump_tps / plain_tps:.2f}x | {forced:.0%} | "
               f"{'yes' if same else 'NO'} | {valid} |")
+
+
+def _random_adapters(config, num: int, rank: int, root: str, seed: int = 0) -> list[str]:
+    """`num` random PEFT adapters on every projection of `config`, written under root."""
+    from model import lora
+
+    rng = np.random.default_rng(seed)
+    paths = []
+    for k in range(num):
+        weights = {}
+        for layer in range(config.num_layers):
+            for name, (d_in, d_out) in lora.projection_shapes(config).items():
+                weights[(layer, name)] = (rng.normal(0, d_in ** -0.5, (rank, d_in)),
+                                          rng.normal(0, 0.02, (d_out, rank)))
+        paths.append(os.path.join(root, f"adapter{k}"))
+        lora.save_peft_adapter(paths[-1], weights, rank, 2 * rank)
+    return paths
+
+
+def bench_lora(args) -> None:
+    import tempfile
+
+    import jax
+
+    import model
+    from model import lora
+    from serving.llm import LLM
+    from serving.params import LoRARequest
+
+    config, params = model.load(args.model)
+    tok = model.load_tokenizer(args.model)
+    prompts = [{"prompt_token_ids": tok.apply_chat_template(
+        [{"role": "user", "content": f"Write a few sentences about {t}."}], tokenize=True)}
+        for t in (TOPICS * 8)[:args.batch]]
+    greedy = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    kw = dict(max_model_len=512, max_num_seqs=args.batch, max_num_batched_tokens=max(512, 64 * args.batch),
+              enable_prefix_caching=False)  # see _llm
+
+    def timed(llm, batch, **extra):
+        llm.generate(batch, greedy, **extra)  # compile every shape this run meets
+        start = time.perf_counter()
+        out = llm.generate(batch, greedy, **extra)
+        return [o.outputs[0].token_ids for o in out], time.perf_counter() - start
+
+    plain = LLM.from_loaded(config, params, tok, **kw)
+    _, base_s = timed(plain, prompts)
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for num in args.adapters:
+            paths = _random_adapters(config, num, args.rank, os.path.join(root, str(num)))
+            requests = [LoRARequest(f"adapter{k}", k + 1, p) for k, p in enumerate(paths)]
+            which = [requests[i % num] for i in range(len(prompts))]
+            multi = LLM.from_loaded(config, params, tok, **kw, enable_lora=True, max_loras=num,
+                                    max_lora_rank=args.rank)
+            ours_ids, ours_s = timed(multi, prompts, lora_request=which)
+            del multi
+            merged_ids, merged_s = [None] * len(prompts), 0.0
+            for k, req in enumerate(requests):  # one adapter at a time, merged weights
+                plain.update_weights(lora.merge(params, lora.load_peft_adapter(req.lora_path, config)))
+                group = list(range(k, len(prompts), num))
+                ids, seconds = timed(plain, [prompts[i] for i in group])
+                merged_s += seconds
+                for i, out in zip(group, ids):
+                    merged_ids[i] = out
+            plain.update_weights(params)
+            tokens = len(prompts) * args.new_tokens
+            rows.append((num, tokens / ours_s, tokens / merged_s, tokens / base_s, ours_ids == merged_ids))
+            jax.clear_caches()
+    print(f"\nmulti-LoRA: {args.model}, batch {args.batch} spread over N adapters (rank {args.rank}, every "
+          f"projection), {args.new_tokens} new tokens, greedy, float32, {_device()}")
+    print("| adapters | multi-LoRA tok/s | merged, one adapter at a time tok/s | ratio | base model tok/s "
+          "| multi-LoRA / base | identical |")
+    print("|---------:|-----------------:|------------------------------------:|------:|----------------:"
+          "|------------------:|:---------:|")
+    for num, ours, merged, base, same in rows:
+        print(f"| {num} | {ours:.1f} | {merged:.1f} | {ours / merged:.2f}x | {base:.1f} | {ours / base:.2f}x | "
+              f"{'yes' if same else 'no'} |")
 
 
 def _valid_json(text: str, schema: dict) -> bool:
@@ -680,6 +764,12 @@ def main(argv: list[str] | None = None) -> None:
     st.add_argument("--model", default="default")
     st.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     st.add_argument("--max-tokens", type=int, default=160)
+    lo = sub.add_parser("lora")
+    lo.add_argument("--model", default="default")
+    lo.add_argument("--adapters", type=int, nargs="+", default=[1, 4])
+    lo.add_argument("--batch", type=int, default=16)
+    lo.add_argument("--rank", type=int, default=16)
+    lo.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
     if args.command in ("decode", "offline"):
         sizes = args.batch_sizes if args.command == "decode" else [args.num_prompts]
@@ -708,6 +798,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.max_tokens <= 0 or any(b <= 0 for b in args.batch_sizes):
             parser.error("--max-tokens and batch sizes must be > 0")
         bench_structured(args)
+    elif args.command == "lora":
+        if (args.batch <= 0 or args.rank <= 0 or args.new_tokens <= 0
+                or any(not 0 < n <= min(args.batch, 31) for n in args.adapters)):
+            parser.error("--batch, --rank and --new-tokens must be > 0, and --adapters in [1, min(batch, 31)]")
+        bench_lora(args)
     elif args.command == "fuzz":
         if args.examples <= 0:
             parser.error("--examples must be > 0")

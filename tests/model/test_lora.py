@@ -73,6 +73,23 @@ def test_merged_weights_match_peft(base, name):
     np.testing.assert_allclose(run_full(config, merged, tokens), want, atol=1e-3, rtol=0)
 
 
+def test_save_peft_adapter_round_trips(base, tmp_path):
+    config, _ = base
+    adapter = lora.load_peft_adapter(adapter_path("all"), config)
+    tensors = load_file(os.path.join(adapter_path("all"), "adapter_model.safetensors"))
+    peft_layout = {}
+    for (layer, name), _ in adapter.weights.items():
+        module = next(m for m, n in lora.PEFT_MODULES.items() if n == name)
+        key = f"base_model.model.model.layers.{layer}.{module}"
+        peft_layout[(layer, name)] = (tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"])
+    lora.save_peft_adapter(str(tmp_path / "copy"), peft_layout, r=4, lora_alpha=8)
+    again = lora.load_peft_adapter(str(tmp_path / "copy"), config)
+    assert again.weights.keys() == adapter.weights.keys() and again.rank == adapter.rank
+    for key, (a, b) in adapter.weights.items():
+        np.testing.assert_array_equal(again.weights[key][0], a)
+        np.testing.assert_array_equal(again.weights[key][1], b)
+
+
 def _edited(tmp_path, source="all", config_edit=None, tensor_edit=None):
     path = tmp_path / "adapter"
     shutil.copytree(adapter_path(source), path)
