@@ -23,7 +23,7 @@ import numpy as np
 
 from serving import scheduler as sched
 from serving.engine import PREEMPTION_MODES
-from serving.params import SamplingParams, StructuredOutputsParams
+from serving.params import LoRARequest, SamplingParams, StructuredOutputsParams
 
 VOCAB = 49152  # the default model's tokenizer: text prompts and stop strings are real
 MAX_MODEL_LEN = 64
@@ -80,6 +80,11 @@ LLM_ARGS = [
     dict(kv_cache_dtype=3), dict(capacity_policy="fast"), dict(preemption_mode=None), dict(seed="1"),
     dict(speculative_config="eagle"), dict(model="x"), dict(bogus=1),
 ]
+# LoRA adapters per request (LORAS[i] names an adapter made by lora_dirs): none, two good
+# ones (one slot: they take turns), and bad ones
+LORAS = [(None, True), ("a", True), ("b", True), ("rank32", False), ("other-model", False),
+         ("missing", False), ("a-other-id", False), ("not-a-request", False)]
+LORA_RANK = 8
 # Engines the examples run on: every capacity policy, both preemption modes, small pools.
 ENGINES = [
     dict(capacity_policy=sched.MAX_UTILIZATION, preemption_mode="recompute", num_kv_blocks=6),
@@ -99,15 +104,62 @@ class Action:
     params: tuple = ()  # indices into PARAMS, one per input, or one for all
     break_after: int = 0  # stream: deltas read before closing the stream
     as_dict: bool = False  # pass the first params as a plain dict (not SamplingParams)
+    loras: tuple = (0,)  # indices into LORAS: the adapter of each input, or one for all
 
     def valid(self) -> bool:
         menu = MESSAGES if self.kind == "chat" else PROMPTS
         return (self.kind != "llm_args" and not self.as_dict and all(menu[i][1] for i in self.inputs)
-                and all(PARAMS[j][1] for j in self.params) and len(self.params) in (1, len(self.inputs)))
+                and all(PARAMS[j][1] for j in self.params) and len(self.params) in (1, len(self.inputs))
+                and all(LORAS[i][1] for i in self.loras)
+                and (self.kind == "chat" and len(self.loras) == 1 or len(self.loras) in (1, len(self.inputs))))
 
 
 class Hang(Exception):
     pass
+
+
+def tiny_config(hidden_size: int = 32):
+    import model
+
+    return model.ModelConfig(vocab_size=VOCAB, hidden_size=hidden_size, intermediate_size=64, num_heads=4,
+                             num_kv_heads=2, head_dim=8, layer_kinds=("attention",) * 2,
+                             max_position_embeddings=512, eos_token_id=2)
+
+
+_LORA_DIRS: dict[str, str] = {}
+
+
+def lora_dirs() -> dict[str, str]:
+    """PEFT adapters for tiny_config (written once per process to a temporary directory):
+    "a" and "b" fit, "rank32" is above LORA_RANK, "other-model" has another hidden size."""
+    if not _LORA_DIRS:
+        import tempfile
+
+        from model import lora
+
+        root = tempfile.mkdtemp(prefix="kvfold-fuzz-lora-")
+        rng = np.random.default_rng(0)
+        for name, rank, config in (("a", 4, tiny_config()), ("b", LORA_RANK, tiny_config()),
+                                   ("rank32", 32, tiny_config()), ("other-model", 4, tiny_config(48))):
+            weights = {(layer, proj): (rng.normal(0, 0.3, (rank, d_in)), rng.normal(0, 0.3, (d_out, rank)))
+                       for layer in range(config.num_layers)
+                       for proj, (d_in, d_out) in lora.projection_shapes(config).items()}
+            lora.save_peft_adapter(f"{root}/{name}", weights, rank, rank)
+        _LORA_DIRS.update({name: f"{root}/{name}" for name in ("a", "b", "rank32", "other-model")},
+                          missing=f"{root}/missing")
+    return _LORA_DIRS
+
+
+def lora_request(i: int):
+    """The LoRARequest (or bad value) LORAS[i] stands for."""
+    name = LORAS[i][0]
+    if name is None:
+        return None
+    if name == "not-a-request":
+        return {"lora_name": "a", "lora_int_id": 1}
+    ids = {"a": 1, "b": 2, "rank32": 3, "other-model": 4, "missing": 5, "a-other-id": 1}
+    path = lora_dirs()["b" if name == "a-other-id" else name]
+    return LoRARequest(name, ids[name], path)
 
 
 def tiny_llm(tokenizer, **kwargs):
@@ -117,16 +169,18 @@ def tiny_llm(tokenizer, **kwargs):
     import model
     from serving.llm import LLM
 
-    config = model.ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_heads=4,
-                               num_kv_heads=2, head_dim=8, layer_kinds=("attention",) * 2,
-                               max_position_embeddings=512, eos_token_id=2)
+    config = tiny_config()
     params = model.init_params(config, jax.random.key(0))
-    kwargs = {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "max_num_batched_tokens": 32, **kwargs}
+    kwargs = {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "max_num_batched_tokens": 32,
+              "enable_lora": True, "max_loras": 1, "max_lora_rank": LORA_RANK, **kwargs}
     return LLM.from_loaded(config, params, tokenizer, **kwargs)
 
 
 def make_engines(tokenizer) -> list:
     llms = [tiny_llm(tokenizer, **kw) for kw in ENGINES]
+    for llm in llms:  # ids 1 and 2 name "a" and "b" from the start, so "a-other-id" is always a clash
+        llm.add_lora(lora_request(1))
+        llm.add_lora(lora_request(2))
     return [(llm, llm.generate(*BASELINE)[0].outputs[0].token_ids) for llm in llms]
 
 
@@ -147,14 +201,16 @@ def apply(llm, action: Action) -> None:
         LLM.from_loaded(llm.config, llm.runner.params, llm.tokenizer, **kwargs)
         raise AssertionError(f"LLM accepted {kwargs}")
     params = _params(action)
+    loras = [lora_request(i) for i in action.loras]
+    lora = loras[0] if len(loras) == 1 else loras
     if action.kind == "chat":
-        llm.chat(MESSAGES[action.inputs[0]][0], params)
+        llm.chat(MESSAGES[action.inputs[0]][0], params, lora_request=lora)
         return
     prompts = [PROMPTS[i][0] for i in action.inputs]
     if action.kind == "generate":
-        llm.generate(prompts, params)
+        llm.generate(prompts, params, lora_request=lora)
         return
-    stream = llm.stream(prompts, params)
+    stream = llm.stream(prompts, params, lora_request=lora)
     try:
         for k, _ in enumerate(stream):
             if k + 1 >= action.break_after:
@@ -231,8 +287,10 @@ def random_actions(rng: np.random.Generator, max_actions: int = 4) -> list[Actio
         per = n if rng.random() < 0.3 else 1
         params = tuple(int(rng.choice([j for j, (_, ok) in enumerate(PARAMS) if ok]))
                        if rng.random() < 0.8 else int(rng.integers(len(PARAMS))) for _ in range(per))
+        loras = tuple(int(rng.integers(3)) if rng.random() < 0.9 else int(rng.integers(len(LORAS)))
+                      for _ in range(n if rng.random() < 0.5 else 1))
         actions.append(Action(kind, inputs, params, break_after=int(rng.integers(1, 6)),
-                              as_dict=bool(rng.random() < 0.03)))
+                              as_dict=bool(rng.random() < 0.03), loras=loras))
     return actions
 
 

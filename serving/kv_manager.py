@@ -42,10 +42,15 @@ class KVManager:
         first = position // self.page_size
         return len(table) - sum(int(self.pool.ref_counts[p] > 1) for p in table[first:])
 
-    def flush_prefix_cache(self) -> int:
+    def flush_prefix_cache(self, namespace: int | None = None) -> int:
         """Drop every cached prefix no sequence holds (their K/V is stale once the weights
-        change); returns the pages freed."""
-        return 0 if self.radix is None else self.radix.evict(self.radix.evictable_pages)
+        change), or every prefix of one namespace (a LoRA adapter being removed: none of
+        its sequences may run); returns the pages freed."""
+        if self.radix is None:
+            return 0
+        if namespace is not None:
+            return self.radix.drop_namespace(namespace)
+        return self.radix.evict(self.radix.evictable_pages)
 
     def _allocate(self, n: int) -> list[int]:
         if n > self.pool.num_free and self.radix is not None:

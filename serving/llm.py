@@ -185,6 +185,34 @@ class LLM:
             self.runner.params = _matching_params(self.runner.params, params)
             self.engine.kv.flush_prefix_cache()
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter now, so its first request does not wait for it (vLLM's
+        add_lora); ValueError for a bad adapter or without enable_lora. Returns True."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        with self._lock:
+            self.runner.add_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: its slot, host copy and cached prefixes go (the id may then
+        name another adapter). ValueError while a request of it is in flight; False when
+        the id is unknown."""
+        with self._lock:
+            if self.runner.lora is None:
+                return False
+            if any(r.lora_id == lora_int_id and not self.engine.request_finished(r.request_id)
+                   for r in self.engine.requests.values()):
+                raise ValueError(f"LoRA adapter {lora_int_id} has requests in flight")
+            if not self.runner.lora.remove(lora_int_id):
+                return False
+            self.engine.kv.flush_prefix_cache(namespace=lora_int_id)
+            return True
+
+    def list_loras(self) -> set[int]:
+        """The lora_int_ids this engine knows."""
+        return set(self.runner.lora.requests) if self.runner.lora is not None else set()
+
     def get_tokenizer(self) -> model.Tokenizer:
         return self.tokenizer
 

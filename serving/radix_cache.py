@@ -187,6 +187,24 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
+    def drop_namespace(self, namespace: int) -> int:
+        """Free every page cached in `namespace` (none may be locked: no sequence of it
+        runs); returns the pages freed."""
+        root = self.roots.pop(namespace, None)
+        if root is None:
+            return 0
+        if namespace == 0:
+            self.root = self._root(0)
+        freed, stack = 0, list(root.children.values())
+        while stack:
+            node = stack.pop()
+            assert node.lock_ref == 0, "dropping a namespace a sequence still holds"
+            self.pool.decref(node.pages)
+            self.evictable_pages -= len(node.pages)
+            freed += len(node.pages)
+            stack.extend(node.children.values())
+        return freed
+
     def _nodes(self):
         stack = [c for root in self.roots.values() for c in root.children.values()]
         while stack:

@@ -1,6 +1,6 @@
 """Fuzz the LLM API (serving/fuzz.py) with hypothesis: random mixes of valid and invalid
 requests, streams broken off, n > 1 under every capacity policy, preemption in both
-modes on small pools. After each example: the KV manager's invariants hold, no request
+modes on small pools, LoRA adapters taking turns in one slot (and bad adapters). After each example: the KV manager's invariants hold, no request
 or page is left behind, a fixed greedy request gives the same tokens; invalid input is
 rejected with ValueError, never accepted, never a crash or a hang."""
 
@@ -31,7 +31,8 @@ def actions(draw):
     inputs = tuple(draw(_indices(fuzz.MESSAGES if kind == "chat" else fuzz.PROMPTS)) for _ in range(n))
     params = tuple(draw(_indices(fuzz.PARAMS)) for _ in range(draw(st.sampled_from([1, n]))))
     return fuzz.Action(kind, inputs, params, break_after=draw(st.integers(1, 5)),
-                       as_dict=draw(st.booleans()) and draw(st.booleans()) and draw(st.booleans()))
+                       as_dict=draw(st.booleans()) and draw(st.booleans()) and draw(st.booleans()),
+                       loras=tuple(draw(_indices(fuzz.LORAS)) for _ in range(draw(st.sampled_from([1, n])))))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,

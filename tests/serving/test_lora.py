@@ -97,6 +97,30 @@ def test_the_prefix_cache_keys_on_the_adapter(make, merged):
     llm.engine.kv.check()
 
 
+def test_remove_lora_drops_its_slot_and_cached_prefixes(make, merged):
+    """After remove_lora the id may name another adapter: nothing of the old one (its
+    slot, its host copy, its cached K/V) is used for the new one."""
+    llm = make(enable_lora=True, max_loras=2, max_lora_rank=8)
+    assert llm.add_lora(ALL) and llm.list_loras() == {1}
+    ps = prompts(4)
+    assert ids(llm.generate(ps, GREEDY, lora_request=ALL)) == merged[1]
+    cached = llm.engine.kv.radix.evictable_pages
+    assert cached > 0
+    assert llm.remove_lora(1) and not llm.remove_lora(1) and llm.list_loras() == set()
+    assert llm.engine.kv.radix.evictable_pages < cached
+    llm.engine.kv.check()
+    reused = LoRARequest("qv-as-1", 1, QV.lora_path)
+    out = llm.generate(ps, GREEDY, lora_request=reused)
+    assert ids(out) == merged[2] and all(o.num_cached_tokens == 0 for o in out)
+    stream = llm.stream(ps[0], GREEDY, lora_request=reused)
+    next(stream)
+    with pytest.raises(ValueError, match="in flight"):
+        llm.remove_lora(1)
+    list(stream)
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        make().add_lora(ALL)
+
+
 def test_the_host_lru_reads_an_evicted_adapter_again(make, merged):
     llm = make(enable_lora=True, max_loras=1, max_lora_rank=8, max_cpu_loras=1)
     ps = prompts(4)
