@@ -202,6 +202,7 @@ def main(argv=None) -> int:
         rows += _ragged_rows(on_cpu, platform, shape["dtype"], iters)
         rows += _block_sparse_rows(on_cpu, platform, shape["dtype"], iters)
         rows += _indexer_rows(on_cpu, platform, shape["dtype"], iters)
+        rows += _lora_rows(on_cpu, shape["dtype"], iters)
     return _print_table(rows, copy, peak)
 
 
@@ -334,6 +335,24 @@ def _ragged_rows(on_cpu, platform, dtype, iters):
     nbytes = (2 * sum(kv_lens) * hkv * d + 2 * tokens * hkv * d + 2 * tokens * hq * d) * itemsize
     run = lambda interp: jax.jit(functools.partial(ragged_paged_attention, interpret=interp))
     return _both(on_cpu, platform, "ragged_paged_attention", run, args, nbytes, iters)
+
+
+def _lora_rows(on_cpu, dtype, iters):
+    """One projection's LoRA term for a decode step whose tokens use several adapters:
+    the Pallas kernel (TPU, Triton on GPU, interpret on CPU) against the XLA path."""
+    from pallas_kernels.lora import lora_matmul
+    from pallas_kernels.lora.xla import lora_matmul_xla
+
+    rng = np.random.default_rng(4)
+    tokens, d_in, d_out, rank, slots = (16, 64, 128, 16, 4) if on_cpu else (256, 4096, 4096, 16, 8)
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    args = (f(tokens, d_in), f(slots, d_in, rank), f(slots, rank, d_out),
+            jnp.asarray(rng.integers(-1, slots, tokens), jnp.int32))
+    nbytes = sum(int(a.nbytes) for a in args) + tokens * d_out * jnp.dtype(dtype).itemsize
+    impl = "kvfold Pallas" + (" (interpret)" if on_cpu else "")
+    kernel = jax.jit(functools.partial(lora_matmul, interpret=True if on_cpu else None))
+    return [_row("lora_matmul", "XLA reference", jax.jit(lora_matmul_xla), args, nbytes, iters),
+            _row("lora_matmul", impl, kernel, args, nbytes, iters)]
 
 
 def _block_sparse_rows(on_cpu, platform, dtype, iters):

@@ -8,17 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels.lora.entry as entry
 from pallas_kernels.lora import lora_matmul
 from pallas_kernels.lora.kernel_gpu import lora_matmul_gpu
 from pallas_kernels.lora.ref import lora_matmul_ref
-from tests.pallas_kernels.helpers import (TRITON_CALL, assert_close, compile_kernels, export_cuda,
-                                          export_tpu, kernel_calls, spec)
-
-
-@pytest.fixture(autouse=True)
-def _compiled_on_device(monkeypatch):
-    compile_kernels(monkeypatch, entry)
+from tests.pallas_kernels.helpers import TRITON_CALL, assert_close, export_cuda, export_tpu, kernel_calls, spec
 
 
 def _inputs(num_tokens=37, d_in=64, rank=8, num_slots=3, d_out=96, seed=0, slots=None):
@@ -61,7 +54,7 @@ def test_gpu_kernel_matches_the_reference_on_odd_widths():
     """Triton needs power-of-two blocks: the wrapper pads d_in (72), rank (5), slots (3)
     and d_out (100) and cuts the result back."""
     x, a, b, s = _inputs(num_tokens=21, d_in=72, rank=5, num_slots=3, d_out=100, seed=1)
-    got = lora_matmul_gpu(*map(jnp.asarray, (x, a, b, s)), interpret=True)
+    got = lora_matmul_gpu(*map(jnp.asarray, (x, a, b, s)), interpret=True)  # compiled under gpu-check
     assert got.shape == (21, 100)
     assert_close(got, _numpy(x, a, b, s), 1e-4, 1e-3)
 
@@ -86,3 +79,15 @@ def test_lowers_to_one_kernel_call_for_tpu_and_cuda():
     fn = lambda *t: lora_matmul(*t)  # noqa: E731
     assert kernel_calls(export_tpu(fn, *args), "tpu_custom_call") == 1
     assert kernel_calls(export_cuda(fn, *args), TRITON_CALL) == 1
+
+
+def test_tpu_kernel_under_tpu_interpret_semantics():
+    """Mosaic's semantics in interpret mode: uninitialised memory is NaN and an
+    out-of-bounds read raises, so a block read past the padded tokens or a slot stack
+    would show."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    x, a, b, s = _inputs(num_tokens=21, slots=[0, 2, -1, 1, 2, 0, 0] * 3)
+    semantics = pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
+    got = lora_matmul(*map(jnp.asarray, (x, a, b, s)), interpret=semantics)
+    assert_close(got, _numpy(x, a, b, s), 1e-4, 1e-3)
