@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import secrets
@@ -74,13 +75,19 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
     adapters are read and checked here, so a bad one stops the server from starting."""
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be a non-empty string or None")
-    loras = {}
-    for i, (name, path) in enumerate((lora_modules or {}).items()):
-        if name == served_model_name:
-            raise ValueError(f"LoRA module name {name!r} is the base model's served name")
-        loras[name] = LoRARequest(name, i + 1, path)
-        llm.runner.add_lora(loras[name])
-    names = (served_model_name, *loras)
+    loras: dict[str, LoRARequest] = {}  # served adapters by name (changed by load / unload)
+    lora_ids = itertools.count(1)
+
+    def add_lora(name, path) -> LoRARequest:
+        if name == served_model_name or name in loras:
+            raise ValueError(f"lora_name {name!r} is already served")
+        request = LoRARequest(name, next(lora_ids), path)
+        llm.add_lora(request)  # reads and checks the adapter
+        loras[name] = request
+        return request
+
+    for name, path in (lora_modules or {}).items():
+        add_lora(name, path)
     if not isinstance(max_request_body_bytes, int) or max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes must be a positive int, got {max_request_body_bytes!r}")
     metrics = ServerMetrics(lambda: engine.stats)
@@ -163,14 +170,14 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
     async def completions(request: Request):
         body = await read_json(request)
         fields = protocol.COMPLETION_FIELDS
-        req = parse(protocol.completion_request, body, names, fields=fields)
+        req = parse(protocol.completion_request, body, (served_model_name, *loras), fields=fields)
         return await serve(request, req, fields)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         body = await read_json(request)
         fields = protocol.CHAT_FIELDS
-        body, messages = parse(protocol.chat_messages, body, names, fields=fields)
+        body, messages = parse(protocol.chat_messages, body, (served_model_name, *loras), fields=fields)
         try:
             ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=True)
         except (ValueError, jinja2.TemplateError) as e:
@@ -185,6 +192,39 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
         adapters = [{**base, "id": name, "root": r.lora_path, "parent": served_model_name}
                     for name, r in loras.items()]
         return {"object": "list", "data": [base, *adapters]}
+
+    if llm.runner.lora is not None:
+        def lora_body(body, keys: tuple[str, ...]) -> dict:
+            if not isinstance(body, dict) or set(body) != set(keys):
+                raise APIError(400, f"the body must be a JSON object with exactly {list(keys)}")
+            for key in keys:
+                if not isinstance(body[key], str) or not body[key]:
+                    raise APIError(400, f"{key} must be a non-empty string", param=key)
+            return body
+
+        @v1.post("/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            """vLLM's runtime adapter loading: {"lora_name", "lora_path"}; the adapter is
+            read and checked before it is served."""
+            body = lora_body(await read_json(request), ("lora_name", "lora_path"))
+            try:
+                await asyncio.to_thread(add_lora, body["lora_name"], body["lora_path"])
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+            return {"lora_name": body["lora_name"]}
+
+        @v1.post("/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            """{"lora_name"}: stop serving an adapter (400 while its requests run)."""
+            name = lora_body(await read_json(request), ("lora_name",))["lora_name"]
+            if name not in loras:
+                raise APIError(404, f"no LoRA adapter {name!r} is served", "not_found_error", param="lora_name")
+            try:
+                await asyncio.to_thread(llm.remove_lora, loras[name].lora_int_id)
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+            del loras[name]
+            return {"lora_name": name}
 
     app.include_router(v1)
 

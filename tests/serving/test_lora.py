@@ -207,6 +207,22 @@ def test_the_server_serves_each_adapter_as_a_model(make, base, default_tokenizer
             assert {name: a.choices[0].text for name, a in zip(want, answers)} == want
             with pytest.raises(openai.BadRequestError, match="model_not_found|does not exist"):
                 await client.completions.create(model="nope", prompt=prompt, max_tokens=2)
+            # vLLM's runtime loading: load, serve, unload; errors are 4xx naming the problem
+            loaded = await http.post("/v1/load_lora_adapter", json={"lora_name": "qv2", "lora_path": QV.lora_path})
+            assert loaded.status_code == 200, loaded.text
+            answer = await client.completions.create(model="qv2", prompt=prompt, max_tokens=8, temperature=0,
+                                                     extra_body={"ignore_eos": True})
+            assert answer.choices[0].text == want["qv"]
+            for body, status, text in (({"lora_name": "all", "lora_path": QV.lora_path}, 400, "already served"),
+                                       ({"lora_name": "x", "lora_path": "/nowhere"}, 400, "not a directory"),
+                                       ({"lora_name": "x"}, 400, "exactly")):
+                bad = await http.post("/v1/load_lora_adapter", json=body)
+                assert bad.status_code == status and text in bad.text, bad.text
+            assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "qv2"})).status_code == 200
+            assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "qv2"})).status_code == 404
+            with pytest.raises(openai.BadRequestError, match="does not exist"):
+                await client.completions.create(model="qv2", prompt=prompt, max_tokens=2)
+            assert [m.id for m in (await client.models.list()).data] == ["tiny", "all", "qv"]
     with app.state.engine:
         asyncio.run(go())
     with pytest.raises(ValueError, match="max_lora_rank"):
