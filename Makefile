@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup run test bench gpu-check oracle-fixtures
+.PHONY: setup run test bench gpu-check oracle-fixtures notebooks
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ test: setup
 
 bench: setup
 	$(PY) -m serving.bench decode
+
+# The notebooks executed (full settings) and rendered with their outputs to build/notebooks/*.html.
+notebooks: setup
+	$(PY) -m pip install -q -e '.[test,notebooks]'
+	$(PY) -m jupyter nbconvert --to html --execute --ExecutePreprocessor.timeout=1800 \
+		--output-dir build/notebooks notebooks/*.ipynb
 
 # On a GPU machine: kernel tests compiled, engine equality tests, kernel bench (about 8
 # minutes; see pallas_kernels/gpu_check.py). No setup: it runs with the machine's own
