@@ -17,6 +17,7 @@ reserved for the lookahead slots the tree writes past the sequence's end.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import concurrent.futures
 import dataclasses
 import time
@@ -124,6 +125,24 @@ class RequestState:
     # SamplingParams.bad_words as token sequences (each word alone and after a space)
     bad_words: tuple[tuple[int, ...], ...] = ()
     lora_id: int = 0  # its LoRA adapter's lora_int_id (0: the base model)
+
+
+class _OnAccess(collections.abc.Mapping):
+    """A mapping over `keys` whose values fn(key) are computed when read."""
+
+    def __init__(self, fn, keys):
+        self._fn, self._keys = fn, keys
+
+    def __getitem__(self, key):
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._fn(key)
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self):
+        return len(self._keys)
 
 
 class EngineCore:
@@ -435,7 +454,8 @@ class EngineCore:
                       if self.seqs[s.seq_id].swapped is None and self._reads_cache(s.seq_id)}
         writable = {s.seq_id: self.kv.writable_pages(s.seq_id, s.num_computed_tokens)
                     for s in self.state.running}
-        return sched.KVView(self.kv.num_available, writable, cached)
+        freeable = _OnAccess(self.kv.freeable_pages, writable)  # read only when preempting
+        return sched.KVView(self.kv.num_available, writable, cached, freeable)
 
     def _admit(self, s: sched.Seq) -> None:
         seq = self.seqs[s.seq_id]

@@ -9,6 +9,8 @@ the bytes on device when this says so (page copies for copy-on-write, swaps).
 
 from __future__ import annotations
 
+import numpy as np
+
 from serving.radix_cache import NoFreePages, PagePool, RadixCache
 
 
@@ -41,6 +43,17 @@ class KVManager:
         table = self.tables[seq_id]
         first = position // self.page_size
         return len(table) - sum(int(self.pool.ref_counts[p] > 1) for p in table[first:])
+
+    def freeable_pages(self, seq_id: str) -> int:
+        """Pages that freeing seq_id now makes available: those no other sequence holds (a
+        page the prefix cache also holds becomes evictable, so it counts)."""
+        table = self.tables[seq_id]
+        if not table:
+            return 0
+        refs = self.pool.ref_counts[table]
+        if self.radix is not None:
+            refs = refs - self.radix.holds[table]
+        return int(np.sum(refs == 1))
 
     def flush_prefix_cache(self, namespace: int | None = None) -> int:
         """Drop every cached prefix no sequence holds (their K/V is stale once the weights

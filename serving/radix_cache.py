@@ -68,6 +68,7 @@ class RadixCache:
     def __init__(self, pool: PagePool, page_size: int):
         self.pool, self.page_size = pool, page_size
         self.roots: dict[int, Node] = {}  # one tree per namespace (a LoRA adapter's KV differs)
+        self.holds = np.zeros(pool.num_pages, bool)  # pages a node holds (one reference each)
         self.root = self._root(0)
         self.evictable_pages = 0  # pages in unlocked nodes
         self.protected_pages = 0  # pages in locked nodes
@@ -143,6 +144,7 @@ class RadixCache:
             leaf.last_access = next(self._clock)
             node.children[self._child_key(leaf.key, 0)] = leaf
             self.pool.incref(new_pages)
+            self.holds[new_pages] = True
             self.evictable_pages += len(new_pages)  # a fresh leaf is unlocked
             node = leaf
         return node
@@ -181,6 +183,7 @@ class RadixCache:
             parent = leaf.parent
             del parent.children[self._child_key(leaf.key, 0)]
             self.pool.decref(leaf.pages)
+            self.holds[leaf.pages] = False
             self.evictable_pages -= len(leaf.pages)
             freed += len(leaf.pages)
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
@@ -200,6 +203,7 @@ class RadixCache:
             node = stack.pop()
             assert node.lock_ref == 0, "dropping a namespace a sequence still holds"
             self.pool.decref(node.pages)
+            self.holds[node.pages] = False
             self.evictable_pages -= len(node.pages)
             freed += len(node.pages)
             stack.extend(node.children.values())
@@ -221,6 +225,9 @@ class RadixCache:
         pr = sum(len(n.pages) for n in self._nodes() if n.lock_ref > 0)
         assert (ev, pr) == (self.evictable_pages, self.protected_pages), \
             (ev, pr, self.evictable_pages, self.protected_pages)
+        held = self.holds.copy()
+        held[self.cached_pages()] = False
+        assert not held.any() and self.holds.sum() == len(self.cached_pages()), "holds != the nodes' pages"
         for n in self._nodes():
             assert len(n.key) == len(n.pages) * self.page_size
             if n.lock_ref == 0:

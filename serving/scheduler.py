@@ -126,12 +126,15 @@ class KVView:
     num_available: pages it can hand out now (free plus evictable cached ones);
     writable: for running sequences, pages they hold and can write from their next
     position without allocating (KVManager.writable_pages); cached: for waiting
-    sequences, prompt tokens the prefix cache would serve.
+    sequences, prompt tokens the prefix cache would serve; freeable: for running
+    sequences, pages that preempting it makes available (KVManager.freeable_pages: those
+    no other sequence holds; may be computed on access), 0 where absent.
     """
 
     num_available: int
     writable: Mapping[str, int] = dataclasses.field(default_factory=dict)
     cached: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    freeable: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +250,7 @@ def schedule(state: SchedulerState, config: SchedulerConfig, kv: KVView,
         victim = max(active, key=lambda s: (s.started, s.arrival))
         active.remove(victim)
         preempted.append(victim)
+        num_available_pages += kv.freeable.get(victim.seq_id, 0)  # its pages come back
 
     # 2. Admission, in queue order, while the whole batch still fits (not after a preemption).
     admitted: list[Seq] = []

@@ -139,3 +139,48 @@ def test_admission_of_cached_prefix_skips_those_tokens():
 def test_config_validation(bad):
     with pytest.raises(ValueError):
         cfg(**bad)
+
+
+def test_a_preempted_sequence_gives_its_pages_back_before_the_next_victim_is_chosen():
+    """MAX_UTILIZATION with no free page: A (older) needs one more page for its next token;
+    preempting C (newer) frees C's pages, which is enough, so A keeps running. Without
+    counting what a victim frees, every sequence would be preempted and the step would
+    run nothing."""
+    a = Seq("A", tuple(range(40)), 100, 0.0, num_computed_tokens=48, started=0, num_tokens=49)
+    c = Seq("C", tuple(range(100, 124)), 100, 1.0, num_computed_tokens=31, started=1, num_tokens=32)
+    config = SchedulerConfig(page_size=16, capacity_policy=sched.MAX_UTILIZATION)
+    state = SchedulerState(running=(a, c), step=9)
+    _, plan = schedule(state, config, KVView(0, {"A": 3, "C": 2}, freeable={"A": 3, "C": 2}))
+    assert plan.preempted == ("C",) and plan.scheduled == (("A", 1),)
+    _, shared = schedule(state, config, KVView(0, {"A": 3, "C": 2}, freeable={"A": 3, "C": 0}))
+    assert shared.preempted == ("C", "A")  # C's pages are shared: preempting it frees nothing
+
+
+def test_the_engine_preempts_only_what_it_must():
+    """The case above through the engine core (5 pages, a cost-model runner): each
+    preemption leaves a sequence running, and every step computes something."""
+    from serving.engine import EngineCore
+    from serving.params import SamplingParams
+    from serving.simulator import CostModel, SimRunner
+
+    engine = EngineCore(SimRunner(CostModel((0, 0, 0), (0, 0, 0))),
+                        SchedulerConfig(page_size=16, max_num_seqs=4, max_num_batched_tokens=64),
+                        5, 512, eos_token_id=None, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
+    engine.add_request("A", list(range(40)), params, arrival=0.0)
+    engine.add_request("C", list(range(100, 124)), params, arrival=1.0)
+    rows_per_step, execute = [], engine.runner.execute
+
+    def counting(rows):
+        rows_per_step.append(len(rows))
+        return execute(rows)
+    engine.runner.execute = counting
+    steps = 0
+    while engine.has_unfinished():
+        before = engine.num_preemptions
+        engine.step()
+        steps += 1
+        assert len(rows_per_step) == steps and rows_per_step[-1] > 0, f"step {steps} ran nothing"
+        assert engine.num_preemptions - before <= 1
+        engine.kv.check()
+    assert engine.num_preemptions >= 1 and steps < 120
