@@ -146,7 +146,7 @@ class SimRequest:
 @dataclasses.dataclass
 class SimResult:
     ttft_s: np.ndarray
-    tpot_s: np.ndarray
+    tpot_s: np.ndarray  # requests with more than one output token
     itl_s: np.ndarray
     e2e_s: np.ndarray
     output_tokens: int
@@ -155,6 +155,8 @@ class SimResult:
     makespan_s: float
     num_preemptions: int
     steps: int  # steps that ran rows (empty steps cost nothing and are not counted)
+    # per request, aligned with ttft_s: its TPOT, 0 for a single output token (no gap)
+    request_tpot_s: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
 
 def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, num_pages: int,
@@ -203,18 +205,20 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
             if engine.request_finished(rid):
                 cached += engine.requests[rid].num_cached_tokens
                 engine.release(rid)
-    ttft, tpot, e2e, itl = [], [], [], []
+    ttft, tpot, e2e, itl, request_tpot = [], [], [], [], []
     for rid, times in token_times.items():
         if not times:
             continue
         ttft.append(times[0] - arrivals[rid])
         e2e.append(times[-1] - arrivals[rid])
+        gap = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+        request_tpot.append(gap)
         if len(times) > 1:
-            tpot.append((times[-1] - times[0]) / (len(times) - 1))
+            tpot.append(gap)
             itl.extend(np.diff(times))
     return SimResult(np.array(ttft), np.array(tpot), np.array(itl), np.array(e2e),
                      sum(len(t) for t in token_times.values()), sum(len(r.prompt) for r in requests),
-                     cached, now[0], engine.num_preemptions, runner.num_steps)
+                     cached, now[0], engine.num_preemptions, runner.num_steps, np.array(request_tpot))
 
 
 # -- measuring the real engine ---------------------------------------------------------
