@@ -1,6 +1,6 @@
 """What each KV cache format costs in bytes and in quality, on the default model.
 
-    python -m model.kv_eval [--tokens 512] [--formats fp8,kivi-int2]
+    python -m model.kv_eval [--tokens 512] [--formats fp8,kivi-int2] [--plot FILE.png]
 
 It lives in model/ (not quant/) because it runs the model: quant imports nothing of ours.
 One row per kv_cache_dtype (model/kv_formats.py), all from one batched prefill per format
@@ -16,6 +16,8 @@ One row per kv_cache_dtype (model/kv_formats.py), all from one batched prefill p
 - needle: share of haystacks (the same documentation, `tokens` long, with "The secret
   number is NNNN." at depths 10/50/90%) whose number the model greedily reproduces after
   the prompt and the answer prefix "The secret number is".
+
+--plot FILE.png also draws the table (matplotlib): dppl and B/token per kv_cache_dtype as bars.
 """
 
 from __future__ import annotations
@@ -167,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                         help=f"comma-separated kv_cache_dtypes (default all: {','.join(DEFAULT_FORMATS)})")
     parser.add_argument("--model", default="default", help="'default', a .gguf file or a HF directory")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="also draw dppl and B/token per kv_cache_dtype as bars (matplotlib)")
     args = parser.parse_args(argv)
     formats = tuple(f for f in args.formats.split(",") if f)
     unknown = [f for f in formats if f not in KV_CACHE_DTYPES]
@@ -174,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown kv_cache_dtype {unknown}; allowed: {', '.join(KV_CACHE_DTYPES)}")
     if args.tokens < 64:
         parser.error("--tokens must be >= 64")
+    if args.plot:
+        _check_plot(parser, args.plot)
     compile_cache.enable()
     from model.loader import load, load_tokenizer
 
@@ -187,10 +193,70 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'kv_cache_dtype':<15} {'B/token':>8} {'x f32':>6} {'B/seq':>7} {'ppl':>8} {'dppl':>8} "
           f"{'attn err':>9} {'needle':>7} {'s':>5}")
     f32 = bytes_per_token(BASELINE, config)
+    rows = []
     for r in evaluate(config, params, tokenizer, formats, args.tokens):
         print(f"{r['kv_cache_dtype']:<15} {r['bytes_per_token']:>8} {f32 / r['bytes_per_token']:>6.2f} "
               f"{r['bytes_per_seq']:>7} {r['ppl']:>8.3f} {r['dppl']:>+8.3f} {r['attn_err']:>9.4f} "
               f"{r['needle']:>7.2f} {r['seconds']:>5.0f}", flush=True)
+        rows.append(r)
+    if args.plot and rows:
+        title = (f"KV cache formats on {args.model}: {args.tokens} tokens of pydoc_data.topics "
+                 f"(float32 cache: ppl {rows[0]['ppl'] - rows[0]['dppl']:.3f})")
+        plot_rows(args.plot, title, rows, f32)
+        print(f"plot: {args.plot}")
+
+
+def _check_plot(parser, path: str) -> None:
+    """--plot fails before the run, not after it: matplotlib, a file type it writes, a folder."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib (pip install matplotlib)")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    types = FigureCanvasBase.get_supported_filetypes()
+    if os.path.splitext(path)[1].lstrip(".").lower() not in types:
+        parser.error(f"--plot {path}: give a file ending in one of {sorted(types)}")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        parser.error(f"--plot {path}: its folder does not exist")
+
+
+def plot_rows(path: str, title: str, rows: list[dict], f32_bytes: int) -> None:
+    """The table as two bar charts over kv_cache_dtype: perplexity change against the
+    float32 cache (labelled with the value and the needle share), and bytes per token
+    (labelled with the compression against float32)."""
+    import textwrap
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["kv_cache_dtype"] for r in rows]
+    x = np.arange(len(rows))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(7.0, 0.9 * len(rows) + 2), 7), sharex=True)
+    dppl = [r["dppl"] for r in rows]
+    bars = top.bar(x, dppl, color=["tab:red" if d > 0 else "tab:green" for d in dppl])
+    top.bar_label(bars, [f"{d:+.3f}\nneedle {r['needle']:.0%}" for d, r in zip(dppl, rows)],
+                  padding=2, fontsize=8)
+    top.axhline(0, color="black", linewidth=0.8)
+    top.set_ylabel("perplexity change vs float32 cache")
+    top.margins(y=0.3)
+    top.grid(axis="y", alpha=0.3)
+    nbytes = [r["bytes_per_token"] for r in rows]
+    bars = bottom.bar(x, nbytes, color="tab:blue")
+    bottom.bar_label(bars, [f"{b}\n({f32_bytes / b:.1f}x)" for b in nbytes], padding=2, fontsize=8)
+    bottom.set_ylabel("KV bytes per token (all layers)")
+    bottom.set_ylim(0, max(nbytes) * 1.3)
+    bottom.grid(axis="y", alpha=0.3)
+    bottom.set_xticks(x, names, rotation=30, ha="right")
+    bottom.set_xlabel("kv_cache_dtype (x: compression vs float32)")
+    top.set_title(textwrap.fill(title, 60) + "\nbar labels: perplexity change; share of needles found",
+                  fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

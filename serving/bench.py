@@ -2,11 +2,11 @@
 
     python -m serving.bench decode     [--batch-sizes 1 16] [--new-tokens 64]
     python -m serving.bench offline    [--num-prompts 16] [--new-tokens 64]
-    python -m serving.bench trace PATH [--num-requests 1500]
-    python -m serving.bench context    [--batch 16] [--contexts 256 1024 4096]
+    python -m serving.bench trace PATH [--num-requests 1500] [--plot FILE.png]
+    python -m serving.bench context    [--batch 16] [--contexts 256 1024 4096] [--plot FILE.png]
     python -m serving.bench kv-dtypes  [--batch 16] [--context 2048]
     python -m serving.bench scheduler  [--running 256 1024]
-    python -m serving.bench speculative --draft DIR [--batch-sizes 1 8] [--new-tokens 64]
+    python -m serving.bench speculative --draft DIR [--batch-sizes 1 8] [--new-tokens 64] [--plot FILE.png]
     python -m serving.bench fuzz       [--examples 1000] [--seed 0]
     python -m serving.bench serve      [--rates 2 8 inf] [--num-prompts 32] [--model default]
     python -m serving.bench structured [--batch-sizes 1 8] [--max-tokens 160]
@@ -193,6 +193,61 @@ def _rates_table(label: str, rows: list[tuple[str, float]]) -> None:
         print(f"| {name} | {rate:.1f} | {rate / rows[0][1]:.2f}x |", flush=True)
 
 
+def _pyplot():
+    """matplotlib's pyplot on the headless Agg backend (for --plot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _check_plot(parser, path: str | None) -> None:
+    """Fail before a long run, not after it: --plot needs matplotlib, a file type it
+    writes and an existing folder."""
+    if path is None:
+        return
+    if importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib (pip install matplotlib)")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if ext not in FigureCanvasBase.get_supported_filetypes():
+        parser.error(f"--plot {path}: give a file ending in one of "
+                     f"{sorted(FigureCanvasBase.get_supported_filetypes())}")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        parser.error(f"--plot {path}: its folder does not exist")
+
+
+def _plot_context(path: str, title: str, max_model_len: int, sweep: list[tuple[int, float]],
+                  short: tuple[int, int, float]) -> None:
+    """Decode tok/s against live tokens (the sweep at max_model_len), and the same-work
+    point under the short max_model_len (live tokens, max_model_len, tok/s)."""
+    import textwrap
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs, ys = zip(*sweep)
+    ax.plot(xs, ys, "o-", label=f"max_model_len {max_model_len} (default)")
+    live, mml, rate = short
+    ax.plot([live], [rate], "s", markersize=9, markerfacecolor="none", label=f"max_model_len {mml}")
+    for x, y in sweep:
+        ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("live tokens per sequence (prompt + generated)")
+    ax.set_ylabel("decode tokens/s (prefill excluded)")
+    ax.set_ylim(0, max(max(ys), rate) * 1.15)
+    ax.set_title(textwrap.fill(title, 80), fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
 def bench_context(args) -> None:
     """Decode cost follows the live context: a sweep at the default max_model_len, and one
     context under max_model_len 512 against the default (the same work, two pool widths)."""
@@ -200,17 +255,20 @@ def bench_context(args) -> None:
 
     llm = LLM(args.model, enable_prefix_caching=True, max_num_seqs=args.batch)
     vocab = llm.config.vocab_size
-    print(f"\ncontext sweep: {args.model}, batch {args.batch}, {args.new_tokens} new tokens, "
-          f"max_model_len {llm.max_model_len}, greedy, float32, {_device()}")
-    _rates_table("live tokens", [(str(live), _decode_rate(llm, _random_prompt(vocab, live - args.new_tokens),
-                                                          args.batch, args.new_tokens))
-                                 for live in args.contexts])
+    title = (f"context sweep: {args.model}, batch {args.batch}, {args.new_tokens} new tokens, "
+             f"max_model_len {llm.max_model_len}, greedy, float32, {_device()}")
+    print(f"\n{title}")
+    sweep = [(live, _decode_rate(llm, _random_prompt(vocab, live - args.new_tokens), args.batch, args.new_tokens))
+             for live in args.contexts]
+    _rates_table("live tokens", [(str(live), rate) for live, rate in sweep])
     live = min(args.contexts)
     short = LLM(args.model, max_model_len=max(512, live), max_num_seqs=args.batch)
     prompt = _random_prompt(vocab, live - args.new_tokens, seed=1)
     print(f"\nsame work ({live} live tokens) under two max_model_len, batch {args.batch}")
-    _rates_table("max_model_len", [(str(one.max_model_len), _decode_rate(one, prompt, args.batch, args.new_tokens))
-                                   for one in (short, llm)])
+    same = [(str(one.max_model_len), _decode_rate(one, prompt, args.batch, args.new_tokens)) for one in (short, llm)]
+    _rates_table("max_model_len", same)
+    if args.plot:
+        _plot_context(args.plot, title, llm.max_model_len, sweep, (live, short.max_model_len, same[0][1]))
 
 
 def bench_kv_dtypes(args) -> None:
@@ -227,6 +285,35 @@ def bench_kv_dtypes(args) -> None:
         rows.append((fmt, _decode_rate(llm, prompt, args.batch, args.new_tokens)))
         del llm
     _rates_table("kv_cache_dtype", rows)
+
+
+def _plot_speculative(path: str, title: str, rows: list, depth: int) -> None:
+    """Acceptance by draft position (1..depth) as grouped bars, one bar per batch size: the
+    share of verified trees that accepted at least that many draft tokens (0 past the
+    deepest acceptance)."""
+    import textwrap
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.1 * depth + 3), 4.5))
+    width = 0.8 / len(rows)
+    for i, (batch, plain_tps, spec_tps, stats, _) in enumerate(rows):
+        accept = list(stats["acceptance_by_position"])[:depth]
+        accept += [0.0] * (depth - len(accept))
+        xs = np.arange(1, depth + 1) + (i - (len(rows) - 1) / 2) * width
+        bars = ax.bar(xs, accept, width, label=f"batch {batch}: tau {stats['tau']:.2f}, "
+                                               f"{spec_tps / plain_tps:.2f}x plain tok/s")
+        ax.bar_label(bars, [f"{a:.2f}" for a in accept], padding=2, fontsize=8)
+    ax.set_xticks(range(1, depth + 1))
+    ax.set_xlabel("draft position (tokens past the last accepted one)")
+    ax.set_ylabel("share of verified trees accepting it")
+    ax.set_ylim(0, 1.2)
+    ax.set_title(textwrap.fill(title, 70), fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper right", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot: {path}")
 
 
 def bench_speculative(args) -> None:
@@ -271,6 +358,10 @@ def bench_speculative(args) -> None:
         print(f"| {batch} | {plain_tps:.1f} | {spec_tps:.1f} | {spec_tps / plain_tps:.2f}x | "
               f"{stats['tau']:.2f} | {stats['tau'] * plain_tps / spec_tps:.2f} | {accept} | "
               f"{'yes' if same else 'NO'} |")
+    if args.plot:
+        _plot_speculative(args.plot, f"EAGLE-3 acceptance by draft position: {args.model}, draft "
+                          f"{args.draft}, tree depth {args.depth} top-k {args.top_k} "
+                          f"{args.num_speculative_tokens} draft tokens, greedy", rows, args.depth)
 
 
 BOOK_SCHEMA = {
@@ -469,6 +560,33 @@ def _pct(x: np.ndarray, q: float) -> float:
     return float(np.percentile(x, q)) if len(x) else float("nan")
 
 
+def _plot_trace(path: str, title: str, results: list[tuple[str, int, object]]) -> None:
+    """TTFT and TPOT p50 / p90 / p99 per (order, KV pages) of the trace replay: grouped
+    bars labelled with their values, one panel per metric."""
+    plt = _pyplot()
+    labels = [f"{order}\n{pages} pages" for order, pages, _ in results]
+    qs, colors = (50, 90, 99), ("tab:blue", "tab:orange", "tab:red")
+    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 2.2 * len(results) + 3), 4.8))
+    for ax, (metric, name) in zip(axes, (("ttft_s", "TTFT"), ("tpot_s", "TPOT"))):
+        x = np.arange(len(results))
+        width = 0.8 / len(qs)
+        for k, (q, color) in enumerate(zip(qs, colors)):
+            ys = [_pct(getattr(res, metric), q) for *_, res in results]
+            bars = ax.bar(x + (k - 1) * width, ys, width, label=f"p{q}", color=color)
+            ax.bar_label(bars, fmt="%.3g", fontsize=7, padding=1)
+        ax.set_xticks(x, labels)
+        ax.set_ylabel(f"{name} (s)")
+        ax.set_title(f"{name} percentiles")
+        ax.margins(y=0.12)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
 def bench_trace(args) -> None:
     from serving.llm import LLM
     from serving.simulator import (decode_layout, fit_cost_model, measure_engine_steps, prefill_layout,
@@ -514,6 +632,7 @@ def bench_trace(args) -> None:
     stretch = work / (args.load * span) if span > 0 else 1.0
     t0 = min(r.arrival_s for r in requests)
     requests = [type(r)((r.arrival_s - t0) * stretch, r.prompt, r.output_len) for r in requests]
+    results = []
     print(f"trace: {len(requests)} requests of {args.path}; prompts scaled to {args.block_tokens} tokens "
           f"per 512-token block (mean {np.mean([len(r.prompt) for r in requests]):.0f} tokens), outputs "
           f"x{args.output_scale} (mean {np.mean([r.output_len for r in requests]):.0f}); arrivals "
@@ -527,14 +646,18 @@ def bench_trace(args) -> None:
             config = sched.SchedulerConfig(page_size=16, max_num_seqs=32, max_num_batched_tokens=1024,
                                            order=order)
             res = simulate(requests, config, pages, args.max_model_len, cost)
+            results.append((order, pages, res))
             hit = res.cached_tokens / res.prompt_tokens
-            ok = (res.ttft_s <= args.ttft_slo) & (np.append(res.tpot_s, [0] * (len(res.ttft_s) - len(res.tpot_s)))
-                                                  <= args.tpot_slo)
+            ok = (res.ttft_s <= args.ttft_slo) & (res.request_tpot_s <= args.tpot_slo)
             print(f"| {order} | {pages} | {hit:.3f} | {hit / optimum if optimum else 0:.2f} | "
                   f"{_pct(res.ttft_s, 50):.2f} / {_pct(res.ttft_s, 90):.2f} / {_pct(res.ttft_s, 99):.2f} | "
                   f"{_pct(res.tpot_s, 50):.3f} / {_pct(res.tpot_s, 90):.3f} / {_pct(res.tpot_s, 99):.3f} | "
                   f"{res.output_tokens / res.makespan_s:.1f} | {len(res.ttft_s) / res.makespan_s:.3f} | "
                   f"{ok.sum() / res.makespan_s:.3f} | {res.num_preemptions} |")
+    if args.plot:
+        _plot_trace(args.plot, f"trace replay (simulated): {len(requests)} requests of "
+                    f"{os.path.basename(args.path)}, offered load {args.load:.0%}, cost model fitted on "
+                    f"{_device()}", results)
 
 
 def bench_scheduler(args) -> None:
@@ -722,11 +845,13 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--load", type=float, default=0.8)
     t.add_argument("--ttft-slo", type=float, default=30.0)
     t.add_argument("--tpot-slo", type=float, default=1.0)
+    t.add_argument("--plot", metavar="FILE.png", help="also draw TTFT / TPOT percentiles per policy")
     c = sub.add_parser("context")
     c.add_argument("--model", default="default")
     c.add_argument("--batch", type=int, default=16)
     c.add_argument("--new-tokens", type=int, default=32)
     c.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
+    c.add_argument("--plot", metavar="FILE.png", help="also draw decode tok/s against live tokens")
     k = sub.add_parser("kv-dtypes")
     k.add_argument("--model", default="default")
     k.add_argument("--batch", type=int, default=16)
@@ -747,6 +872,7 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--num-speculative-tokens", type=int, default=15)
     sp.add_argument("--depth", type=int, default=4)
     sp.add_argument("--top-k", type=int, default=4)
+    sp.add_argument("--plot", metavar="FILE.png", help="also draw acceptance by draft position")
     sv = sub.add_parser("serve")
     sv.add_argument("--model", default="default")
     sv.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0, float("inf")], help="requests/s")
@@ -777,15 +903,19 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--new-tokens and batch sizes must be > 0")
         (bench_decode if args.command == "decode" else bench_offline)(args)
     elif args.command == "trace":
+        _check_plot(parser, args.plot)
         bench_trace(args)
     elif args.command in ("context", "kv-dtypes"):
         contexts = args.contexts if args.command == "context" else [args.context]
         if args.batch <= 0 or args.new_tokens < 2 or any(c <= args.new_tokens for c in contexts):
             parser.error("--batch must be > 0, --new-tokens >= 2 and every context > --new-tokens")
+        if args.command == "context":
+            _check_plot(parser, args.plot)
         (bench_context if args.command == "context" else bench_kv_dtypes)(args)
     elif args.command == "speculative":
         if args.new_tokens <= 0 or any(b <= 0 for b in args.batch_sizes):
             parser.error("--new-tokens and batch sizes must be > 0")
+        _check_plot(parser, args.plot)
         bench_speculative(args)
     elif args.command == "serve":
         if (args.num_prompts <= 0 or args.input_len <= 0 or args.output_len <= 0 or args.burstiness <= 0
