@@ -69,7 +69,7 @@ def linear(x, w, b=None):
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """[in, out] of each projection of a decoder layer."""
+    """[in, out] of each projection of a decoder layer (what init_params draws, in order)."""
     h, i = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     return {"wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h), "w_gate": (h, i),
@@ -83,10 +83,6 @@ class LoRAAdapter:
 
     rank: int
     weights: dict  # (layer, projection name) -> (A, B) float32 numpy arrays
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
 def _check_peft_config(cfg: dict, path: str) -> None:

@@ -28,6 +28,7 @@ from model.kv_cache import CacheLayout, KVCache, contiguous_block_tables, slot_m
 from model.kv_formats import (KiviCodec, KVPages, check_kv_cache_dtype, default_page_size, get_format,
                               init_kv_pages)
 from model.layers import attention_block, mlp, rms_norm
+from model.lora import projection_shapes
 from model.rope import rope_tables
 from pallas_kernels.validate import check_block_tables
 
@@ -45,10 +46,8 @@ class LayerKind:
 
 
 def _init_decoder_layer(config: ModelConfig, key: jax.Array, dtype) -> dict:
-    h, hd, i = config.hidden_size, config.head_dim, config.intermediate_size
-    shapes = {"wq": (h, config.num_heads * hd), "wk": (h, config.num_kv_heads * hd),
-              "wv": (h, config.num_kv_heads * hd), "wo": (config.num_heads * hd, h),
-              "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h)}
+    h, hd = config.hidden_size, config.head_dim
+    shapes = projection_shapes(config)
     keys = jax.random.split(key, len(shapes) + 3)
     layer = {name: (0.02 * jax.random.normal(k, shape)).astype(dtype)
              for k, (name, shape) in zip(keys, shapes.items())}
