@@ -10,6 +10,10 @@ kernel. On GPU the ragged row runs the Triton ragged kernel; the block-sparse an
 ops have no GPU kernel, so their "platform default" row there is the XLA reference. On CPU there is no Pallas compiler: the
 kernels run in interpret mode on tiny sizes, so the numbers only show that it runs.
 
+The quantized-weight matmul rows time one projection per packed format (kernel and XLA
+path) against the float matmul of the dequantized weight; their bytes are the packed
+weight's.
+
 `--ops paged` times paged decode attention alone (what `pallas_kernels.gpu_check` runs);
 `--batch / --context / --page-size` move its problem (default batch 64, context 4096,
 page 16 on an accelerator). A row that fails prints its error and the exit status is 1.
@@ -203,6 +207,7 @@ def main(argv=None) -> int:
         rows += _block_sparse_rows(on_cpu, platform, shape["dtype"], iters)
         rows += _indexer_rows(on_cpu, platform, shape["dtype"], iters)
         rows += _lora_rows(on_cpu, shape["dtype"], iters)
+        rows += _quant_matmul_rows(on_cpu, shape["dtype"], iters)
     return _print_table(rows, copy, peak)
 
 
@@ -353,6 +358,34 @@ def _lora_rows(on_cpu, dtype, iters):
     kernel = jax.jit(functools.partial(lora_matmul, interpret=True if on_cpu else None))
     return [_row("lora_matmul", "XLA reference", jax.jit(lora_matmul_xla), args, nbytes, iters),
             _row("lora_matmul", impl, kernel, args, nbytes, iters)]
+
+
+def _quant_matmul_rows(on_cpu, dtype, iters):
+    """One projection with its weight packed in each format: the XLA path (xla.py) and the
+    Pallas kernel (TPU, Triton on GPU, interpret on CPU), against the float matmul of the
+    dequantized weight kept resident in x's dtype. Bytes: the weight as stored, x and out,
+    so GB/s compares how fast each reads what it keeps."""
+    from pallas_kernels.quant_matmul import quant_matmul
+    from quant.packed import FORMATS, quantize
+    from pallas_kernels.quant_matmul.xla import quant_matmul_xla
+
+    rng = np.random.default_rng(5)
+    tokens, d_in, d_out = (4, 256, 256) if on_cpu else (16, 4096, 4096)
+    w = rng.standard_normal((d_in, d_out)).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((tokens, d_in)), dtype)
+    io = x.nbytes + tokens * d_out * jnp.dtype(dtype).itemsize
+    dense = jnp.asarray(w, dtype)
+    impl = f"float matmul ({jnp.dtype(dtype).name} weight)"
+    rows = [_row("quant_matmul", impl, jax.jit(jnp.matmul), (x, dense), dense.nbytes + io, iters)]
+    xla = jax.jit(lambda x, w: quant_matmul_xla(x, w).astype(x.dtype))
+    kernel = jax.jit(functools.partial(quant_matmul, interpret=True if on_cpu else None))
+    impl = "kvfold Pallas" + (" (interpret)" if on_cpu else "")
+    for fmt in FORMATS:
+        packed = quantize(w, fmt)
+        args, nbytes = (x, packed), packed.nbytes + io
+        rows += [_row(f"quant_matmul {fmt}", "XLA path", xla, args, nbytes, iters),
+                 _row(f"quant_matmul {fmt}", impl, kernel, args, nbytes, iters)]
+    return rows
 
 
 def _block_sparse_rows(on_cpu, platform, dtype, iters):

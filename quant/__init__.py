@@ -3,6 +3,8 @@
 - Element codecs and bit packing: e2m1 (FP4), e4m3 (FP8), ue8m0 scales; pack_bits/nibbles.
 - Block-scaled formats along the last axis: NVFP4, MXFP4, FP8 E4M3 + UE8M0 (blockscaled).
 - LLM.int8() weights and matmul (int8), and the model-facing linear / quantize_params.
+- Packed weight-only formats (packed): GGUF's Q8_0 / Q4_0 / Q4_1 blocks kept as they are,
+  int8, int4, fp8 E4M3; PackedWeight and pack_params.
 - KIVI 2/4-bit KV cache (kivi) and TurboQuant vector quantization (turboquant).
 - Per-token int8 / FP8 KV rows with one f32 scale each (kv_rows).
 
@@ -53,7 +55,9 @@ from quant.kivi import (
     kivi_quantize_values,
 )
 from quant.kv_rows import ROW_FORMATS, RowQuantized, dequantize_rows, quantize_rows
-from quant.linear import DEFAULT_LINEAR_NAMES, METHODS, default_linear_predicate, linear, quantize_params
+from quant.linear import (DEFAULT_LINEAR_NAMES, METHODS, default_linear_predicate, linear, pack_params,
+                          quantize_params)
+from quant.packed import FORMATS as WEIGHT_FORMATS, PackedWeight
 from quant.lloyd_max import sphere_codebook, sphere_codebook_mse
 from quant.packing import pack_bits, pack_nibbles, unpack_bits, unpack_nibbles
 
@@ -115,6 +119,9 @@ __all__ = [
     "kivi_quantize_keys",
     "kivi_quantize_values",
     "linear",
+    "pack_params",
+    "PackedWeight",
+    "WEIGHT_FORMATS",
     "mxfp4_dequantize",
     "mxfp4_quantize",
     "nvfp4_dequantize",

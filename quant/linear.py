@@ -4,6 +4,9 @@
 
 quantize_params swaps selected float weights for quantized containers; linear dispatches
 on the container type, so the model code does not change with the quantization method.
+pack_params packs weights in quant/packed.py's formats (GGUF's Q8_0 / Q4_0 / Q4_1 blocks,
+int8, int4, fp8), which the model's projection entry (model/lora.py `linear`) sends to
+the pallas_kernels.quant_matmul kernels.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from quant.packed import FORMATS, quantize
 from quant.int8 import DEFAULT_THRESHOLD, Int8Weight, int8_matmul, quantize_weight
 
 DEFAULT_LINEAR_NAMES = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
@@ -59,6 +63,22 @@ def quantize_params(
     def convert(keypath, leaf):
         path = tuple(_key_name(k) for k in keypath)
         return quantize_weight(leaf) if predicate(path, leaf) else leaf
+
+    return jax.tree_util.tree_map_with_path(convert, params)
+
+
+def pack_params(params: Any, fmt: str, predicate: Predicate = default_linear_predicate) -> Any:
+    """params with every leaf selected by `predicate` packed in `fmt` (a
+    quant/packed.py FORMATS key: q8_0, q4_0, q4_1, int8, int4, fp8).
+
+    Weights are [in, out], as for quantize_params; other leaves are returned unchanged.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}; allowed: {', '.join(FORMATS)}")
+
+    def convert(keypath, leaf):
+        path = tuple(_key_name(k) for k in keypath)
+        return quantize(leaf, fmt) if predicate(path, leaf) else leaf
 
     return jax.tree_util.tree_map_with_path(convert, params)
 

@@ -1,0 +1,8 @@
+"""Matmul with a packed (quantized) weight: quant/packed.py holds the packed formats and the
+tile dequantizer, ref.py the dequantize-then-matmul statement, xla.py the CPU path,
+kernel_tpu.py and kernel_gpu.py the Pallas kernels (one tile body, tiles.py)."""
+
+from pallas_kernels.quant_matmul.entry import quant_matmul
+from quant.packed import PackedWeight
+
+__all__ = ["quant_matmul", "PackedWeight"]

@@ -1,0 +1,55 @@
+"""pallas_kernels.quant_matmul: the one entry for a matmul with a packed weight."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels import validate as v
+from pallas_kernels.dispatch import bind, dispatch
+from quant.packed import ACTIVATION_INT8, PackedWeight, quantize_activations
+from pallas_kernels.quant_matmul.kernel_gpu import quant_matmul_gpu
+from pallas_kernels.quant_matmul.kernel_tpu import quant_matmul_tpu
+from pallas_kernels.quant_matmul.xla import quant_matmul_xla
+
+
+def _xla(x, codes, scale, offset, *, fmt, group):
+    w = PackedWeight(codes, scale, offset, fmt, group, (x.shape[1], codes.shape[1]))
+    return quant_matmul_xla(x, w).astype(x.dtype)
+
+
+def _rounded_activations(x, codes, scale, offset, *, kernel, interpret, **options):
+    """A weight-only kernel on x rounded per token to int8 (w8a8's activations), so every
+    backend computes what ref.py states."""
+    xq, xs = quantize_activations(x)
+    return kernel((xq.astype(jnp.float32) * xs).astype(x.dtype), codes, scale, offset,
+                  interpret=interpret, **options)
+
+
+def quant_matmul(x, w: PackedWeight, *, interpret=None):
+    """x @ w for a weight kept packed (quant/packed.py: GGUF Q8_0 / Q4_0 / Q4_1 blocks,
+    kvfold's int8 / int4 / fp8 / w8a8); the kernels dequantize one tile of the weight at a
+    time. For w8a8 each token's x is first rounded to int8 (absmax / 127) on every path.
+
+    Args:
+      x: [num_tokens, in], float.
+      w: a PackedWeight of shape [in, out].
+      interpret: True runs the Pallas TPU kernel in interpret mode; None runs Mosaic on
+        TPU, Triton on GPU and the XLA path (xla.py) elsewhere.
+
+    Returns [num_tokens, out] in x.dtype (accumulated in float32).
+    """
+    if not isinstance(w, PackedWeight):
+        raise ValueError(f"w must be a PackedWeight (quant.packed.quantize / from_gguf), got "
+                         f"{type(w).__name__}")
+    v.check_ndim("x", x, 2, "[num_tokens, in]")
+    v.check_float("x", x)
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"x has {x.shape[1]} input features but the weight [in, out] is "
+                         f"{list(w.shape)}: x must be [num_tokens, {w.shape[0]}]")
+    options = dict(fmt=w.fmt, group=w.group)
+    tpu, gpu = bind(quant_matmul_tpu, **options), bind(quant_matmul_gpu, **options)
+    if w.fmt in ACTIVATION_INT8:
+        tpu = bind(_rounded_activations, kernel=quant_matmul_tpu, **options)
+        gpu = bind(_rounded_activations, kernel=quant_matmul_gpu, **options)
+    return dispatch(x, w.codes, w.scale, w.offset, ref=bind(_xla, **options), tpu=tpu, gpu=gpu,
+                    interpret=interpret)

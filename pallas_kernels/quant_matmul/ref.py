@@ -1,0 +1,19 @@
+"""The truth for the quantized matmul: dequantize the whole weight, then one float32 matmul
+(of the per-token int8-rounded activations for w8a8)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from quant.packed import ACTIVATION_INT8, PackedWeight, quantize_activations
+
+
+def quant_matmul_ref(x: jax.Array, w: PackedWeight) -> jax.Array:
+    """x [T, in] float times the packed weight [in, out]: float32 [T, out]."""
+    x = x.astype(jnp.float32)
+    if w.fmt in ACTIVATION_INT8:
+        xq, scale = quantize_activations(x)
+        x = xq.astype(jnp.float32) * scale
+    return jnp.matmul(x, w.dequantize(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)

@@ -1,0 +1,261 @@
+"""Packed weight formats: what a quantized projection keeps in memory, and how a tile of it
+turns back into floats.
+
+Every format is group-wise affine along the input (contraction) axis of a [in, out]
+weight, which is the model's layout:
+
+    w[k, n] = (code[k, n] - zero) * scale[k // group, n] + offset[k // group, n]
+
+- GGUF's legacy blocks keep their bits (Q8_0, Q4_0, Q4_1: 32 weights per block with a
+  float16 scale, plus a float16 minimum for Q4_1). A block of a GGUF row is a group of
+  one output column here: the file's [out, blocks] byte rows are split into planes (codes,
+  scales, minimums) and transposed to [in, out], so the bytes resident equal the file's.
+- kvfold's weight-only formats quantize any float checkpoint: int8 with one float32 scale
+  per output channel, int4 with a float16 scale and minimum per group of 128 (or the
+  largest of 64 / 32 that divides the input width), fp8 E4M3 with a float32 scale per
+  output channel. w8a8 stores what int8 stores, and its matmul also rounds each token's
+  activations to int8 (absmax / 127; SmoothQuant's W8A8 without the smoothing), which lets
+  a CPU run an int8 x int8 matmul: faster there, less accurate (see `quantize_activations`).
+
+Two 4-bit codes share a byte the way GGUF packs them: within each group, byte j holds row
+j in its low nibble and row j + group / 2 in its high nibble. `dequantize` works on any
+row slice that covers whole groups, so the kernels call it on one tile at a time.
+
+Bit-exactness with the gguf package's dequantizer: the scale is float16 and the codes
+have at most 8 bits, so (code - zero) * scale is exact in float32 and a fused
+multiply-add rounds the same as the separate ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """One packed format.
+
+    bits: 4 or 8 bits per code. group: weights per scale along the input axis (None: one
+    scale per output channel; int4 picks its group per weight). zero: subtracted from a
+    code before scaling. offset: whether a per-group additive term (GGUF's minimum) is
+    stored. codes_dtype / scale_dtype: storage dtypes. gguf: the GGUF tensor type it
+    mirrors, or None.
+    """
+
+    name: str
+    bits: int
+    group: int | None
+    zero: int
+    offset: bool
+    codes_dtype: str
+    scale_dtype: str
+    gguf: str | None = None
+
+
+FORMATS = {f.name: f for f in (
+    Format("q8_0", 8, 32, 0, False, "int8", "float16", "Q8_0"),
+    Format("q4_0", 4, 32, 8, False, "uint8", "float16", "Q4_0"),
+    Format("q4_1", 4, 32, 0, True, "uint8", "float16", "Q4_1"),
+    Format("int8", 8, None, 0, False, "int8", "float32"),
+    Format("int4", 4, 128, 0, True, "uint8", "float16"),
+    Format("fp8", 8, None, 0, False, "float8_e4m3fn", "float32"),
+    Format("w8a8", 8, None, 0, False, "int8", "float32"),
+)}
+ACTIVATION_INT8 = frozenset({"w8a8"})  # formats whose matmul also rounds x per token to int8
+GGUF_FORMATS = {f.gguf: f for f in FORMATS.values() if f.gguf}
+_GGUF_BLOCK = 32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A projection weight [in, out] kept packed.
+
+    codes: [in, out] int8 / float8 for 8-bit formats, uint8 [in // 2, out] for 4-bit ones.
+    scale: [in // group, out] (float16 or float32). offset: same shape, or None.
+    fmt: a FORMATS key; group: weights per scale along `in`; shape: (in, out). The last
+    three are static (part of the pytree structure, so they key the jit cache).
+    """
+
+    codes: jax.Array
+    scale: jax.Array
+    offset: jax.Array | None
+    fmt: str = dataclasses.field(metadata=dict(static=True))
+    group: int = dataclasses.field(metadata=dict(static=True))
+    shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def format(self) -> Format:
+        return FORMATS[self.fmt]
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of the packed arrays."""
+        return sum(int(a.nbytes) for a in (self.codes, self.scale, self.offset) if a is not None)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The [in, out] float weight the codes represent."""
+        return dequantize(self.codes, self.scale, self.offset, self.fmt, self.group).astype(dtype)
+
+    def columns(self, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
+        """Float columns ids of the weight, as [len(ids), in] rows (an embedding lookup
+        when the weight is a tied [hidden, vocab] embedding)."""
+        offset = None if self.offset is None else self.offset[:, ids]
+        w = dequantize(self.codes[:, ids], self.scale[:, ids], offset, self.fmt, self.group)
+        return w.T.astype(dtype)
+
+
+def unpack_codes(codes: jax.Array, bits: int, group: int) -> jax.Array:
+    """Integer (or fp8) codes [rows, n] from stored codes covering whole groups."""
+    if bits == 8:
+        return codes
+    half, n = codes.shape
+    lo = (codes & 0x0F).reshape(half * 2 // group, group // 2, n)
+    hi = (codes >> 4).reshape(half * 2 // group, group // 2, n)
+    return jnp.concatenate([lo, hi], axis=1).reshape(half * 2, n)
+
+
+def dequantize(codes, scale, offset, fmt: str, group: int) -> jax.Array:
+    """Float32 [rows, n] weights from stored codes, scales and offsets covering whole groups
+    (codes rows = rows * bits / 8, scale rows = rows / group)."""
+    f = FORMATS[fmt]
+    q = unpack_codes(codes, f.bits, group).astype(jnp.float32)
+    rows, n = q.shape
+    q = q.reshape(rows // group, group, n)
+    if f.zero:
+        q = q - f.zero
+    w = q * scale.astype(jnp.float32)[:, None, :]
+    if offset is not None:
+        w = w + offset.astype(jnp.float32)[:, None, :]
+    return w.reshape(rows, n)
+
+
+def pick_group(fmt: str, d_in: int) -> int:
+    """Weights per scale for a weight with d_in inputs (ValueError when none fits)."""
+    f = FORMATS[fmt]
+    if f.group is None:
+        return d_in
+    candidates = (f.group, 64, 32) if fmt == "int4" else (f.group,)
+    for g in candidates:
+        if d_in % g == 0:
+            return g
+    raise ValueError(f"{fmt} needs the input width to be a multiple of {candidates[-1]}, got {d_in}")
+
+
+def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token int8 codes [T, in] and float32 scales [T, 1] of x [T, in] (absmax / 127),
+    as a w8a8 matmul rounds its activations."""
+    x = x.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
+    return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
+
+
+# -- float -> packed -------------------------------------------------------------------
+
+def _pack_nibbles(q: np.ndarray, group: int) -> np.ndarray:
+    """uint8 [in // 2, out] from codes [in, out] in [0, 16), GGUF's order within a group."""
+    d_in, n = q.shape
+    q = q.reshape(d_in // group, 2, group // 2, n).astype(np.uint8)
+    return (q[:, 0] | (q[:, 1] << 4)).reshape(d_in // 2, n)
+
+
+def quantize(w, fmt: str) -> PackedWeight:
+    """Pack a float [in, out] weight into `fmt` (a FORMATS key).
+
+    GGUF formats use the gguf package's own quantizer (so a tensor packed here is
+    byte-for-byte what llama.cpp's converter writes); int8 / fp8 scale by the channel's
+    absmax, int4 spreads 16 levels from the group's minimum to its maximum.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(FORMATS)}")
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"quantize: expected a 2-D [in, out] weight, got shape {w.shape}")
+    f = FORMATS[fmt]
+    d_in, d_out = w.shape
+    if f.gguf:
+        import gguf
+
+        if d_in % _GGUF_BLOCK:
+            raise ValueError(f"{fmt} needs the input width to be a multiple of 32, got {d_in}")
+        qtype = gguf.GGMLQuantizationType[f.gguf]
+        raw = gguf.quants.quantize(np.ascontiguousarray(w.T), qtype)  # [out, bytes]
+        return from_gguf(raw, f.gguf, (d_in, d_out))
+    group = pick_group(fmt, d_in)
+    wg = w.reshape(d_in // group, group, d_out)
+    absmax = np.abs(wg).max(axis=1)  # [groups, out]
+    if fmt in ("int8", "w8a8"):
+        scale = absmax / 127.0
+        codes = np.round(wg / np.where(scale > 0, scale, 1.0)[:, None]).clip(-127, 127).astype(np.int8)
+        codes = codes.reshape(d_in, d_out)
+    elif fmt == "fp8":
+        scale = absmax / 448.0
+        codes = jnp.asarray(wg / np.where(scale > 0, scale, 1.0)[:, None], jnp.float8_e4m3fn)
+        codes = codes.reshape(d_in, d_out)
+    else:  # int4: 16 levels from the group's minimum to its maximum (a zero point, as AWQ / GPTQ)
+        low = wg.min(axis=1)
+        offset = low.astype(np.float16)
+        scale = ((wg.max(axis=1) - offset.astype(np.float32)) / 15.0).astype(np.float16)
+        s = scale.astype(np.float32)
+        q = np.round((wg - offset.astype(np.float32)[:, None]) / np.where(s > 0, s, 1.0)[:, None]).clip(0, 15)
+        codes = _pack_nibbles(q.reshape(d_in, d_out), group)
+        return PackedWeight(jnp.asarray(codes), jnp.asarray(scale), jnp.asarray(offset), fmt, group,
+                            (d_in, d_out))
+    return PackedWeight(jnp.asarray(codes), jnp.asarray(scale.astype(f.scale_dtype)), None,
+                        fmt, group, (d_in, d_out))
+
+
+def concat_columns(parts: list[PackedWeight]) -> PackedWeight:
+    """One PackedWeight [in, sum of outs] from parts of one format and input width (a
+    weight packed a slice of output channels at a time)."""
+    first = parts[0]
+    if any((p.fmt, p.group, p.shape[0]) != (first.fmt, first.group, first.shape[0]) for p in parts):
+        raise ValueError("concat_columns: parts differ in format, group or input width")
+    if len(parts) == 1:
+        return first
+    cat = lambda arrays: jnp.concatenate(arrays, axis=1)  # noqa: E731
+    return PackedWeight(cat([p.codes for p in parts]), cat([p.scale for p in parts]),
+                        None if first.offset is None else cat([p.offset for p in parts]),
+                        first.fmt, first.group, (first.shape[0], sum(p.shape[1] for p in parts)))
+
+
+# -- GGUF blocks -> packed -------------------------------------------------------------
+
+def from_gguf(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> PackedWeight:
+    """A PackedWeight [in, out] from a GGUF tensor's bytes.
+
+    raw: uint8 [out, in // 32 * block_bytes], the tensor's rows as gguf's reader maps them
+    (one row per output channel, blocks along the input axis). qtype: "Q8_0", "Q4_0" or
+    "Q4_1". The bits are not changed: the blocks are split into their fields and laid out
+    [in, out].
+    """
+    if qtype not in GGUF_FORMATS:
+        raise ValueError(f"GGUF tensor type {qtype} cannot stay packed; packed types: "
+                         f"{', '.join(GGUF_FORMATS)}")
+    f = GGUF_FORMATS[qtype]
+    d_in, d_out = shape
+    raw = np.asarray(raw, np.uint8)
+    blocks = d_in // _GGUF_BLOCK
+    head = 4 if f.offset else 2
+    block_bytes = head + _GGUF_BLOCK * f.bits // 8
+    if raw.shape != (d_out, blocks * block_bytes):
+        raise ValueError(f"GGUF {qtype} tensor of shape [in={d_in}, out={d_out}] needs "
+                         f"{d_out} rows of {blocks * block_bytes} bytes, got {raw.shape}")
+    b = raw.reshape(d_out, blocks, block_bytes)
+    scale = np.ascontiguousarray(b[:, :, 0:2]).view(np.float16)[..., 0].T  # [blocks, out]
+    offset = np.ascontiguousarray(b[:, :, 2:4]).view(np.float16)[..., 0].T if f.offset else None
+    qs = b[:, :, head:]  # [out, blocks, 32 or 16]
+    codes = qs.view(np.int8) if f.bits == 8 else qs
+    codes = np.ascontiguousarray(codes.transpose(1, 2, 0)).reshape(-1, d_out)  # [in * bits / 8, out]
+    return PackedWeight(jnp.asarray(codes), jnp.asarray(np.ascontiguousarray(scale)),
+                        None if offset is None else jnp.asarray(np.ascontiguousarray(offset)),
+                        f.name, _GGUF_BLOCK, (d_in, d_out))

@@ -1,0 +1,179 @@
+"""The quantized matmul: the XLA path and the Pallas kernels (TPU and GPU, interpreted) in
+every packed format against a float64 numpy oracle of the packed weight; lowering for TPU
+and CUDA; input validation."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import quant_matmul
+from pallas_kernels.quant_matmul import PackedWeight
+from quant.packed import ACTIVATION_INT8, FORMATS, dequantize, quantize
+from pallas_kernels.quant_matmul.kernel_gpu import quant_matmul_gpu
+from pallas_kernels.quant_matmul.kernel_tpu import quant_matmul_tpu
+from pallas_kernels.quant_matmul.ref import quant_matmul_ref
+from tests import conftest
+from tests.pallas_kernels.helpers import (
+    TPU_INTERPRET_ONLY,
+    TRITON_CALL,
+    assert_close,
+    export_cuda,
+    export_tpu,
+    kernel_calls,
+    spec,
+)
+
+FMTS = list(FORMATS)
+SHAPES = [(1, 64, 64), (5, 128, 48)]  # (num_tokens, in, out)
+interpret_only = pytest.mark.skipif(conftest.kernel_mode() == "compiled", reason=TPU_INTERPRET_ONLY)
+
+
+def _inputs(fmt, num_tokens, d_in, d_out, seed=0, dtype=np.float32):
+    """x [T, in] and a packed weight whose scale differs from group to group (rows scaled
+    by a random factor every 32 rows) and from column to column."""
+    rng = np.random.default_rng(seed)
+    rows = np.repeat(rng.uniform(0.2, 3.0, -(-d_in // 32)), 32)[:d_in]
+    w = rng.normal(size=(d_in, d_out)) * rows[:, None] * rng.uniform(0.5, 2.0, d_out)
+    x = rng.normal(size=(num_tokens, d_in)).astype(dtype)
+    return jnp.asarray(x), quantize(w.astype(np.float32), fmt)
+
+
+def _oracle(x, w: PackedWeight, activations: bool = False):
+    """float64 x @ (the weight the packed codes represent); activations=True rounds each
+    token of x to int8 first when the format says so (w8a8), as the entry does."""
+    wd = np.asarray(dequantize(w.codes, w.scale, w.offset, w.fmt, w.group), np.float64)
+    x = np.asarray(x, np.float64)
+    if activations and w.fmt in ACTIVATION_INT8:
+        scale = np.abs(x).max(axis=1, keepdims=True) / 127
+        x = np.clip(np.round(x / scale), -127, 127) * scale
+    return x @ wd
+
+
+def _close(got, want, rtol=1e-4):
+    assert_close(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+def _int8_activation_bound(x, w):
+    """w8a8 rounds each token's x to 8 bits (absmax / 127 steps): its error is
+    at most sum_k |w_kn| * absmax(x_t) / 254, plus float rounding."""
+    wd = np.abs(np.asarray(w.dequantize(), np.float64))
+    absmax = np.abs(np.asarray(x, np.float64)).max(axis=1, keepdims=True)
+    return absmax / 254 * wd.sum(axis=0)[None, :] * (1 + 1e-3) + 1e-5
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_oracle_dequantizes_what_quantize_packed(fmt):
+    """The oracle's dequantize undoes quantize (GGUF's own quantizer for q8_0 / q4_0 /
+    q4_1) within the format's rounding: a nibble or scale order that disagreed with the
+    packer would miss by whole weights."""
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(128, 48)).astype(np.float32)
+    packed = quantize(w, fmt)
+    got = np.asarray(packed.dequantize(), np.float64)
+    step = np.abs(np.repeat(np.asarray(packed.scale, np.float64), packed.group, axis=0))
+    if fmt == "fp8":  # 3 mantissa bits: half an ulp is 2^-4 of the value; subnormals 2^-10
+        bound = 2.0**-4 * np.abs(w) + step * 2.0**-10
+    else:
+        # Half a step; Q4_0 maps the group's extreme to -8 and clips the other side at +7,
+        # a whole step. Slack for GGUF rounding its float32 scale and minimum to float16.
+        half_steps = 2 if fmt == "q4_0" else 1
+        bound = 0.5 * half_steps * step + 2.0**-9 * (1 + np.abs(w))
+    assert np.all(np.abs(got - w) <= bound)
+    x = np.ascontiguousarray(w.T[:4])  # any [4, 128] floats
+    assert_close(quant_matmul_ref(jnp.asarray(x), packed), _oracle(x, packed, activations=True), 1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("interpret", [None, True], ids=["xla", "tpu-kernel"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("fmt", FMTS)
+def test_entry_matches_the_oracle(fmt, shape, interpret):
+    x, w = _inputs(fmt, *shape, seed=10 * FMTS.index(fmt) + SHAPES.index(shape))
+    got = quant_matmul(x, w, interpret=interpret)
+    assert got.shape == (shape[0], shape[2]) and got.dtype == jnp.float32
+    _close(got, _oracle(x, w, activations=True))
+    if fmt in ACTIVATION_INT8:
+        err = np.abs(np.asarray(got, np.float64) - _oracle(x, w))
+        assert np.all(err <= _int8_activation_bound(x, w))
+        assert err.max() > 0  # it did round the activations: the bound is the right one
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_gpu_kernel_matches_the_oracle_with_several_tiles(fmt):
+    """K tiles of 64 rows (two loop steps; two groups of 32 per tile) and output tiles of
+    16 (three programs across 48 columns); 5 tokens padded to 16."""
+    x, w = _inputs(fmt, 5, 128, 48, seed=2)
+    got = quant_matmul_gpu(x, w.codes, w.scale, w.offset, fmt=fmt, group=w.group, block_k=64,
+                           block_n=16, interpret=True)  # compiled under gpu-check
+    assert got.shape == (5, 48)
+    _close(got, _oracle(x, w))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "int8", "fp8"])
+def test_gpu_kernel_pads_odd_widths(fmt):
+    """Output width 40 (not a multiple of 16) pads the weight's columns; an 8-bit
+    per-channel weight 72 wide pads its rows to 80 (a 4-bit one is grouped: 96 = 3 x 32)."""
+    d_in = 96 if FORMATS[fmt].bits == 4 else 72
+    x, w = _inputs(fmt, 3, d_in, 40, seed=3)
+    got = quant_matmul_gpu(x, w.codes, w.scale, w.offset, fmt=fmt, group=w.group,
+                           interpret=True)  # compiled under gpu-check
+    assert got.shape == (3, 40)
+    _close(got, _oracle(x, w))
+
+
+@interpret_only
+@pytest.mark.parametrize("fmt", FMTS)
+def test_tpu_kernel_accumulates_over_k_tiles(fmt):
+    """Two K tiles of 64 rows and three output tiles of 16: the accumulator carries across
+    K steps and is reset for every output tile. (Mosaic's tiling would not take these
+    blocks; interpret mode does, and the default tiles cover a 128-wide weight at once.)"""
+    x, w = _inputs(fmt, 5, 128, 48, seed=4)
+    got = quant_matmul_tpu(x, w.codes, w.scale, w.offset, fmt=fmt, group=w.group, block_k=64,
+                           block_n=16, interpret=True)
+    _close(got, _oracle(x, w))
+
+
+@interpret_only
+@pytest.mark.parametrize("fmt", ["q4_1", "fp8"])
+def test_tpu_kernel_under_tpu_interpret_semantics(fmt):
+    """Mosaic's semantics in interpret mode: scratch starts NaN and an out-of-bounds read
+    raises, so an accumulator not reset at the first K tile, or a block read past the
+    padded tokens or the weight, would show."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    x, w = _inputs(fmt, 5, 128, 48, seed=5)
+    semantics = pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
+    got = quant_matmul_tpu(x, w.codes, w.scale, w.offset, fmt=fmt, group=w.group, block_k=64,
+                           block_n=16, interpret=semantics)
+    _close(got, _oracle(x, w))
+
+
+@pytest.mark.parametrize("interpret", [None, True], ids=["xla", "tpu-kernel"])
+def test_output_has_x_dtype(interpret):
+    x, w = _inputs("q4_0", 5, 128, 48, seed=6)
+    got = quant_matmul(x.astype(jnp.bfloat16), w, interpret=interpret)
+    assert got.dtype == jnp.bfloat16
+    _close(got, _oracle(x.astype(jnp.bfloat16), w), rtol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "int4", "q8_0", "fp8", "w8a8"])
+def test_lowers_to_one_kernel_call_for_tpu_and_cuda(fmt):
+    """A decoder-sized projection (576 -> 1536, SmolLM2's up projection): Mosaic's tiles
+    for TPU, Triton's power-of-two tiles over a K that is not a power of two for CUDA."""
+    x, w = _inputs(fmt, 3, 576, 1536, seed=7)
+    fn = lambda x, w: quant_matmul(x, w)  # noqa: E731
+    assert kernel_calls(export_tpu(fn, spec(x.astype(jnp.bfloat16)), w), "tpu_custom_call") == 1
+    assert kernel_calls(export_cuda(fn, spec(x.astype(jnp.bfloat16)), w), TRITON_CALL) == 1
+
+
+def test_bad_inputs_are_clear_errors():
+    x, w = _inputs("q4_0", 5, 64, 48)
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        quant_matmul(x[0], w)
+    with pytest.raises(ValueError, match="floating"):
+        quant_matmul(x.astype(jnp.int32), w)
+    with pytest.raises(ValueError, match=r"x must be \[num_tokens, 64\]"):
+        quant_matmul(x[:, :32], w)
+    with pytest.raises(ValueError, match="PackedWeight"):
+        quant_matmul(x, w.dequantize())
