@@ -36,7 +36,8 @@ from model.context import TokenTree
 from model.kv_cache import KVCache
 from model.layers import attention_block, mlp, rms_norm
 from model.rope import apply_rope, rope_tables
-from model.transformer import forward_context, init_cache
+from model.transformer import forward_context, head_weight, init_cache
+from quant.packed import PackedWeight
 from quant import linear
 
 CONFIG_FILE = "config.json"
@@ -112,6 +113,11 @@ def draft_to_target(params: dict, draft_ids: jnp.ndarray) -> jnp.ndarray:
     return draft_ids + params["d2t"][draft_ids]
 
 
+def _dense(w):
+    """A float array of a target weight that may be packed (the draft trains float copies)."""
+    return w.dequantize() if isinstance(w, PackedWeight) else w
+
+
 def init_draft_params(config: Eagle3Config, target_params: dict, draft_ids: np.ndarray,
                       key: jax.Array, dtype=jnp.float32) -> dict:
     """Random draft layer and fc (normal, std 0.02; norms at 1); embedding copied from the
@@ -130,9 +136,9 @@ def init_draft_params(config: Eagle3Config, target_params: dict, draft_ids: np.n
     for name in ("input_norm", "hidden_norm", "mlp_norm"):
         layer[name] = jnp.ones((h,), dtype)
     target_ids = jnp.asarray(np.sort(draft_ids))
-    head = target_params["embed"].T if t.tie_word_embeddings else target_params["lm_head"]
+    head = _dense(head_weight(target_params, t))  # [H, V]; a packed target is dequantized here
     return {
-        "embed": jnp.asarray(target_params["embed"], dtype),
+        "embed": jnp.asarray(head.T if t.tie_word_embeddings else _dense(target_params["embed"]), dtype),
         "fc": (0.02 * jax.random.normal(keys[-1], (3 * h, h))).astype(dtype),
         "layer": layer,
         "final_norm": jnp.array(target_params["final_norm"], dtype),  # a copy: trained, donated

@@ -87,33 +87,44 @@ _LAYER_TENSORS = {
 }
 
 
-def params_from_gguf(reader, config: ModelConfig, dtype=np.float32) -> dict:
-    """Dequantize every tensor to `dtype` and arrange them as model params."""
+def params_from_gguf(reader, config: ModelConfig, dtype=np.float32, weights_dtype: str | None = None) -> dict:
+    """Arrange the file's tensors as model params, each kept as model/weights.py `store`
+    says (dequantized to `dtype` when weights_dtype is None)."""
     from gguf.quants import dequantize
+
+    from model.weights import store_gguf, store_rows
 
     permuted = config.name == "llama"  # llama.cpp only permutes for its NORM RoPE
     params: dict = {"layers": [{} for _ in range(config.num_layers)]}
     for t in reader.tensors:
-        w = dequantize(t.data, t.tensor_type)  # numpy [out, in] (GGUF lists [in, out])
         name = t.name
         if name == "token_embd.weight":
-            params["embed"] = w.astype(dtype)
+            key, layer = "embed", None
         elif name == "output.weight":
-            params["lm_head"] = np.ascontiguousarray(w.T).astype(dtype)
+            key, layer = "lm_head", None
         elif name == "output_norm.weight":
-            params["final_norm"] = w.astype(dtype)
+            key, layer = "final_norm", None
         elif name.startswith("blk."):
             _, idx, rest = name.split(".", 2)
             if rest not in _LAYER_TENSORS:
                 raise ValueError(f"unexpected GGUF tensor {name!r}")
-            key = _LAYER_TENSORS[rest]
-            if permuted and key in ("wq", "bq"):
-                w = _unpermute_rope_rows(w, config.num_heads)
-            elif permuted and key in ("wk", "bk"):
-                w = _unpermute_rope_rows(w, config.num_kv_heads)
-            if w.ndim == 2:
-                w = np.ascontiguousarray(w.T)
-            params["layers"][int(idx)][key] = w.astype(dtype)
-        elif name != "rope_freqs.weight":
+            key, layer = _LAYER_TENSORS[rest], int(idx)
+        elif name == "rope_freqs.weight":
+            continue
+        else:
             raise ValueError(f"unexpected GGUF tensor {name!r}")
+        rows = t.data  # [out, in] values, or [out, bytes] of blocks (GGUF lists shapes [in, out]); [n] for vectors
+        if permuted and key in ("wq", "bq"):
+            rows = _unpermute_rope_rows(rows, config.num_heads)
+        elif permuted and key in ("wk", "bk"):
+            rows = _unpermute_rope_rows(rows, config.num_kv_heads)
+        d_in, d_out = int(t.shape[0]), int(t.shape[-1])
+        w = store_gguf(key, rows, t.tensor_type.name, (d_in, d_out), weights_dtype)
+        if w is None:
+            w = store_rows(key, lambda r0, r1, rows=rows, qtype=t.tensor_type: dequantize(rows[r0:r1], qtype),
+                           len(rows), weights_dtype, dtype)
+        if layer is None:
+            params[key] = w
+        else:
+            params["layers"][layer][key] = w
     return params

@@ -17,6 +17,7 @@ _LAYER_TENSORS = {
     "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv",
     "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down",
 }
+_TOP_TENSORS = {"model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head", "model.norm.weight": "final_norm"}
 
 
 def read_hf_config(path: str) -> ModelConfig:
@@ -33,32 +34,41 @@ def read_hf_config(path: str) -> ModelConfig:
     return config_from_hf(hf)
 
 
-def params_from_hf_dir(path: str, config: ModelConfig, dtype=np.float32) -> dict:
-    from safetensors.numpy import load_file
+def params_from_hf_dir(path: str, config: ModelConfig, dtype=np.float32,
+                       weights_dtype: str | None = None) -> dict:
+    """The checkpoint's tensors as model params, read one tensor at a time and each kept as
+    model/weights.py `store` says (in `dtype` when weights_dtype is None)."""
+    from safetensors import safe_open
+
+    from model.weights import store_rows
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"{path} has no *.safetensors files")
     params: dict = {"layers": [{} for _ in range(config.num_layers)]}
     for file in files:
-        for name, w in load_file(file).items():
-            w = np.asarray(w, dtype=np.float32)  # bf16 arrives as ml_dtypes.bfloat16
-            if name == "model.embed_tokens.weight":
-                params["embed"] = w.astype(dtype)
-            elif name == "lm_head.weight":
-                if not config.tie_word_embeddings:
-                    params["lm_head"] = np.ascontiguousarray(w.T).astype(dtype)
-            elif name == "model.norm.weight":
-                params["final_norm"] = w.astype(dtype)
-            elif name.startswith("model.layers."):
-                idx, rest = name[len("model.layers."):].split(".", 1)
-                if rest in _LAYER_TENSORS:
-                    w = np.ascontiguousarray(w.T) if w.ndim == 2 else w
-                    params["layers"][int(idx)][_LAYER_TENSORS[rest]] = w.astype(dtype)
-                elif not rest.endswith("rotary_emb.inv_freq"):
+        with safe_open(file, framework="numpy") as f:
+            for name in f.keys():
+                if name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue
+                if name in _TOP_TENSORS:
+                    key, layer = _TOP_TENSORS[name], None
+                elif name.startswith("model.layers."):
+                    idx, rest = name[len("model.layers."):].split(".", 1)
+                    if rest.endswith("rotary_emb.inv_freq"):
+                        continue
+                    if rest not in _LAYER_TENSORS:
+                        raise ValueError(f"unexpected tensor {name!r} in {path}")
+                    key, layer = _LAYER_TENSORS[rest], int(idx)
+                else:
                     raise ValueError(f"unexpected tensor {name!r} in {path}")
-            else:
-                raise ValueError(f"unexpected tensor {name!r} in {path}")
+                tensor = f.get_slice(name)  # [out, in] rows read on demand; bf16 arrives as ml_dtypes.bfloat16
+                w = store_rows(key, lambda r0, r1, tensor=tensor: np.asarray(tensor[r0:r1], np.float32),
+                               tensor.get_shape()[0], weights_dtype, dtype)
+                if layer is None:
+                    params[key] = w
+                else:
+                    params["layers"][layer][key] = w
     missing = [k for k in ("embed", "final_norm") if k not in params]
     if not config.tie_word_embeddings and "lm_head" not in params:
         missing.append("lm_head")

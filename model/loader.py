@@ -52,21 +52,27 @@ def _gguf_reader(path: str):
     return open_gguf(path)
 
 
-def load(source: str = DEFAULT, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
-    """(config, params) for `source`; params are device arrays of `dtype`."""
+def load(source: str = DEFAULT, dtype=jnp.float32, weights_dtype: str | None = None
+         ) -> tuple[ModelConfig, dict]:
+    """(config, params) for `source`; params are device arrays of `dtype`, except the
+    matrices when weights_dtype says otherwise (model/weights.py: "float32", "bfloat16",
+    "gguf" to keep a GGUF file's own blocks, or a packed format such as "int8" or "q4_1")."""
+    from model.weights import check_weights_dtype
+
     kind, path = _resolve(source)
+    check_weights_dtype(weights_dtype, kind)
     if kind == "gguf":
         from model.gguf_loader import config_from_gguf, params_from_gguf
 
         reader = _gguf_reader(path)
         config = config_from_gguf(reader)
-        params = params_from_gguf(reader, config)
+        params = params_from_gguf(reader, config, dtype, weights_dtype)
     else:
         from model.hf_loader import params_from_hf_dir, read_hf_config
 
         config = read_hf_config(path)
-        params = params_from_hf_dir(path, config)
-    return config, jax.tree.map(lambda w: jnp.asarray(w, dtype), params)
+        params = params_from_hf_dir(path, config, dtype, weights_dtype)
+    return config, jax.tree.map(jnp.asarray, params)
 
 
 def load_tokenizer(source: str = DEFAULT) -> Tokenizer:

@@ -28,6 +28,8 @@ import numpy as np
 
 from model.config import ModelConfig
 from pallas_kernels.lora import lora_matmul
+from pallas_kernels.quant_matmul import quant_matmul
+from quant.packed import PackedWeight
 from quant import linear as base_linear
 
 # PEFT's module names (Llama / Qwen / Mistral) -> kvfold's projection names
@@ -59,13 +61,25 @@ class LoRAWeight:
 
 
 def linear(x, w, b=None):
-    """quant.linear, plus each token's adapter term when `w` is a LoRAWeight."""
-    if not isinstance(w, LoRAWeight):
-        return base_linear(x, w, b)
-    if w.slots.size != x.size // x.shape[-1]:
-        raise ValueError(f"linear: LoRA slots {w.slots.shape} do not match x's tokens {x.shape[:-1]}")
-    delta = lora_matmul(x.reshape(-1, x.shape[-1]), w.lora_a, w.lora_b, w.slots.reshape(-1))
-    return base_linear(x, w.base, b) + delta.reshape(*x.shape[:-1], -1)
+    """The model's one projection entry: x [..., in] times w [in, out], plus b [out].
+
+    w: a float array or quant.Int8Weight (quant.linear), a quant.PackedWeight
+    (pallas_kernels.quant_matmul, dequantized tile by tile), or a LoRAWeight over either,
+    which adds each token's adapter term."""
+    delta = None
+    if isinstance(w, LoRAWeight):
+        if w.slots.size != x.size // x.shape[-1]:
+            raise ValueError(f"linear: LoRA slots {w.slots.shape} do not match x's tokens {x.shape[:-1]}")
+        delta = lora_matmul(x.reshape(-1, x.shape[-1]), w.lora_a, w.lora_b, w.slots.reshape(-1))
+        w = w.base
+    if isinstance(w, PackedWeight):
+        if x.shape[-1] != w.shape[0]:
+            raise ValueError(f"linear: x {x.shape} does not match packed weight [in, out] {w.shape}")
+        y = quant_matmul(x.reshape(-1, w.shape[0]), w).reshape(*x.shape[:-1], w.shape[1])
+        y = y if b is None else y + b
+    else:
+        y = base_linear(x, w, b)
+    return y if delta is None else y + delta.reshape(*x.shape[:-1], -1)
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -214,5 +228,8 @@ def merge(params: dict, adapter: LoRAAdapter) -> dict:
     layers = [dict(layer) for layer in params["layers"]]
     for (layer, name), (a, b) in adapter.weights.items():
         w = layers[layer][name]
+        if not hasattr(w, "astype"):
+            raise ValueError(f"merge folds adapters into float weights; layer {layer} {name} is "
+                             f"{type(w).__name__} (load the base with float weights to merge)")
         layers[layer][name] = (w.astype(jnp.float32) + jnp.asarray(a @ b)).astype(w.dtype)
     return {**params, "layers": layers}

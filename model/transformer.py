@@ -7,6 +7,11 @@ copies them on CPU). Weights are stored [in_features, out_features].
               "layers": [{"attn_norm", "wq", "wk", "wv", "wo", ("bq", "bk", "bv"),
                           "mlp_norm", "w_gate", "w_up", "w_down"}, ...]}
 
+Projections (and the embedding and head) may be packed (pallas_kernels.quant_matmul's
+PackedWeight, what `model.load(..., weights_dtype=...)` returns): a packed embedding is
+kept in the head's [H, V] orientation, since its scales run along H; `embed` and `lm_head`
+below read either form.
+
 The cache is a `KVCache` (model/kv_cache.py): one page pool per layer, for attention
 layers {"k", "v"} of shape [num_pages, page_size, num_kv_heads, head_dim], and the
 block tables mapping each sequence's positions to pages.
@@ -28,8 +33,9 @@ from model.kv_cache import CacheLayout, KVCache, contiguous_block_tables, slot_m
 from model.kv_formats import (KiviCodec, KVPages, check_kv_cache_dtype, default_page_size, get_format,
                               init_kv_pages)
 from model.layers import attention_block, mlp, rms_norm
-from model.lora import projection_shapes
+from model.lora import linear, projection_shapes
 from model.rope import rope_tables
+from quant.packed import PackedWeight
 from pallas_kernels.validate import check_block_tables
 
 
@@ -192,7 +198,7 @@ def forward_hidden(params: dict, config: ModelConfig, tokens: jnp.ndarray, posit
         raise ValueError(f"capture_layers {capture_layers} must be in [0, {config.num_layers})")
     if tree is not None:
         _check_tree(config, tokens, tree)
-    x = params["embed"][tokens]
+    x = embed(params, tokens)
     ctx = forward_context(config, positions, cache, tree)
     hidden, layers, captured = _run_layers(params, config, x, cache.layers, ctx, capture_layers)
     return hidden, KVCache(layers, cache.block_tables, cache.page_size), captured
@@ -235,15 +241,31 @@ def forward_packed(params: dict, config: ModelConfig, tokens: jnp.ndarray, posit
     ctx = ForwardContext(positions=positions[None], rope=rope_tables(config, positions[None]),
                          block_tables=cache.block_tables, slots=None, page_size=cache.page_size,
                          layout=layout)
-    hidden, layers, captured = _run_layers(params, config, params["embed"][tokens][None], cache.layers,
+    hidden, layers, captured = _run_layers(params, config, embed(params, tokens)[None], cache.layers,
                                            ctx, capture_layers)
     return hidden[0], KVCache(layers, cache.block_tables, cache.page_size), tuple(c[0] for c in captured)
 
 
+def embed(params: dict, tokens: jnp.ndarray) -> jnp.ndarray:
+    """Token embeddings [..., H] of int tokens [...] (float rows of a [V, H] table, or the
+    dequantized columns of a packed [H, V] one)."""
+    table, dtype = params["embed"], params["final_norm"].dtype  # rows in the compute dtype
+    if isinstance(table, PackedWeight):
+        return table.columns(tokens.reshape(-1), dtype).reshape(*tokens.shape, table.shape[0])
+    return table[tokens].astype(dtype)
+
+
+def head_weight(params: dict, config: ModelConfig):
+    """The vocabulary projection [H, V]: the untied head, or the tied embedding (float or packed)."""
+    if not config.tie_word_embeddings:
+        return params["lm_head"]
+    table = params["embed"]
+    return table if isinstance(table, PackedWeight) else table.T
+
+
 def lm_head(params: dict, config: ModelConfig, hidden: jnp.ndarray) -> jnp.ndarray:
     """Logits [..., V] (float32) from final hidden states [..., H]."""
-    w = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
-    return (hidden @ w).astype(jnp.float32)
+    return linear(hidden, head_weight(params, config)).astype(jnp.float32)
 
 
 def _check_consecutive(positions: np.ndarray) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 import tqdm
 
 import model
+from model.weights import WEIGHTS_DTYPES
 from model import eagle3
 from model.config import ATTENTION, SLIDING_ATTENTION
 from model.kv_formats import KV_CACHE_DTYPES, bytes_per_token, check_kv_cache_dtype
@@ -60,20 +61,21 @@ class LLM:
                  preemption_mode: str = RECOMPUTE, seed: int = 0, dtype=jnp.float32,
                  speculative_config: dict | None = None, jump_forward: bool = True,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: int | None = None):
+                 max_cpu_loras: int | None = None, weights_dtype: str | None = None):
         import model as model_lib
 
-        config, params = model_lib.load(model, dtype)
+        config, params = model_lib.load(model, dtype, weights_dtype)
         self._setup(config, params, model_lib.load_tokenizer(model), max_model_len, block_size,
                     num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
                     kv_cache_dtype, scheduling_policy, capacity_policy, chunking_policy,
                     preemption_mode, seed, dtype, speculative_config, jump_forward, enable_lora,
-                    max_loras, max_lora_rank, max_cpu_loras)
+                    max_loras, max_lora_rank, max_cpu_loras, weights_dtype)
 
     @classmethod
     def from_loaded(cls, config: model.ModelConfig, params: dict, tokenizer: model.Tokenizer,
                     **kwargs) -> "LLM":
-        """An LLM over an already loaded model (same keyword arguments as the constructor)."""
+        """An LLM over an already loaded model (same keyword arguments as the constructor;
+        weights_dtype names how `params` were loaded, for update_weights from a path)."""
         llm = cls.__new__(cls)
         signature = inspect.signature(cls.__init__)  # the constructor's defaults, in one place
         unknown = sorted(set(kwargs) - set(signature.parameters) | {"self", "model"} & set(kwargs))
@@ -88,8 +90,12 @@ class LLM:
     def _setup(self, config, params, tokenizer, max_model_len, block_size, num_kv_blocks,
                max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_dtype,
                scheduling_policy, capacity_policy, chunking_policy, preemption_mode, seed, dtype,
-               speculative_config, jump_forward, enable_lora, max_loras, max_lora_rank, max_cpu_loras):
+               speculative_config, jump_forward, enable_lora, max_loras, max_lora_rank, max_cpu_loras,
+               weights_dtype):
         # Every argument is checked here, before anything is built.
+        if weights_dtype is not None and weights_dtype not in WEIGHTS_DTYPES:
+            raise ValueError(f"unknown weights_dtype {weights_dtype!r}; allowed: {', '.join(WEIGHTS_DTYPES)}")
+        self._weights_dtype = weights_dtype
         compile_cache.enable()  # steps compiled by an earlier process load from disk
         context = config.max_position_embeddings
         max_model_len = context if max_model_len is None else check_int("max_model_len", max_model_len, 1, context)
@@ -178,7 +184,7 @@ class LLM:
                 raise ValueError("update_weights needs an idle engine: requests are still in flight")
             if isinstance(params, (str, os.PathLike)):
                 path = os.fspath(params)
-                config, params = model.load(path, jax.tree.leaves(self.runner.params)[0].dtype)
+                config, params = model.load(path, self.runner.params["final_norm"].dtype, self._weights_dtype)
                 if config != self.config:
                     raise ValueError(f"checkpoint {path!r} is another model: its config differs "
                                      f"from the running one ({config} != {self.config})")
@@ -412,6 +418,9 @@ def _matching_params(current, new):
         if shape is None or tuple(shape) != old.shape:
             raise ValueError(f"params{jax.tree_util.keystr(path)} has shape {shape}, the loaded "
                              f"weights {old.shape}")
+        if not jnp.issubdtype(old.dtype, jnp.floating) and jnp.dtype(leaf.dtype) != old.dtype:
+            raise ValueError(f"params{jax.tree_util.keystr(path)} is {leaf.dtype}; the loaded packed "
+                             f"weights hold {old.dtype} codes (pack the new weights the same way)")
         leaves.append(jnp.asarray(leaf, old.dtype))
     return jax.tree.unflatten(structure, leaves)
 

@@ -1,0 +1,90 @@
+"""How `model.load` keeps each weight: float arrays, or packed (quantized) forms.
+
+weights_dtype (the same name on `model.load`, `LLM(...)` and `--weights-dtype`):
+- None: every tensor in the load's `dtype` (float32 by default), as before packing existed.
+- "float32" / "bfloat16": the matrices (projections, embedding, head) in that dtype; norms
+  and biases in the load's `dtype`.
+- "gguf" (GGUF files only): each matrix keeps the file's own blocks where kvfold reads
+  them packed (Q8_0, Q4_0, Q4_1); other tensor types are dequantized to float32.
+- a packed format of quant.packed (q8_0, q4_0, q4_1, int8, int4,
+  fp8): every matrix packed in it (a GGUF tensor already in that type keeps its bytes).
+
+Tensors are converted one at a time as the loader reads them, so a load never holds a
+float32 copy of more than one tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from collections.abc import Callable
+
+from quant.packed import (FORMATS, GGUF_FORMATS, PackedWeight, concat_columns,
+                                                 from_gguf, quantize)
+
+KEEP_GGUF = "gguf"
+CHUNK_BYTES = 16 << 20  # float32 rows dequantized at a time while packing a matrix
+WEIGHTS_DTYPES = ("float32", "bfloat16", KEEP_GGUF) + tuple(FORMATS)
+MATRICES = frozenset({"embed", "lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
+
+
+def check_weights_dtype(weights_dtype: str | None, source_kind: str) -> None:
+    """ValueError unless weights_dtype is None or one of WEIGHTS_DTYPES usable for the source."""
+    if weights_dtype is None:
+        return
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise ValueError(f"unknown weights_dtype {weights_dtype!r}; allowed: {', '.join(WEIGHTS_DTYPES)}")
+    if weights_dtype == KEEP_GGUF and source_kind != "gguf":
+        raise ValueError("weights_dtype='gguf' keeps a GGUF file's own blocks; this source is a "
+                         "Hugging Face directory (pick a packed format such as 'int8' or 'q4_1')")
+
+
+def store_rows(key: str, read: Callable[[int, int], np.ndarray], rows: int,
+               weights_dtype: str | None, dtype):
+    """One loaded tensor as the model keeps it, read a slice of rows at a time.
+
+    read(r0, r1): float numpy rows [r1 - r0, ...] of the checkpoint's tensor (output
+    channels of a projection or the head, vocabulary rows of the embedding). A matrix
+    that is packed is read and quantized CHUNK_BYTES of float32 at a time (output
+    channels pack independently), so the load never holds its whole float copy.
+    """
+    if key not in MATRICES or weights_dtype not in FORMATS:
+        w = np.asarray(read(0, rows), np.float32)
+        if w.ndim == 2 and key != "embed":
+            w = np.ascontiguousarray(w.T)  # [out, in] -> the model's [in, out]
+        return store(key, w, weights_dtype, dtype)
+    first = np.asarray(read(0, 1), np.float32)
+    step = max(1, CHUNK_BYTES // (4 * first.shape[-1]))
+    return concat_columns([quantize(np.asarray(read(r0, min(r0 + step, rows)), np.float32).T, weights_dtype)
+                           for r0 in range(0, rows, step)])
+
+
+def store(key: str, w: np.ndarray, weights_dtype: str | None, dtype):
+    """One loaded tensor as the model keeps it.
+
+    key: the param name (a MATRICES entry, or a norm / bias). w: float numpy in the
+    model's layout ([in, out] for projections and the head, [V, H] for the embedding).
+    A packed embedding is stored [H, V] (model/transformer.py `embed`).
+    """
+    if key not in MATRICES or weights_dtype is None or weights_dtype == KEEP_GGUF:
+        return np.asarray(w, dtype)
+    if weights_dtype in ("float32", "bfloat16"):
+        import jax.numpy as jnp
+
+        return np.asarray(w, jnp.dtype(weights_dtype))
+    return quantize(w.T if key == "embed" else w, weights_dtype)
+
+
+def store_gguf(key: str, raw: np.ndarray, qtype: str, shape: tuple[int, int],
+               weights_dtype: str | None) -> PackedWeight | None:
+    """A matrix kept in the GGUF file's own blocks, or None when it is to be dequantized.
+
+    raw: the tensor's uint8 rows ([out, bytes]; vocabulary rows for the embedding and the
+    head); shape: (in, out) of the packed weight ((H, V) for the embedding and the head).
+    """
+    if key not in MATRICES or qtype not in GGUF_FORMATS:
+        return None
+    fmt = GGUF_FORMATS[qtype].name
+    if weights_dtype == KEEP_GGUF or weights_dtype == fmt:
+        return from_gguf(raw, qtype, shape)
+    return None

@@ -1,0 +1,209 @@
+"""Packed weights: GGUF blocks decode bit-exactly like the gguf package, kvfold's formats
+stay within their rounding bounds, and a model loaded packed keeps its accuracy and the
+file's bytes."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf.quants import dequantize as gguf_dequantize
+
+import model
+from model.weights import WEIGHTS_DTYPES
+from quant.packed import FORMATS, GGUF_FORMATS, PackedWeight, from_gguf, quantize
+from model.lora import linear
+from quant import pack_params
+from tests.model.test_hf_parity import check_smollm2_logits, smollm2_golden  # noqa: F401 (fixture)
+
+RNG = np.random.default_rng(0)
+
+
+def _random_blocks(qtype: str, d_out: int, d_in: int) -> np.ndarray:
+    """Random GGUF rows [out, bytes]: random code bytes, random finite float16 scales."""
+    f = GGUF_FORMATS[qtype]
+    head = 4 if f.offset else 2
+    block = head + 32 * f.bits // 8
+    raw = RNG.integers(0, 256, (d_out, d_in // 32, block), dtype=np.uint8)
+    scales = RNG.standard_normal((d_out, d_in // 32, head // 2)).astype(np.float16)
+    scales[..., 0] *= np.float16(2.0) ** RNG.integers(-12, 4, scales.shape[:-1]).astype(np.float16)
+    raw[..., :head] = scales.view(np.uint8).reshape(d_out, d_in // 32, head)
+    return raw.reshape(d_out, -1)
+
+
+@pytest.mark.parametrize("qtype", sorted(GGUF_FORMATS))
+def test_gguf_blocks_decode_bit_exactly(qtype):
+    raw = _random_blocks(qtype, 24, 96)
+    want = gguf_dequantize(raw, gguf.GGMLQuantizationType[qtype])  # [out, in]
+    w = from_gguf(raw, qtype, (96, 24))
+    np.testing.assert_array_equal(np.asarray(w.dequantize()).T, want)
+    assert w.nbytes == raw.nbytes  # the file's bytes, nothing more
+    # a column slice (the embedding lookup) decodes the same rows
+    ids = jnp.asarray([5, 0, 23, 5])
+    np.testing.assert_array_equal(np.asarray(w.columns(ids)), want[[5, 0, 23, 5]])
+
+
+def test_gguf_quantizer_round_trips_through_from_gguf():
+    w = RNG.standard_normal((64, 40)).astype(np.float32)
+    for fmt in ("q8_0", "q4_0", "q4_1"):
+        packed = quantize(w, fmt)
+        raw = gguf.quants.quantize(np.ascontiguousarray(w.T), gguf.GGMLQuantizationType[fmt.upper()])
+        np.testing.assert_array_equal(np.asarray(packed.dequantize()).T,
+                                      gguf_dequantize(raw, gguf.GGMLQuantizationType[fmt.upper()]))
+
+
+def test_kvfold_formats_round_within_their_bounds():
+    w = (RNG.standard_normal((384, 48)) * RNG.uniform(0.01, 3, (1, 48))).astype(np.float32)
+    for fmt in ("int8", "int4"):
+        p = quantize(w, fmt)
+        err = np.abs(np.asarray(p.dequantize(), np.float64) - w)
+        wg = w.reshape(384 // p.group, p.group, 48)
+        # half a step: absmax / 127 for int8, (max - min) / 15 for int4 (plus float16 rounding)
+        step = np.abs(wg).max(axis=1) / 127 if fmt == "int8" else np.ptp(wg, axis=1) / 15
+        bound = np.repeat(step / 2, p.group, axis=0) * (1 + 4e-3) + 1e-3 * np.abs(w) + 1e-7
+        assert np.all(err <= bound), fmt
+        assert err.max() > 0.1 * bound.max()  # it really quantizes
+    p = quantize(w, "fp8")
+    rel_err = np.abs(np.asarray(p.dequantize()) - w) / np.abs(w)
+    normal = np.abs(w) / (np.abs(w).max(axis=0) / 448) > 2.0 ** -6  # E4M3's normal range
+    assert rel_err[normal].max() <= 2.0 ** -4 + 1e-6  # half an ulp of a 3-bit mantissa
+    assert quantize(w, "int4").group == 128 and quantize(w[:96], "int4").group == 32
+    assert quantize(w, "int4").nbytes == 384 * 48 // 2 + 2 * 3 * 48 * 2
+
+
+def test_bad_formats_are_value_errors():
+    with pytest.raises(ValueError, match="unknown weight format"):
+        quantize(np.ones((64, 8)), "q3")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(np.ones((40, 8)), "q4_1")
+    with pytest.raises(ValueError, match="2-D"):
+        quantize(np.ones(64), "int8")
+    with pytest.raises(ValueError, match="cannot stay packed"):
+        from_gguf(np.zeros((8, 18), np.uint8), "Q4_K", (32, 8))
+    with pytest.raises(ValueError, match="needs 8 rows of 18 bytes"):
+        from_gguf(np.zeros((8, 20), np.uint8), "Q4_0", (32, 8))
+    with pytest.raises(ValueError, match="unknown weights_dtype"):
+        model.load("default", weights_dtype="int3")
+    with pytest.raises(ValueError, match="unknown weight format"):
+        pack_params({"wq": np.ones((64, 8))}, "fp4")
+
+
+def test_linear_routes_packed_weights_and_checks_widths():
+    w = RNG.standard_normal((64, 24)).astype(np.float32)
+    packed = pack_params({"layers": [{"wq": w, "attn_norm": np.ones(64, np.float32)}]}, "q4_1")
+    layer = packed["layers"][0]
+    assert isinstance(layer["wq"], PackedWeight) and isinstance(layer["attn_norm"], np.ndarray)
+    x = jnp.asarray(RNG.standard_normal((2, 3, 64)), jnp.float32)
+    want = np.asarray(x, np.float64) @ np.asarray(layer["wq"].dequantize(), np.float64)
+    np.testing.assert_allclose(np.asarray(linear(x, layer["wq"])), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="does not match packed weight"):
+        linear(x[..., :32], layer["wq"])
+
+
+# -- the default model, packed ----------------------------------------------------------
+
+EMBED_FLOAT32_BYTES = 49152 * 576 * 4  # the default model's largest matrix, dequantized
+
+
+def _gguf_tensor_bytes() -> int:
+    from model.loader import _gguf_reader
+
+    return sum(int(t.n_bytes) for t in _gguf_reader(model.default_model_path()).tensors)
+
+
+def _load_traced(weights_dtype):
+    """(config, params, peak bytes numpy held while reading the tensors)."""
+    from model.loader import _gguf_reader
+
+    _gguf_reader(model.default_model_path())  # the file's metadata (vocabulary strings) is not weights
+    tracemalloc.start()
+    try:
+        config, params = model.load("default", weights_dtype=weights_dtype)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return config, params, peak
+
+
+def test_default_model_keeps_its_gguf_blocks(smollm2_golden):  # noqa: F811 (fixture)
+    """weights_dtype="gguf": the Q4_1 / Q8_0 bytes stay as they are in the file (resident
+    bytes equal the file's tensor bytes), the load holds no float copy of a matrix, and the
+    logits still match transformers reading the same file."""
+    config, params, peak = _load_traced("gguf")
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, PackedWeight))
+    assert {w.fmt for w in leaves if isinstance(w, PackedWeight)} == {"q4_1", "q8_0"}
+    assert sum(int(a.nbytes) for a in jax.tree.leaves(params)) == _gguf_tensor_bytes()
+    assert peak < EMBED_FLOAT32_BYTES / 3  # never a float32 copy of the largest matrix
+    check_smollm2_logits(config, params, smollm2_golden)
+
+
+def _perplexity_and_argmax(config, params, tokens):
+    cache = model.init_cache(config, 1, len(tokens))
+    t = jnp.asarray(tokens)[None]
+    logits, _ = model.forward(params, config, t, jnp.arange(len(tokens))[None], cache)
+    logp = jax.nn.log_softmax(logits[0, :-1], axis=-1)
+    nll = -jnp.take_along_axis(logp, t[0, 1:, None], axis=-1).mean()
+    return float(jnp.exp(nll)), np.asarray(jnp.argmax(logits[0], axis=-1))
+
+
+# (perplexity ratio bound, next-token agreement bound) against float32 weights; measured on
+# this slice: see the weights table of `python -m serving.bench decode --weights-dtype ...`.
+ACCURACY = {"int8": (1.01, 0.93), "w8a8": (1.06, 0.83), "fp8": (1.2, 0.85), "q8_0": (1.01, 0.94),
+            "int4": (1.9, 0.58), "q4_0": (1.6, 0.55), "q4_1": (1.1, 0.83)}
+
+
+def test_each_format_keeps_perplexity_and_greedy_tokens(default_model, smollm2_golden):  # noqa: F811
+    tokens = smollm2_golden["prompt2"][:256]
+    ppl32, top32 = _perplexity_and_argmax(*default_model, tokens)
+    assert set(ACCURACY) == set(FORMATS)
+    worst = {}
+    for fmt, (ppl_bound, agree_bound) in ACCURACY.items():
+        config, params, peak = _load_traced(fmt)
+        packed = sum(int(a.nbytes) for a in jax.tree.leaves(params))
+        assert peak < 3 * EMBED_FLOAT32_BYTES  # one float matrix (and its quantizer's temporaries) at a time
+        ppl, top = _perplexity_and_argmax(config, params, tokens)
+        worst[fmt] = (ppl / ppl32, float((top == top32).mean()))
+    for fmt, (ratio, agree) in worst.items():
+        print(f"{fmt}: perplexity x{ratio:.4f}, next-token agreement {agree:.3f}")
+    for fmt, (ratio, agree) in worst.items():
+        assert ratio < ACCURACY[fmt][0] and agree > ACCURACY[fmt][1], (fmt, worst)
+    assert worst["q4_0"][0] > worst["q8_0"][0]  # 4 bits cost more than 8: the test can tell
+
+
+def test_weights_dtype_choices_are_checked_against_the_source():
+    from tests.model.test_hf_parity import tiny_path
+
+    with pytest.raises(ValueError, match="keeps a GGUF file's own blocks"):
+        model.load(tiny_path("llama"), weights_dtype="gguf")
+    assert "gguf" in WEIGHTS_DTYPES and "bfloat16" in WEIGHTS_DTYPES
+    config, params = model.load(tiny_path("llama"), weights_dtype="bfloat16")
+    assert params["layers"][0]["wq"].dtype == jnp.bfloat16
+    assert params["layers"][0]["attn_norm"].dtype == jnp.float32
+    config, params = model.load(tiny_path("llama"), weights_dtype="int8")
+    assert isinstance(params["embed"], PackedWeight) and params["embed"].shape == (
+        config.hidden_size, config.vocab_size)
+
+
+def test_llm_serves_the_gguf_blocks_greedy_like_transformers(default_tokenizer, smollm2_golden):  # noqa: F811
+    """LLM(weights_dtype="gguf"): the engine over packed Q4_1 / Q8_0 weights decodes the
+    tokens transformers decodes from the same file; update_weights from the file reloads
+    it packed the same way (and rejects float weights for a packed engine)."""
+    from serving import LLM, SamplingParams
+
+    with pytest.raises(ValueError, match="unknown weights_dtype"):
+        LLM("default", weights_dtype="q2_k")
+    config, params = model.load("default", weights_dtype="gguf")
+    llm = LLM.from_loaded(config, params, default_tokenizer, max_model_len=256, weights_dtype="gguf")
+    want = smollm2_golden["greedy0"].tolist()
+    request = {"prompt_token_ids": smollm2_golden["prompt0"].tolist()}
+    greedy = SamplingParams(temperature=0, max_tokens=len(want), ignore_eos=True)
+    assert llm.generate(request, greedy)[0].outputs[0].token_ids == want
+    llm.update_weights(model.default_model_path())
+    assert llm.generate(request, greedy)[0].outputs[0].token_ids == want
+    float_params = model.load("default")[1]
+    with pytest.raises(ValueError, match="differ in structure"):
+        llm.update_weights(float_params)
