@@ -38,6 +38,7 @@ from model.kv_formats import KV_CACHE_DTYPES, bytes_per_token, recent_bytes_per_
 from model.layers import attention_block, rms_norm
 from model.rope import rope_tables
 from model.tokenizer import Tokenizer
+from model.weights import WEIGHTS_DTYPES
 from model.transformer import forward_hidden, init_cache, lm_head
 
 BASELINE = "float32"
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                         help=f"comma-separated kv_cache_dtypes (default all: {','.join(DEFAULT_FORMATS)})")
     parser.add_argument("--model", default="default", help="'default', a .gguf file or a HF directory")
+    parser.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="also draw dppl and B/token per kv_cache_dtype as bars (matplotlib)")
     args = parser.parse_args(argv)
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     compile_cache.enable()
     from model.loader import load, load_tokenizer
 
-    config, params = load(args.model)
+    config, params = load(args.model, weights_dtype=args.weights_dtype)
     tokenizer = load_tokenizer(args.model)
     if args.tokens > config.max_position_embeddings:
         parser.error(f"--tokens must be <= the model's context {config.max_position_embeddings}")

@@ -1,6 +1,6 @@
 """Benchmarks that print tables: ours against a peer measured in the same run.
 
-    python -m serving.bench decode     [--batch-sizes 1 16] [--new-tokens 64]
+    python -m serving.bench decode     [--batch-sizes 1 16] [--new-tokens 64] [--weights-dtype float32 gguf w8a8]
     python -m serving.bench offline    [--num-prompts 16] [--new-tokens 64]
     python -m serving.bench trace PATH [--num-requests 1500] [--plot FILE.png]
     python -m serving.bench context    [--batch 16] [--contexts 256 1024 4096] [--plot FILE.png]
@@ -15,6 +15,10 @@
 decode / offline: greedy generation throughput on the default model (generated tokens
 per second, prefill included, after a warm-up run that compiles), against
 transformers' `generate` on the same GGUF weights when transformers is installed.
+decode runs each --weights-dtype (model.load's: float32, gguf to keep the file's blocks,
+int8, w8a8, int4, fp8, q8_0, ...) with its resident weight bytes, and llama.cpp at batch 1
+on the same GGUF when llama-cpp-python is installed. Every subcommand that loads a model
+takes --weights-dtype.
 trace: replays a Mooncake-format trace through the scheduler and radix cache in the
 simulator with a cost model fitted from this engine's measured steps.
 context: decode tokens/s (prefill excluded) as the live context grows at the default
@@ -54,6 +58,7 @@ import time
 
 import numpy as np
 
+from model.weights import WEIGHTS_DTYPES
 from serving import scheduler as sched
 from serving.params import SamplingParams
 
@@ -115,35 +120,83 @@ def _table(title: str, rows: list[tuple[str, float, float | None]]) -> None:
         print(f"| {label} | {ours:.1f} | {peer_s} | {ratio} |")
 
 
-def _llm(args, max_num_seqs: int):
+def _weights(args) -> str | None:
+    """--weights-dtype of a subcommand that takes one (model.load's weights_dtype)."""
+    value = getattr(args, "weights_dtype", None)
+    return value[0] if isinstance(value, list) else value
+
+
+def _llm(args, max_num_seqs: int, weights_dtype: str | None = None):
     from serving.llm import LLM
 
     # No prefix caching: the timed run would hit the warm-up's prompts, run prefill
     # chunks of other shapes (compiling inside the timing) and skip work the peer does.
     return LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=max_num_seqs,
-               max_num_batched_tokens=max(512, 64 * max_num_seqs), enable_prefix_caching=False)
+               max_num_batched_tokens=max(512, 64 * max_num_seqs), enable_prefix_caching=False,
+               weights_dtype=weights_dtype)
+
+
+def _time_llama_cpp(gguf_path: str, prompt: list[int], new_tokens: int) -> float | None:
+    """llama.cpp (llama-cpp-python) greedy decode tokens/s at batch 1 on the same GGUF, its
+    own format, all CPU threads; prompt evaluated first and not timed (n_batch=1: its
+    batched prompt path crashes on some CPUs)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    import llama_cpp
+
+    llm = llama_cpp.Llama(gguf_path, n_ctx=len(prompt) + new_tokens + 8, n_batch=1,
+                          n_threads=os.cpu_count(), verbose=False)
+    best = 0.0
+    for _ in range(2):  # the first run warms the caches
+        llm.reset()
+        llm.eval(prompt)
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            token = llm.sample(temp=0.0)
+            llm.eval([token])
+        best = max(best, new_tokens / (time.perf_counter() - start))
+    return best
 
 
 def bench_decode(args) -> None:
+    import jax
+
     import model
 
     path = model.default_model_path() if args.model == "default" else args.model
-    rows = []
-    for batch in args.batch_sizes:
-        llm = _llm(args, batch)
-        tok = llm.get_tokenizer()
-        ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=True)
-        ours = _time_ours(llm, [ids] * batch, args.new_tokens)
-        peer = _time_transformers(path, [ids] * batch, args.new_tokens) if path.endswith(".gguf") else None
-        rows.append((str(batch), ours, peer))
-    _table(f"decode: {args.model}, {args.new_tokens} new tokens, greedy, float32, {_device()}", rows)
+    file_mb = os.path.getsize(path) / 1e6
+    peers: dict[int, float | None] = {}
+    llama = None
+    print(f"\ndecode: {args.model} ({file_mb:.1f} MB file), {args.new_tokens} new tokens, greedy, "
+          f"{_device()}; kvfold and transformers (float32 weights) include the one-step prefill, "
+          "llama.cpp (its own GGUF blocks, batch 1) is timed after its prompt")
+    print("| weights | batch | resident weights MB | kvfold tok/s | transformers tok/s | ratio "
+          "| llama.cpp tok/s | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for weights in args.weights_dtype:
+        for batch in args.batch_sizes:
+            llm = _llm(args, batch, weights)
+            resident = sum(int(a.nbytes) for a in jax.tree.leaves(llm.runner.params)) / 1e6
+            tok = llm.get_tokenizer()
+            ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=True)
+            ours = _time_ours(llm, [ids] * batch, args.new_tokens)
+            del llm
+            if batch not in peers:
+                peers[batch] = (_time_transformers(path, [ids] * batch, args.new_tokens)
+                                if path.endswith(".gguf") else None)
+            if batch == 1 and llama is None and path.endswith(".gguf"):
+                llama = _time_llama_cpp(path, ids, args.new_tokens)
+            peer, lcpp = peers[batch], llama if batch == 1 else None
+            print(f"| {weights} | {batch} | {resident:.1f} | {ours:.1f} | "
+                  f"{f'{peer:.1f}' if peer else 'not installed'} | {f'{ours / peer:.2f}x' if peer else '-'} | "
+                  f"{f'{lcpp:.1f}' if lcpp else '-'} | {f'{ours / lcpp:.2f}x' if lcpp else '-'} |", flush=True)
 
 
 def bench_offline(args) -> None:
     import model
 
     path = model.default_model_path() if args.model == "default" else args.model
-    llm = _llm(args, args.num_prompts)
+    llm = _llm(args, args.num_prompts, _weights(args))
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"Write a paragraph about {t}."}],
                                        tokenize=True) for t in (TOPICS * 8)[:args.num_prompts]]
@@ -253,7 +306,7 @@ def bench_context(args) -> None:
     context under max_model_len 512 against the default (the same work, two pool widths)."""
     from serving.llm import LLM
 
-    llm = LLM(args.model, enable_prefix_caching=True, max_num_seqs=args.batch)
+    llm = LLM(args.model, weights_dtype=_weights(args), enable_prefix_caching=True, max_num_seqs=args.batch)
     vocab = llm.config.vocab_size
     title = (f"context sweep: {args.model}, batch {args.batch}, {args.new_tokens} new tokens, "
              f"max_model_len {llm.max_model_len}, greedy, float32, {_device()}")
@@ -262,7 +315,7 @@ def bench_context(args) -> None:
              for live in args.contexts]
     _rates_table("live tokens", [(str(live), rate) for live, rate in sweep])
     live = min(args.contexts)
-    short = LLM(args.model, max_model_len=max(512, live), max_num_seqs=args.batch)
+    short = LLM(args.model, weights_dtype=_weights(args), max_model_len=max(512, live), max_num_seqs=args.batch)
     prompt = _random_prompt(vocab, live - args.new_tokens, seed=1)
     print(f"\nsame work ({live} live tokens) under two max_model_len, batch {args.batch}")
     same = [(str(one.max_model_len), _decode_rate(one, prompt, args.batch, args.new_tokens)) for one in (short, llm)]
@@ -279,7 +332,7 @@ def bench_kv_dtypes(args) -> None:
           f"{args.new_tokens} new tokens, greedy, float32 weights, {_device()}")
     rows = []
     for fmt in args.kv_cache_dtypes:
-        llm = LLM(args.model, max_model_len=args.context + args.new_tokens, max_num_seqs=args.batch,
+        llm = LLM(args.model, weights_dtype=_weights(args), max_model_len=args.context + args.new_tokens, max_num_seqs=args.batch,
                   kv_cache_dtype=fmt)
         prompt = _random_prompt(llm.config.vocab_size, args.context - args.new_tokens)
         rows.append((fmt, _decode_rate(llm, prompt, args.batch, args.new_tokens)))
@@ -320,7 +373,7 @@ def bench_speculative(args) -> None:
     import model
     from serving.llm import LLM
 
-    config, params = model.load(args.model)
+    config, params = model.load(args.model, weights_dtype=_weights(args))
     tok = model.load_tokenizer(args.model)
     spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.num_speculative_tokens,
             "depth": args.depth, "top_k": args.top_k}
@@ -386,7 +439,7 @@ def bench_structured(args) -> None:
     from serving.llm import LLM
     from serving.params import StructuredOutputsParams
 
-    config, params = model.load(args.model)
+    config, params = model.load(args.model, weights_dtype=_weights(args))
     tok = model.load_tokenizer(args.model)
     so = StructuredOutputsParams(json=BOOK_SCHEMA)
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=so)
@@ -456,7 +509,7 @@ def bench_lora(args) -> None:
     from serving.llm import LLM
     from serving.params import LoRARequest
 
-    config, params = model.load(args.model)
+    config, params = model.load(args.model, weights_dtype=_weights(args))
     tok = model.load_tokenizer(args.model)
     prompts = [{"prompt_token_ids": tok.apply_chat_template(
         [{"role": "user", "content": f"Write a few sentences about {t}."}], tokenize=True)}
@@ -594,7 +647,7 @@ def bench_trace(args) -> None:
 
     if not os.path.exists(args.path):
         raise SystemExit(f"trace {args.path} does not exist")
-    llm = LLM(args.model, max_model_len=2048, max_num_seqs=16, num_kv_blocks=256)
+    llm = LLM(args.model, weights_dtype=_weights(args), max_model_len=2048, max_num_seqs=16, num_kv_blocks=256)
     # Held-out steps, never fitted, timed in the same rounds as the fitted ones: shapes
     # between and beside the fitted ones, on and off the runner's power-of-two buckets.
     held_prefill = [(128, 0), (48, 0), (200, 0), (96, 640)]
@@ -789,7 +842,8 @@ def bench_serve(args) -> None:
     app = server.app_from_flags(["--model", args.model, "--max-model-len", str(args.max_model_len),
                                  "--max-num-seqs", str(args.max_num_seqs),
                                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                                 "--max-waiting-requests", str(args.max_waiting_requests)])
+                                 "--max-waiting-requests", str(args.max_waiting_requests)]
+                                + (["--weights-dtype", args.weights_dtype] if args.weights_dtype else []))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -828,6 +882,11 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("decode", "offline"):
         p = sub.add_parser(name)
         p.add_argument("--model", default="default")
+        if name == "decode":
+            p.add_argument("--weights-dtype", nargs="+", default=["float32"], choices=WEIGHTS_DTYPES,
+                           help="one table row per choice (model.load's weights_dtype)")
+        else:
+            p.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES)
         p.add_argument("--new-tokens", type=int, default=64)
         p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
         if name == "decode":
@@ -837,6 +896,7 @@ def main(argv: list[str] | None = None) -> None:
     t = sub.add_parser("trace")
     t.add_argument("path")
     t.add_argument("--model", default="default")
+    t.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
     t.add_argument("--num-requests", type=int, default=1500)
     t.add_argument("--block-tokens", type=int, default=32, help="tokens per 512-token trace block")
     t.add_argument("--output-scale", type=float, default=1 / 16)
@@ -848,12 +908,14 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--plot", metavar="FILE.png", help="also draw TTFT / TPOT percentiles per policy")
     c = sub.add_parser("context")
     c.add_argument("--model", default="default")
+    c.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
     c.add_argument("--batch", type=int, default=16)
     c.add_argument("--new-tokens", type=int, default=32)
     c.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
     c.add_argument("--plot", metavar="FILE.png", help="also draw decode tok/s against live tokens")
     k = sub.add_parser("kv-dtypes")
     k.add_argument("--model", default="default")
+    k.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
     k.add_argument("--batch", type=int, default=16)
     k.add_argument("--context", type=int, default=2048)
     k.add_argument("--new-tokens", type=int, default=32)
@@ -867,6 +929,7 @@ def main(argv: list[str] | None = None) -> None:
     sp = sub.add_parser("speculative")
     sp.add_argument("--draft", required=True, help="an EAGLE-3 draft directory (training.train_eagle3)")
     sp.add_argument("--model", default="default")
+    sp.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
     sp.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     sp.add_argument("--new-tokens", type=int, default=64)
     sp.add_argument("--num-speculative-tokens", type=int, default=15)
@@ -875,6 +938,7 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--plot", metavar="FILE.png", help="also draw acceptance by draft position")
     sv = sub.add_parser("serve")
     sv.add_argument("--model", default="default")
+    sv.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
     sv.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0, float("inf")], help="requests/s")
     sv.add_argument("--num-prompts", type=int, default=32, help="requests per rate")
     sv.add_argument("--input-len", type=int, default=64)
@@ -888,10 +952,12 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--warmup-rounds", type=int, default=1, help="unmeasured rounds over every rate first")
     st = sub.add_parser("structured")
     st.add_argument("--model", default="default")
+    st.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
     st.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     st.add_argument("--max-tokens", type=int, default=160)
     lo = sub.add_parser("lora")
     lo.add_argument("--model", default="default")
+    lo.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
     lo.add_argument("--adapters", type=int, nargs="+", default=[1, 4])
     lo.add_argument("--batch", type=int, default=16)
     lo.add_argument("--rank", type=int, default=16)

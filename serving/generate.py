@@ -17,6 +17,7 @@ import sys
 
 
 from model import compile_cache
+from model.weights import WEIGHTS_DTYPES
 from serving.llm import LLM
 from serving.params import SamplingParams, check_text
 
@@ -27,6 +28,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("prompt")
     parser.add_argument("--model", default="default",
                         help="'default' (embedded SmolLM2-135M-Instruct), a .gguf file or a HF directory")
+    parser.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES,
+                        help="how the weights stay in memory: float32, bfloat16, gguf (a GGUF file's own "
+                             "blocks), or a packed format (int8, w8a8, int4, fp8, q8_0, q4_0, q4_1)")
     parser.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -55,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.compile_cache_dir is not None:  # compiled steps persist across runs (model/compile_cache.py)
             os.environ[compile_cache.ENV] = args.compile_cache_dir
         llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=1,
-                  speculative_config=speculative)
+                  speculative_config=speculative, weights_dtype=args.weights_dtype)
         tok = llm.get_tokenizer()
         if args.raw:
             prompt = args.prompt

@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from model import compile_cache
+from model.weights import WEIGHTS_DTYPES
 from serving import openai_protocol as protocol
 from serving.async_llm import AsyncLLM, EngineDead, Overloaded, Stream
 from serving.metrics import ServerMetrics
@@ -311,6 +312,9 @@ def _parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and activations (auto: float32)")
+    parser.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES,
+                        help="how the weights stay in memory: float32, bfloat16, gguf (a GGUF file's own "
+                             "blocks), or a packed format (int8, w8a8, int4, fp8, q8_0, q4_0, q4_1)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--speculative-config", default=None,
                         help='JSON, e.g. \'{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 15}\'')
@@ -368,7 +372,8 @@ def build(args: argparse.Namespace) -> FastAPI:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
               seed=args.seed, dtype=dtype, speculative_config=speculative, enable_lora=args.enable_lora,
-              max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+              max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+              weights_dtype=args.weights_dtype)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return create_app(llm, args.served_model_name or args.model, api_key, args.max_waiting_requests,
                       args.max_waiting_tokens, args.max_request_body_bytes, lora_modules)

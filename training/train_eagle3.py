@@ -28,6 +28,8 @@ from tqdm.auto import tqdm
 import model
 from model.config import ModelConfig
 from model.eagle3 import FROZEN, Eagle3Config, feature_layers, init_draft_params, save_draft
+from model.weights import WEIGHTS_DTYPES
+from quant import WEIGHT_FORMATS, pack_params
 from training import data
 from training.ttt import NUM_STEPS, acceptance_counts, acceptance_summary, ttt_loss
 
@@ -45,6 +47,7 @@ class TrainConfig:
     of GPU-scale EAGLE-3 runs, and a 4096-token draft vocabulary."""
 
     target: str = "default"
+    target_weights_dtype: str | None = None  # model.load's weights_dtype for the frozen target
     out: str = "eagle3-draft"
     steps: int = 100  # length of the learning-rate schedule
     max_steps: int | None = None  # stop (checkpointed) at this global step
@@ -71,18 +74,31 @@ class TrainConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.seq_len < self.ttt_steps + 4:
             raise ValueError(f"seq_len must be >= ttt_steps + 4, got {self.seq_len}")
+        if self.target_weights_dtype is not None and self.target_weights_dtype not in WEIGHTS_DTYPES:
+            raise ValueError(f"target_weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}, "
+                             f"got {self.target_weights_dtype!r}")
         if self.max_steps is not None and self.max_steps <= 0:
             raise ValueError(f"max_steps must be > 0, got {self.max_steps}")
         if self.chat_prompts < 0 or self.warmup_steps < 0 or self.clip_norm <= 0 or self.lr <= 0:
             raise ValueError("chat_prompts and warmup_steps must be >= 0, clip_norm and lr > 0")
 
 
-def load_target(source: str):
+def _pack(params: dict, weights_dtype: str) -> dict:
+    """The tiny random target's projections packed (it has no file to keep blocks of)."""
+    if weights_dtype not in WEIGHT_FORMATS:
+        raise ValueError(f"the {TINY_RANDOM} target packs to one of {', '.join(WEIGHT_FORMATS)}, "
+                         f"not {weights_dtype!r}")
+    return pack_params(params, weights_dtype)
+
+
+def load_target(source: str, weights_dtype: str | None = None):
     """(config, params, tokenizer) of the target; 'tiny-random' is a small random Llama
-    reading UTF-8 bytes."""
+    reading UTF-8 bytes. weights_dtype: as model.load (a packed target trains the same
+    draft: the projections go through the quantized matmul, the draft copies floats)."""
     if source == TINY_RANDOM:
-        return _TINY, model.init_params(_TINY, jax.random.key(0)), data.ByteTokenizer()
-    config, params = model.load(source)
+        params = model.init_params(_TINY, jax.random.key(0))
+        return _TINY, params if weights_dtype is None else _pack(params, weights_dtype), data.ByteTokenizer()
+    config, params = model.load(source, weights_dtype=weights_dtype)
     return config, params, model.load_tokenizer(source)
 
 
@@ -206,7 +222,7 @@ def train(cfg: TrainConfig) -> dict:
     """Train (or resume) the draft; export it into cfg.out; return the results
     (`start_step`, `step`, last `metrics`, this run's `loss_history`, held-out `eval`
     per kind)."""
-    target_config, target_params, tokenizer = load_target(cfg.target)
+    target_config, target_params, tokenizer = load_target(cfg.target, cfg.target_weights_dtype)
     dataset = prepare_data(cfg, target_config, target_params, tokenizer)
     draft_config = Eagle3Config(target_config, cfg.draft_vocab_size,
                                 feature_layers(target_config.num_layers), cfg.target)
@@ -281,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     for field in dataclasses.fields(TrainConfig):
         if field.name in ("target", "out"):
             continue
-        kind = {"max_steps": int, "max_minutes": float}.get(field.name, type(field.default))
+        kind = {"max_steps": int, "max_minutes": float, "target_weights_dtype": str}.get(
+            field.name, type(field.default))
         parser.add_argument("--" + field.name.replace("_", "-"), type=kind, default=field.default)
     args = parser.parse_args(argv)
     try:

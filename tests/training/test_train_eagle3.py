@@ -42,8 +42,10 @@ def test_learns_and_resumes_where_it_stopped(tmp_path):
 
 
 def test_cli_smoke_writes_a_loadable_draft(tmp_path, capsys):
+    """Against a target packed in Q8_0 blocks: the draft trains on a quantized target."""
     out = tmp_path / "draft"
-    train_eagle3.main(["--target", "tiny-random", "--out", str(out), "--max-steps", "2",
+    train_eagle3.main(["--target", "tiny-random", "--target-weights-dtype", "q8_0",
+                       "--out", str(out), "--max-steps", "2",
                        "--steps", "8", "--batch-size", "8", "--seq-len", "32",
                        "--draft-vocab-size", "64", "--lr", "3e-3", "--warmup-steps", "1",
                        "--text-tokens", "320", "--eval-sequences", "2"])
@@ -66,3 +68,5 @@ def test_cli_rejects_bad_arguments(tmp_path):
         train_eagle3.main(["--out", str(tmp_path), "--batch-size", "0"])
     with pytest.raises(SystemExit):
         train_eagle3.main(["--out", str(tmp_path), "--target", "/no/such/model"])
+    with pytest.raises(SystemExit):
+        train_eagle3.main(["--out", str(tmp_path), "--target-weights-dtype", "int3"])
