@@ -136,6 +136,8 @@ def evaluate(config: ModelConfig, params, tokenizer: Tokenizer, formats=DEFAULT_
     for name in formats:
         if name not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {name!r}; allowed: {', '.join(KV_CACHE_DTYPES)}")
+    if not needles:
+        raise ValueError("needles must hold at least one (depth, number) pair")
     examples = [needle_example(tokenizer, num_tokens, depth, number) for depth, number in needles]
     answer_len = len(examples[0][1])
     if any(len(answer) != answer_len for _, answer in examples):
@@ -189,6 +191,10 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(args.model)
     if args.tokens > config.max_position_embeddings:
         parser.error(f"--tokens must be <= the model's context {config.max_position_embeddings}")
+    try:  # the needle prompts (chat template, question, answer) must fit in --tokens
+        needle_example(tokenizer, args.tokens, 0.0, NEEDLES[0][1])
+    except ValueError as e:
+        parser.error(f"--tokens {args.tokens} is too short for the needle prompts: {e}")
     print(f"{config.num_layers} layers x {config.num_kv_heads} kv heads x {config.head_dim}; "
           f"{args.tokens} tokens of pydoc_data.topics; needles at depths "
           f"{', '.join(f'{d:.0%}' for d, _ in NEEDLES)} of a {args.tokens}-token prompt")

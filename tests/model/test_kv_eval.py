@@ -70,3 +70,15 @@ def test_relative_error():
     want = np.random.default_rng(0).standard_normal((3, 4, 5))
     np.testing.assert_allclose(kv_eval.relative_error(want * 1.01, want), 0.01)
     assert np.all(kv_eval.relative_error(want, want) == 0)
+
+
+def test_too_short_or_needleless_runs_are_clear_errors(default_tokenizer, capsys):
+    config = ModelConfig(vocab_size=default_tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
+                         num_heads=2, num_kv_heads=1, head_dim=32, layer_kinds=("attention",),
+                         max_position_embeddings=256)
+    params = model.init_params(config, jax.random.key(0))
+    with pytest.raises(ValueError, match="at least one"):
+        next(kv_eval.evaluate(config, params, default_tokenizer, ("float32",), 96, needles=()))
+    with pytest.raises(SystemExit):
+        kv_eval.main(["--tokens", "64", "--formats", "int8"])
+    assert "too short for the needle prompts" in capsys.readouterr().err
