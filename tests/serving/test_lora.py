@@ -241,3 +241,22 @@ def test_bad_lora_flags_are_clear_errors(flags, match):
 
     with pytest.raises(ValueError, match=match):
         app_from_flags(["--model", tiny_path("llama"), *flags])
+
+
+def test_adapters_over_a_packed_base_equal_them_over_its_dequantized_weights(base, default_tokenizer):
+    """A base kept packed (Q8_0 blocks, what weights_dtype does) under LoRA: the adapter's
+    term adds to the quantized projection (model.lora.linear), so the output equals the
+    same adapter over the float weights the blocks decode to."""
+    from quant import PackedWeight, pack_params
+
+    config, params = base
+    packed = pack_params(params, "q8_0")
+    dequantized = {**packed, "layers": [
+        {k: v.dequantize() if isinstance(v, PackedWeight) else v for k, v in layer.items()}
+        for layer in packed["layers"]]}
+    lora = dict(enable_lora=True, max_loras=1, max_lora_rank=8)
+    want = ids(LLM.from_loaded(config, dequantized, default_tokenizer, **KW, **lora)
+               .generate(prompts(2), GREEDY, lora_request=ALL))
+    got = ids(LLM.from_loaded(config, packed, default_tokenizer, **KW, **lora)
+              .generate(prompts(2), GREEDY, lora_request=ALL))
+    assert got == want
