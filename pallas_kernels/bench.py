@@ -380,7 +380,7 @@ def _quant_matmul_rows(on_cpu, dtype, iters):
     xla = jax.jit(lambda x, w: quant_matmul_xla(x, w).astype(x.dtype))
     kernel = jax.jit(functools.partial(quant_matmul, interpret=True if on_cpu else None))
     impl = "kvfold Pallas" + (" (interpret)" if on_cpu else "")
-    for fmt in FORMATS:
+    for fmt in (f for f in FORMATS if not FORMATS[f].super_block):  # K-quants come from GGUF files
         packed = quantize(w, fmt)
         args, nbytes = (x, packed), packed.nbytes + io
         rows += [_row(f"quant_matmul {fmt}", "XLA path", xla, args, nbytes, iters),

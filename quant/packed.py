@@ -7,7 +7,9 @@ weight, which is the model's layout:
     w[k, n] = (code[k, n] - zero) * scale[k // group, n] + offset[k // group, n]
 
 - GGUF's legacy blocks keep their bits (Q8_0, Q4_0, Q4_1: 32 weights per block with a
-  float16 scale, plus a float16 minimum for Q4_1). A block of a GGUF row is a group of
+  float16 scale, plus a float16 minimum for Q4_1), and so do its K-quants (Q4_K, Q5_K,
+  Q6_K: 256-weight super-blocks with float16 scales over 6- or 8-bit sub-scales, which
+  `PackedWeight.float_scales` multiplies out per group at each matmul). A block of a GGUF row is a group of
   one output column here: the file's [out, blocks] byte rows are split into planes (codes,
   scales, minimums) and transposed to [in, out], so the bytes resident equal the file's.
 - kvfold's weight-only formats quantize any float checkpoint: int8 with one float32 scale
@@ -43,7 +45,9 @@ class Format:
     scale per output channel; int4 picks its group per weight). zero: subtracted from a
     code before scaling. offset: whether a per-group additive term (GGUF's minimum) is
     stored. codes_dtype / scale_dtype: storage dtypes. gguf: the GGUF tensor type it
-    mirrors, or None.
+    mirrors, or None. super_block: for GGUF's K-quants, the weights sharing one float16
+    scale (and minimum); `scale` / `offset` then hold each group's integer sub-scale (and
+    sub-minimum), and `PackedWeight.super` the float16 pair.
     """
 
     name: str
@@ -54,6 +58,7 @@ class Format:
     codes_dtype: str
     scale_dtype: str
     gguf: str | None = None
+    super_block: int | None = None
 
 
 FORMATS = {f.name: f for f in (
@@ -64,6 +69,12 @@ FORMATS = {f.name: f for f in (
     Format("int4", 4, 128, 0, True, "uint8", "float16"),
     Format("fp8", 8, None, 0, False, "float8_e4m3fn", "float32"),
     Format("w8a8", 8, None, 0, False, "int8", "float32"),
+    # GGUF's K-quants (from GGUF files only: the gguf package has no quantizer for them).
+    # Q4_K keeps its 4-bit codes (its 6-bit sub-scales widened to a byte each: 4.625 bits
+    # per weight for the file's 4.5); Q5_K's 5-bit and Q6_K's 6-bit codes take a byte.
+    Format("q4_k", 4, 32, 0, True, "uint8", "uint8", "Q4_K", 256),
+    Format("q5_k", 8, 32, 0, True, "int8", "uint8", "Q5_K", 256),
+    Format("q6_k", 8, 16, 0, False, "int8", "int8", "Q6_K", 256),
 )}
 ACTIVATION_INT8 = frozenset({"w8a8"})  # formats whose matmul also rounds x per token to int8
 GGUF_FORMATS = {f.gguf: f for f in FORMATS.values() if f.gguf}
@@ -77,8 +88,9 @@ class PackedWeight:
 
     codes: [in, out] int8 / float8 for 8-bit formats, uint8 [in // 2, out] for 4-bit ones.
     scale: [in // group, out] (float16 or float32). offset: same shape, or None.
-    fmt: a FORMATS key; group: weights per scale along `in`; shape: (in, out). The last
-    three are static (part of the pytree structure, so they key the jit cache).
+    fmt: a FORMATS key; group: weights per scale along `in`; shape: (in, out). These
+    three are static (part of the pytree structure, so they key the jit cache). super:
+    the K-quants' float16 super-block scales (Format.super_block), else None.
     """
 
     codes: jax.Array
@@ -87,6 +99,7 @@ class PackedWeight:
     fmt: str = dataclasses.field(metadata=dict(static=True))
     group: int = dataclasses.field(metadata=dict(static=True))
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+    super: jax.Array | None = None  # K-quants: float16 [2 (d, dmin) or 1 (d), in // 256, out]
 
     @property
     def format(self) -> Format:
@@ -99,17 +112,34 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         """Resident bytes of the packed arrays."""
-        return sum(int(a.nbytes) for a in (self.codes, self.scale, self.offset) if a is not None)
+        arrays = (self.codes, self.scale, self.offset, self.super)
+        return sum(int(a.nbytes) for a in arrays if a is not None)
+
+    def float_scales(self) -> tuple[jax.Array, jax.Array | None]:
+        """(scale, offset) per group as `dequantize` takes them: the stored ones, or for a
+        K-quant float32 d * sub-scale and -(dmin * sub-minimum) (exact products of a float16
+        and a 6- or 8-bit integer, so the values match the gguf package's bit for bit)."""
+        if self.super is None:
+            return self.scale, self.offset
+        per = FORMATS[self.fmt].super_block // self.group
+        d = jnp.repeat(self.super[0].astype(jnp.float32), per, axis=0)
+        scale = d * self.scale.astype(jnp.float32)
+        if self.offset is None:
+            return scale, None
+        dmin = jnp.repeat(self.super[1].astype(jnp.float32), per, axis=0)
+        return scale, -(dmin * self.offset.astype(jnp.float32))
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The [in, out] float weight the codes represent."""
-        return dequantize(self.codes, self.scale, self.offset, self.fmt, self.group).astype(dtype)
+        scale, offset = self.float_scales()
+        return dequantize(self.codes, scale, offset, self.fmt, self.group).astype(dtype)
 
     def columns(self, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
         """Float columns ids of the weight, as [len(ids), in] rows (an embedding lookup
         when the weight is a tied [hidden, vocab] embedding)."""
-        offset = None if self.offset is None else self.offset[:, ids]
-        w = dequantize(self.codes[:, ids], self.scale[:, ids], offset, self.fmt, self.group)
+        scale, offset = self.float_scales()
+        offset = None if offset is None else offset[:, ids]
+        w = dequantize(self.codes[:, ids], scale[:, ids], offset, self.fmt, self.group)
         return w.T.astype(dtype)
 
 
@@ -182,6 +212,9 @@ def quantize(w, fmt: str) -> PackedWeight:
         raise ValueError(f"quantize: expected a 2-D [in, out] weight, got shape {w.shape}")
     f = FORMATS[fmt]
     d_in, d_out = w.shape
+    if f.super_block:
+        raise ValueError(f"{fmt} comes only from GGUF files (the gguf package has no quantizer for it); "
+                         f"packed formats for float weights: {', '.join(n for n, g in FORMATS.items() if not g.super_block)}")
     if f.gguf:
         import gguf
 
@@ -222,10 +255,11 @@ def concat_columns(parts: list[PackedWeight]) -> PackedWeight:
         raise ValueError("concat_columns: parts differ in format, group or input width")
     if len(parts) == 1:
         return first
-    cat = lambda arrays: jnp.concatenate(arrays, axis=1)  # noqa: E731
+    cat = lambda arrays, axis=1: jnp.concatenate(arrays, axis=axis)  # noqa: E731
     return PackedWeight(cat([p.codes for p in parts]), cat([p.scale for p in parts]),
                         None if first.offset is None else cat([p.offset for p in parts]),
-                        first.fmt, first.group, (first.shape[0], sum(p.shape[1] for p in parts)))
+                        first.fmt, first.group, (first.shape[0], sum(p.shape[1] for p in parts)),
+                        None if first.super is None else cat([p.super for p in parts], 2))
 
 
 # -- GGUF blocks -> packed -------------------------------------------------------------
@@ -242,6 +276,8 @@ def from_gguf(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> PackedWeig
         raise ValueError(f"GGUF tensor type {qtype} cannot stay packed; packed types: "
                          f"{', '.join(GGUF_FORMATS)}")
     f = GGUF_FORMATS[qtype]
+    if f.super_block:
+        return _from_gguf_k(np.asarray(raw, np.uint8), f, shape)
     d_in, d_out = shape
     raw = np.asarray(raw, np.uint8)
     blocks = d_in // _GGUF_BLOCK
@@ -259,3 +295,50 @@ def from_gguf(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> PackedWeig
     return PackedWeight(jnp.asarray(codes), jnp.asarray(np.ascontiguousarray(scale)),
                         None if offset is None else jnp.asarray(np.ascontiguousarray(offset)),
                         f.name, _GGUF_BLOCK, (d_in, d_out))
+
+
+K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit sub-scales and sub-minimums of a Q4_K / Q5_K super-block, from its 12
+    packed bytes [..., 12] (llama.cpp's get_scale_min_k4)."""
+    d, m, m_d = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _from_gguf_k(raw: np.ndarray, f: Format, shape: tuple[int, int]) -> PackedWeight:
+    """A K-quant tensor's super-blocks [out, in // 256 * block bytes] split into codes,
+    integer sub-scales (and sub-minimums) and float16 super-scales, laid out [in, out]."""
+    d_in, d_out = shape
+    sb = d_in // 256
+    size = K_BLOCK_BYTES[f.gguf]
+    if d_in % 256 or raw.shape != (d_out, sb * size):
+        raise ValueError(f"GGUF {f.gguf} tensor of shape [in={d_in}, out={d_out}] needs an input width "
+                         f"divisible by 256 and {d_out} rows of {sb * size} bytes, got {raw.shape}")
+    b = raw.reshape(d_out, sb, size)
+    f16 = lambda a: np.ascontiguousarray(a).view(np.float16)[..., 0]  # noqa: E731
+    if f.gguf == "Q6_K":
+        ql, qh, sc, d = b[..., :128], b[..., 128:192], b[..., 192:208].view(np.int8), f16(b[..., 208:210])
+        lo = (ql.reshape(d_out, sb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
+        hi = (qh.reshape(d_out, sb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 0x03
+        q = (lo.reshape(d_out, sb, 8, 32) | (hi.reshape(d_out, sb, 8, 32) << 4)).astype(np.int8) - 32
+        sub, offset, sup = sc, None, d[None]
+    else:
+        d, dmin, (sc, mn) = f16(b[..., 0:2]), f16(b[..., 2:4]), _k_scale_min(b[..., 4:16])
+        qs = b[..., -128:]
+        q = (qs.reshape(d_out, sb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
+        q = q.reshape(d_out, sb, 8, 32)
+        if f.gguf == "Q5_K":
+            qh = b[..., 16:48].reshape(d_out, sb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+            q = (q | ((qh & 1) << 4)).astype(np.int8)
+        sub, offset, sup = sc, mn, np.stack([d, dmin])
+    q = q.reshape(d_out, d_in).T  # [in, out]
+    codes = _pack_nibbles(q, f.group) if f.bits == 4 else np.ascontiguousarray(q)
+    t = lambda a: np.ascontiguousarray(np.asarray(a).reshape(d_out, -1).T)  # noqa: E731  [groups, out]
+    return PackedWeight(jnp.asarray(codes), jnp.asarray(t(sub).astype(f.scale_dtype)),
+                        None if offset is None else jnp.asarray(t(offset).astype(f.scale_dtype)),
+                        f.name, f.group, (d_in, d_out),
+                        jnp.asarray(np.ascontiguousarray(np.moveaxis(sup, 1, -1))))

@@ -51,5 +51,6 @@ def quant_matmul(x, w: PackedWeight, *, interpret=None):
     if w.fmt in ACTIVATION_INT8:
         tpu = bind(_rounded_activations, kernel=quant_matmul_tpu, **options)
         gpu = bind(_rounded_activations, kernel=quant_matmul_gpu, **options)
-    return dispatch(x, w.codes, w.scale, w.offset, ref=bind(_xla, **options), tpu=tpu, gpu=gpu,
+    scale, offset = w.float_scales()  # K-quants: float32 per group from their two-level scales
+    return dispatch(x, w.codes, scale, offset, ref=bind(_xla, **options), tpu=tpu, gpu=gpu,
                     interpret=interpret)

@@ -15,7 +15,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 import model
 from model.weights import WEIGHTS_DTYPES
-from quant.packed import FORMATS, GGUF_FORMATS, PackedWeight, from_gguf, quantize
+from quant.packed import K_BLOCK_BYTES, FORMATS, GGUF_FORMATS, PackedWeight, from_gguf, quantize
 from model.lora import linear
 from quant import pack_params
 from tests.model.test_hf_parity import check_smollm2_logits, smollm2_golden  # noqa: F401 (fixture)
@@ -24,24 +24,34 @@ RNG = np.random.default_rng(0)
 
 
 def _random_blocks(qtype: str, d_out: int, d_in: int) -> np.ndarray:
-    """Random GGUF rows [out, bytes]: random code bytes, random finite float16 scales."""
+    """Random GGUF rows [out, bytes]: random code bytes (and K-quant sub-scales), random
+    finite float16 scales (and minimums) where the block keeps them."""
     f = GGUF_FORMATS[qtype]
-    head = 4 if f.offset else 2
-    block = head + 32 * f.bits // 8
-    raw = RNG.integers(0, 256, (d_out, d_in // 32, block), dtype=np.uint8)
-    scales = RNG.standard_normal((d_out, d_in // 32, head // 2)).astype(np.float16)
-    scales[..., 0] *= np.float16(2.0) ** RNG.integers(-12, 4, scales.shape[:-1]).astype(np.float16)
-    raw[..., :head] = scales.view(np.uint8).reshape(d_out, d_in // 32, head)
+    if f.super_block:
+        block, span = K_BLOCK_BYTES[qtype], f.super_block
+        at = [block - 2] if qtype == "Q6_K" else [0, 2]
+    else:
+        block, span = (4 if f.offset else 2) + 32 * f.bits // 8, 32
+        at = [0, 2] if f.offset else [0]
+    raw = RNG.integers(0, 256, (d_out, d_in // span, block), dtype=np.uint8)
+    for i, a in enumerate(at):
+        scales = RNG.standard_normal((d_out, d_in // span)).astype(np.float16)
+        if i == 0:
+            scales *= np.float16(2.0) ** RNG.integers(-12, 4, scales.shape).astype(np.float16)
+        raw[..., a:a + 2] = scales.view(np.uint8).reshape(d_out, d_in // span, 2)
     return raw.reshape(d_out, -1)
 
 
 @pytest.mark.parametrize("qtype", sorted(GGUF_FORMATS))
 def test_gguf_blocks_decode_bit_exactly(qtype):
-    raw = _random_blocks(qtype, 24, 96)
+    d_in = 512 if GGUF_FORMATS[qtype].super_block else 96
+    raw = _random_blocks(qtype, 24, d_in)
     want = gguf_dequantize(raw, gguf.GGMLQuantizationType[qtype])  # [out, in]
-    w = from_gguf(raw, qtype, (96, 24))
+    w = from_gguf(raw, qtype, (d_in, 24))
     np.testing.assert_array_equal(np.asarray(w.dequantize()).T, want)
-    assert w.nbytes == raw.nbytes  # the file's bytes, nothing more
+    # the file's bytes, nothing more; K-quants widen sub-scales (and Q5_K / Q6_K codes) to bytes
+    num, den = {"Q4_K": (37, 36), "Q5_K": (69, 44), "Q6_K": (137, 105)}.get(qtype, (1, 1))
+    assert w.nbytes * den == raw.nbytes * num
     # a column slice (the embedding lookup) decodes the same rows
     ids = jnp.asarray([5, 0, 23, 5])
     np.testing.assert_array_equal(np.asarray(w.columns(ids)), want[[5, 0, 23, 5]])
@@ -83,7 +93,11 @@ def test_bad_formats_are_value_errors():
     with pytest.raises(ValueError, match="2-D"):
         quantize(np.ones(64), "int8")
     with pytest.raises(ValueError, match="cannot stay packed"):
-        from_gguf(np.zeros((8, 18), np.uint8), "Q4_K", (32, 8))
+        from_gguf(np.zeros((8, 18), np.uint8), "IQ2_XS", (32, 8))
+    with pytest.raises(ValueError, match="divisible by 256"):
+        from_gguf(np.zeros((8, 144), np.uint8), "Q4_K", (128, 8))
+    with pytest.raises(ValueError, match="only from GGUF files"):
+        quantize(np.ones((256, 8)), "q4_k")
     with pytest.raises(ValueError, match="needs 8 rows of 18 bytes"):
         from_gguf(np.zeros((8, 20), np.uint8), "Q4_0", (32, 8))
     with pytest.raises(ValueError, match="unknown weights_dtype"):
@@ -159,7 +173,7 @@ ACCURACY = {"int8": (1.01, 0.93), "w8a8": (1.06, 0.83), "fp8": (1.2, 0.85), "q8_
 def test_each_format_keeps_perplexity_and_greedy_tokens(default_model, smollm2_golden):  # noqa: F811
     tokens = smollm2_golden["prompt2"][:256]
     ppl32, top32 = _perplexity_and_argmax(*default_model, tokens)
-    assert set(ACCURACY) == set(FORMATS)
+    assert set(ACCURACY) == {f for f in FORMATS if not FORMATS[f].super_block}
     worst = {}
     for fmt, (ppl_bound, agree_bound) in ACCURACY.items():
         config, params, peak = _load_traced(fmt)
@@ -207,3 +221,53 @@ def test_llm_serves_the_gguf_blocks_greedy_like_transformers(default_tokenizer, 
     float_params = model.load("default")[1]
     with pytest.raises(ValueError, match="differ in structure"):
         llm.update_weights(float_params)
+
+
+def _k_quant_gguf(path) -> None:
+    """A one-layer Llama GGUF whose matrices are random Q4_K / Q5_K / Q6_K super-blocks
+    (the K-quants of a Q4_K_M file), written with the gguf package."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("embedding_length", 256), ("block_count", 1), ("feed_forward_length", 512),
+                       ("context_length", 128), ("vocab_size", 256)):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    matrices = {"token_embd.weight": ("Q6_K", 256, 256), "blk.0.attn_q.weight": ("Q4_K", 256, 256),
+                "blk.0.attn_k.weight": ("Q4_K", 128, 256), "blk.0.attn_v.weight": ("Q5_K", 128, 256),
+                "blk.0.attn_output.weight": ("Q4_K", 256, 256), "blk.0.ffn_gate.weight": ("Q4_K", 512, 256),
+                "blk.0.ffn_up.weight": ("Q5_K", 512, 256), "blk.0.ffn_down.weight": ("Q6_K", 256, 512)}
+    for name, (qtype, d_out, d_in) in matrices.items():
+        blocks = _random_blocks(qtype, d_out, d_in).reshape(d_out, d_in // 256, K_BLOCK_BYTES[qtype])
+        # small super-scales: a usable network rather than float16 extremes
+        for at in ([K_BLOCK_BYTES[qtype] - 2] if qtype == "Q6_K" else [0, 2]):
+            small = (RNG.uniform(0.5, 1.0, blocks.shape[:2]) * 2e-3).astype(np.float16)
+            blocks[..., at:at + 2] = small.view(np.uint8).reshape(*blocks.shape[:2], 2)
+        writer.add_tensor(name, blocks.reshape(d_out, -1), raw_dtype=gguf.GGMLQuantizationType[qtype])
+    for name in ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight"):
+        writer.add_tensor(name, np.ones(256, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_k_quant_file_stays_packed_with_the_same_logits(tmp_path):
+    """weights_dtype="gguf" on a file of Q4_K / Q5_K / Q6_K matrices keeps them packed (about
+    the file's bytes) and gives the logits of the file dequantized to float32."""
+    path = tmp_path / "k.gguf"
+    _k_quant_gguf(path)
+    config, dense = model.load(str(path))
+    _, packed = model.load(str(path), weights_dtype="gguf")
+    leaves = jax.tree.leaves(packed, is_leaf=lambda x: isinstance(x, PackedWeight))
+    assert {w.fmt for w in leaves if isinstance(w, PackedWeight)} == {"q4_k", "q5_k", "q6_k"}
+    file_bytes = sum(t.n_bytes for t in gguf.GGUFReader(str(path)).tensors)
+    assert file_bytes < sum(int(a.nbytes) for a in jax.tree.leaves(packed)) < 1.5 * file_bytes
+    tokens = jnp.asarray(RNG.integers(0, 256, (1, 12)), jnp.int32)
+    positions = jnp.arange(12)[None]
+    want, _ = model.forward(dense, config, tokens, positions, model.init_cache(config, 1, 12))
+    got, _ = model.forward(packed, config, tokens, positions, model.init_cache(config, 1, 12))
+    assert float(jnp.abs(want).max()) > 1.0  # the random network is not flat
+    scale = float(jnp.abs(want).max())  # float32 sums in another order: ~1e-6 of the largest logit
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * scale)

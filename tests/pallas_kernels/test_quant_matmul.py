@@ -25,7 +25,8 @@ from tests.pallas_kernels.helpers import (
     spec,
 )
 
-FMTS = list(FORMATS)
+FMTS = [f for f in FORMATS if not FORMATS[f].super_block]  # the ones `quantize` packs from floats
+K_QUANTS = [f for f in FORMATS if FORMATS[f].super_block]  # GGUF's K-quants, from blocks
 SHAPES = [(1, 64, 64), (5, 128, 48)]  # (num_tokens, in, out)
 interpret_only = pytest.mark.skipif(conftest.kernel_mode() == "compiled", reason=TPU_INTERPRET_ONLY)
 
@@ -43,7 +44,7 @@ def _inputs(fmt, num_tokens, d_in, d_out, seed=0, dtype=np.float32):
 def _oracle(x, w: PackedWeight, activations: bool = False):
     """float64 x @ (the weight the packed codes represent); activations=True rounds each
     token of x to int8 first when the format says so (w8a8), as the entry does."""
-    wd = np.asarray(dequantize(w.codes, w.scale, w.offset, w.fmt, w.group), np.float64)
+    wd = np.asarray(dequantize(w.codes, *w.float_scales(), w.fmt, w.group), np.float64)
     x = np.asarray(x, np.float64)
     if activations and w.fmt in ACTIVATION_INT8:
         scale = np.abs(x).max(axis=1, keepdims=True) / 127
@@ -177,3 +178,40 @@ def test_bad_inputs_are_clear_errors():
         quant_matmul(x[:, :32], w)
     with pytest.raises(ValueError, match="PackedWeight"):
         quant_matmul(x, w.dequantize())
+
+
+def _k_quant(fmt, d_in, d_out, seed):
+    """A K-quant weight from random GGUF super-blocks (random codes and sub-scales, small
+    random float16 super-scales), as from_gguf reads them from a file."""
+    from quant.packed import K_BLOCK_BYTES, from_gguf
+
+    f = FORMATS[fmt]
+    rng = np.random.default_rng(seed)
+    size = K_BLOCK_BYTES[f.gguf]
+    raw = rng.integers(0, 256, (d_out, d_in // 256, size), dtype=np.uint8)
+    for at in ([size - 2] if f.gguf == "Q6_K" else [0, 2]):
+        scale = (rng.standard_normal((d_out, d_in // 256)) * 0.01).astype(np.float16)
+        raw[..., at:at + 2] = scale.view(np.uint8).reshape(d_out, d_in // 256, 2)
+    return from_gguf(raw.reshape(d_out, -1), f.gguf, (d_in, d_out))
+
+
+@pytest.mark.parametrize("interpret", [None, True], ids=["xla", "tpu-kernel"])
+@pytest.mark.parametrize("fmt", K_QUANTS)
+def test_k_quants_match_the_oracle(fmt, interpret):
+    """The entry turns a K-quant's two-level scales into float32 group scales and runs the
+    same kernels: the XLA path, the TPU kernel and the GPU kernel agree with the oracle."""
+    w = _k_quant(fmt, 512, 48, seed=K_QUANTS.index(fmt))
+    x = jnp.asarray(np.random.default_rng(9).normal(size=(3, 512)), jnp.float32)
+    _close(quant_matmul(x, w, interpret=interpret), _oracle(x, w))
+    if interpret:
+        scale, offset = w.float_scales()
+        got = quant_matmul_gpu(x, w.codes, scale, offset, fmt=fmt, group=w.group, block_k=128,
+                               block_n=16, interpret=True)  # compiled under gpu-check
+        _close(got, _oracle(x, w))
+
+
+def test_k_quant_lowers_to_one_kernel_call_for_tpu_and_cuda():
+    x, w = jnp.ones((3, 512), jnp.bfloat16), _k_quant("q4_k", 512, 1536, seed=8)
+    fn = lambda x, w: quant_matmul(x, w)  # noqa: E731
+    assert kernel_calls(export_tpu(fn, spec(x), w), "tpu_custom_call") == 1
+    assert kernel_calls(export_cuda(fn, spec(x), w), TRITON_CALL) == 1
