@@ -18,17 +18,44 @@ float32 copy of more than one tensor.
 
 from __future__ import annotations
 
-import numpy as np
-
 from collections.abc import Callable
 
-from quant.packed import (FORMATS, GGUF_FORMATS, PackedWeight, concat_columns,
-                                                 from_gguf, quantize)
+import numpy as np
+
+from quant.packed import FORMATS, GGUF_FORMATS, PackedWeight, concat_columns, from_gguf, quantize
 
 KEEP_GGUF = "gguf"
 CHUNK_BYTES = 16 << 20  # float32 rows dequantized at a time while packing a matrix
 WEIGHTS_DTYPES = ("float32", "bfloat16", KEEP_GGUF) + tuple(FORMATS)
 MATRICES = frozenset({"embed", "lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
+
+
+def expected_layer_params(config) -> frozenset[str]:
+    """The param names every decoder layer of a model.config.ModelConfig holds."""
+    names = {"attn_norm", "mlp_norm"} | (MATRICES - {"embed", "lm_head"})
+    if config.attention_bias:
+        names |= {"bq", "bk", "bv"}
+    if config.qk_norm:
+        names |= {"q_norm", "k_norm"}
+    return frozenset(names)
+
+
+def check_complete(params: dict, config, source: str) -> None:
+    """ValueError unless a loaded checkpoint has every tensor its config declares, and no
+    layer tensor it does not (a Qwen3 file without q/k norms would run silently wrong)."""
+    missing = [k for k in ("embed", "final_norm") if k not in params]
+    if not config.tie_word_embeddings and "lm_head" not in params:
+        missing.append("lm_head")
+    want = expected_layer_params(config)
+    for i, layer in enumerate(params["layers"]):
+        missing += [f"layer {i} {k}" for k in sorted(want - set(layer))]
+        extra = sorted(set(layer) - want)
+        if extra:
+            raise ValueError(f"checkpoint {source} has layer {i} tensors {extra} that a "
+                             f"{config.name} config does not use")
+    if missing:
+        raise ValueError(f"checkpoint {source} ({config.name}) lacks {missing[:8]}"
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
 
 
 def check_weights_dtype(weights_dtype: str | None, source_kind: str) -> None:
@@ -62,20 +89,20 @@ def store_rows(key: str, read: Callable[[int, int], np.ndarray], rows: int,
                            for r0 in range(0, rows, step)])
 
 
-def store(key: str, w: np.ndarray, weights_dtype: str | None, dtype):
-    """One loaded tensor as the model keeps it.
+def store(key: str, w: np.ndarray, weights_dtype: str | None, dtype) -> np.ndarray:
+    """One loaded float tensor as the model keeps it unpacked: a matrix in "float32" /
+    "bfloat16" when weights_dtype says so, anything else in the load's `dtype`.
 
     key: the param name (a MATRICES entry, or a norm / bias). w: float numpy in the
     model's layout ([in, out] for projections and the head, [V, H] for the embedding).
-    A packed embedding is stored [H, V] (model/transformer.py `embed`).
+    Packing goes through `store_rows`, which stores a packed embedding [H, V]
+    (model/transformer.py `embed`).
     """
-    if key not in MATRICES or weights_dtype is None or weights_dtype == KEEP_GGUF:
-        return np.asarray(w, dtype)
-    if weights_dtype in ("float32", "bfloat16"):
+    if key in MATRICES and weights_dtype in ("float32", "bfloat16"):
         import jax.numpy as jnp
 
         return np.asarray(w, jnp.dtype(weights_dtype))
-    return quantize(w.T if key == "embed" else w, weights_dtype)
+    return np.asarray(w, dtype)
 
 
 def store_gguf(key: str, raw: np.ndarray, qtype: str, shape: tuple[int, int],

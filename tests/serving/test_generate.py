@@ -8,7 +8,7 @@ from serving import generate
 
 @pytest.fixture()
 def cli_on_loaded_model(monkeypatch, default_model, default_tokenizer):
-    monkeypatch.setattr(model, "load", lambda source, dtype=None: default_model)
+    monkeypatch.setattr(model, "load", lambda source, dtype=None, weights_dtype=None: default_model)
     monkeypatch.setattr(model, "load_tokenizer", lambda source: default_tokenizer)
 
 
@@ -43,3 +43,15 @@ def test_cli_rejects_bad_speculative_config_before_loading(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         generate.main(["hi", "--speculative-config", "{method: eagle3}"])
     assert e.value.code == 2 and "--speculative-config is not JSON" in capsys.readouterr().err
+
+
+def test_cli_weights_dtype_reaches_the_loader(monkeypatch, default_model, default_tokenizer, capsys):
+    seen = []
+    monkeypatch.setattr(model, "load", lambda source, dtype=None, weights_dtype=None:
+                        seen.append(weights_dtype) or default_model)
+    monkeypatch.setattr(model, "load_tokenizer", lambda source: default_tokenizer)
+    generate.main(["Hi", "--max-tokens", "2", "--max-model-len", "256", "--weights-dtype", "gguf"])
+    assert seen == ["gguf"]
+    with pytest.raises(SystemExit) as e:
+        generate.main(["Hi", "--weights-dtype", "int3"])
+    assert e.value.code == 2 and "weights-dtype" in capsys.readouterr().err
