@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-# Layer kinds the Llama/Qwen2/Mistral family uses.
+# Layer kinds the Llama/Qwen2/Qwen3/Mistral family uses.
 ATTENTION = "attention"  # full causal self-attention
 SLIDING_ATTENTION = "sliding_attention"  # causal, keys within `sliding_window`
 
@@ -60,6 +60,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = RopeScaling()
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each q and k head over head_dim before RoPE (Qwen3)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # for SLIDING_ATTENTION layers
     bos_token_id: int | None = None
@@ -110,6 +111,7 @@ HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -132,8 +134,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     hidden = hf["hidden_size"]
     num_layers = hf["num_hidden_layers"]
     window = hf.get("sliding_window")
-    if family == "qwen2":
-        # Qwen2 only slides when use_sliding_window is set, and then only on the
+    if family in ("qwen2", "qwen3"):
+        # Qwen2/3 only slide when use_sliding_window is set, and then only on the
         # layers from max_window_layers on.
         if hf.get("use_sliding_window") and window:
             first = hf.get("max_window_layers", num_layers)
@@ -155,13 +157,15 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         intermediate_size=hf["intermediate_size"],
         num_heads=num_heads,
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=hf.get("head_dim") or hidden // num_heads,
+        # Qwen3Config's own default head_dim is 128, not hidden / heads
+        head_dim=hf.get("head_dim") or (128 if family == "qwen3" else hidden // num_heads),
         layer_kinds=kinds,
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
         rope_scaling=rope_scaling_from_hf(hf.get("rope_scaling") or rope),
         attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         sliding_window=window,
         bos_token_id=hf.get("bos_token_id"),

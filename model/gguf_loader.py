@@ -10,7 +10,7 @@ import numpy as np
 
 from model.config import ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeScaling
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def open_gguf(path: str):
@@ -64,6 +64,7 @@ def config_from_gguf(reader) -> ModelConfig:
         rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm=arch == "qwen3",
         tie_word_embeddings="output.weight" not in names,
         sliding_window=int(window) if window else None,
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
@@ -84,6 +85,7 @@ _LAYER_TENSORS = {
     "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv",
     "attn_output.weight": "wo", "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up",
     "ffn_down.weight": "w_down", "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
 }
 
 
@@ -92,7 +94,7 @@ def params_from_gguf(reader, config: ModelConfig, dtype=np.float32, weights_dtyp
     says (dequantized to `dtype` when weights_dtype is None)."""
     from gguf.quants import dequantize
 
-    from model.weights import store_gguf, store_rows
+    from model.weights import check_complete, store_gguf, store_rows
 
     permuted = config.name == "llama"  # llama.cpp only permutes for its NORM RoPE
     params: dict = {"layers": [{} for _ in range(config.num_layers)]}
@@ -127,4 +129,5 @@ def params_from_gguf(reader, config: ModelConfig, dtype=np.float32, weights_dtyp
             params[key] = w
         else:
             params["layers"][layer][key] = w
+    check_complete(params, config, "GGUF file")
     return params

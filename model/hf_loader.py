@@ -15,6 +15,7 @@ _LAYER_TENSORS = {
     "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk",
     "self_attn.v_proj.weight": "wv", "self_attn.o_proj.weight": "wo",
     "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv",
+    "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
     "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down",
 }
 _TOP_TENSORS = {"model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head", "model.norm.weight": "final_norm"}
@@ -40,7 +41,7 @@ def params_from_hf_dir(path: str, config: ModelConfig, dtype=np.float32,
     model/weights.py `store` says (in `dtype` when weights_dtype is None)."""
     from safetensors import safe_open
 
-    from model.weights import store_rows
+    from model.weights import check_complete, store_rows
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -69,9 +70,5 @@ def params_from_hf_dir(path: str, config: ModelConfig, dtype=np.float32,
                     params[key] = w
                 else:
                     params["layers"][layer][key] = w
-    missing = [k for k in ("embed", "final_norm") if k not in params]
-    if not config.tie_word_embeddings and "lm_head" not in params:
-        missing.append("lm_head")
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks {missing}")
+    check_complete(params, config, path)
     return params

@@ -112,7 +112,8 @@ _ragged_attention.defvjp(_ragged_fwd, _ragged_bwd)
 
 def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KVPages,
                     ctx: ForwardContext, sliding_window: int | None) -> tuple[jnp.ndarray, KVPages]:
-    """Self-attention sublayer: project, rotate, write K/V into the pages, attend, project back.
+    """Self-attention sublayer: project, (norm q/k heads), rotate, write K/V into the pages,
+    attend, project back.
 
     cache: one layer's KVPages; K/V are stored in its kv_cache_dtype (model/kv_formats.py).
     Every step — prefill chunks, decode rows, draft-tree nodes — goes through
@@ -127,6 +128,9 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     q = linear(x, params["wq"], params.get("bq")).reshape(b, t, config.num_heads, hd)
     k = linear(x, params["wk"], params.get("bk")).reshape(b, t, config.num_kv_heads, hd)
     v = linear(x, params["wv"], params.get("bv")).reshape(b, t, config.num_kv_heads, hd)
+    if "q_norm" in params:  # Qwen3 (config.qk_norm); the EAGLE-3 draft layer has none
+        q = rms_norm(q, params["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, params["k_norm"], config.rms_norm_eps)
     cos, sin = ctx.rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     pages = kernel_pages(cache)

@@ -5,7 +5,8 @@ copies them on CPU). Weights are stored [in_features, out_features].
 
     params = {"embed": [V, H], "final_norm": [H], "lm_head": [H, V] (untied only),
               "layers": [{"attn_norm", "wq", "wk", "wv", "wo", ("bq", "bk", "bv"),
-                          "mlp_norm", "w_gate", "w_up", "w_down"}, ...]}
+                          ("q_norm", "k_norm") [head_dim], "mlp_norm", "w_gate", "w_up",
+                          "w_down"}, ...]}
 
 Projections (and the embedding and head) may be packed (pallas_kernels.quant_matmul's
 PackedWeight, what `model.load(..., weights_dtype=...)` returns): a packed embedding is
@@ -64,6 +65,9 @@ def _init_decoder_layer(config: ModelConfig, key: jax.Array, dtype) -> dict:
                                   (config.num_heads * hd, config.num_kv_heads * hd,
                                    config.num_kv_heads * hd)):
             layer[name] = (0.02 * jax.random.normal(k, (width,))).astype(dtype)
+    if config.qk_norm:
+        layer["q_norm"] = jnp.ones((hd,), dtype)
+        layer["k_norm"] = jnp.ones((hd,), dtype)
     return layer
 
 

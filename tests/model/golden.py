@@ -8,7 +8,8 @@ against the committed fixtures; `pytest -m oracle` recomputes them live.
 What is stored:
 - tiny_<name>/: tiny random checkpoints (bf16 safetensors + config.json) saved with
   `save_pretrained`, one per architecture / RoPE variant, and `logits.npz` with
-  transformers' float32 logits for a fixed random batch.
+  transformers' float32 logits for a fixed random batch (and, in fixtures written since
+  tiny_qwen3, `greedy`: transformers' greedy continuation of the batch's first prompt).
 - smollm2.npz: for the default GGUF model, read by transformers' own GGUF loader:
   prompt token ids (one > 512 tokens), logits at a few positions on a fixed vocab
   subset plus transformers' top tokens, and transformers' greedy continuation.
@@ -44,7 +45,15 @@ TINY_MODELS = {
         "rope_theta": 10000.0}}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
     "mistral_swa": ("MistralConfig", {"sliding_window": 8}),
+    # head_dim 24 != hidden / heads = 16; q/k RMSNorms per head; larger weights so the
+    # greedy continuation is not one repeated token
+    "qwen3": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": True, "initializer_range": 0.2}),
 }
+# Checkpoints whose RMSNorm weights are drawn at random (transformers initialises them to
+# ones, which would leave a q_norm / k_norm weight mix-up invisible).
+RANDOM_NORMS = {"qwen3"}
+GREEDY_PROMPT = 8  # tiny fixtures store transformers' greedy continuation of tokens[0, :8]
+GREEDY_TOKENS = 16
 _TINY_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                     rms_norm_eps=1e-5)
@@ -88,10 +97,15 @@ def make_tiny(name: str, out_dir: str) -> None:
     config = getattr(transformers, cls_name)(**_TINY_COMMON, **extra)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    if name in RANDOM_NORMS:
+        with torch.no_grad():
+            for n, p in hf.named_parameters():
+                if n.endswith("norm.weight"):
+                    p.copy_(1 + 0.5 * torch.randn_like(p))
     path = os.path.join(out_dir, f"tiny_{name}")
     hf.save_pretrained(path, safe_serialization=True)
     np.savez(os.path.join(path, "logits.npz"), tokens=tiny_tokens(),
-             logits=tiny_logits(path))
+             logits=tiny_logits(path), greedy=tiny_greedy(path))
 
 
 # name -> peft LoraConfig kwargs (on tiny_llama)
@@ -138,6 +152,19 @@ def tiny_logits(path: str) -> np.ndarray:
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return hf(torch.tensor(tiny_tokens())).logits.numpy()
+
+
+def tiny_greedy(path: str) -> np.ndarray:
+    """transformers' greedy continuation [GREEDY_TOKENS] of tiny_tokens()[0, :GREEDY_PROMPT]."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = torch.tensor(tiny_tokens()[:1, :GREEDY_PROMPT])
+    with torch.no_grad():
+        gen = hf.generate(prompt, max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
+                          do_sample=False)
+    return gen[0, GREEDY_PROMPT:].numpy()
 
 
 def smollm2_reference(gguf_path: str, greedy_tokens: int = 24) -> dict:

@@ -32,7 +32,7 @@ def test_tiny_checkpoint_matches_transformers(name):
     np.testing.assert_allclose(run_full(config, params, ref["tokens"]), ref["logits"], atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_yarn", "mistral_swa"])
+@pytest.mark.parametrize("name", ["llama", "llama_yarn", "mistral_swa", "qwen3"])
 def test_incremental_decode_matches_full_forward(name):
     """Prefill a prefix, then decode one token at a time through the cache."""
     config, params = model.load(tiny_path(name))
@@ -49,6 +49,83 @@ def test_incremental_decode_matches_full_forward(name):
                                       jnp.full((b, 1), p), cache)
         got.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=1e-3, rtol=0)
+
+
+def test_qwen3_qk_norms_are_loaded_and_matter():
+    """tiny_qwen3 has head_dim != hidden / heads and random q/k norm weights: dropping them
+    (or swapping them) moves the logits far past the parity tolerance."""
+    config, params = model.load(tiny_path("qwen3"))
+    assert config.qk_norm and config.head_dim == 24 != config.hidden_size // config.num_heads
+    assert params["layers"][0]["q_norm"].shape == (config.head_dim,)
+    tokens = np.load(os.path.join(tiny_path("qwen3"), "logits.npz"))["tokens"]
+    want = run_full(config, params, tokens)
+    swapped = [{**layer, "q_norm": layer["k_norm"], "k_norm": layer["q_norm"]} for layer in params["layers"]]
+    dropped = [{k: v for k, v in layer.items() if k not in ("q_norm", "k_norm")} for layer in params["layers"]]
+    for layers in (swapped, dropped):
+        got = run_full(config, {**params, "layers": layers}, tokens)
+        assert np.abs(got - want).max() > 0.1
+
+
+def test_qwen3_greedy_through_llm_matches_transformers(default_tokenizer):
+    """The serving engine (packed steps) on tiny_qwen3 continues greedily as transformers did."""
+    from serving import LLM, SamplingParams
+
+    config, params = model.load(tiny_path("qwen3"))
+    ref = np.load(os.path.join(tiny_path("qwen3"), "logits.npz"))
+    want = ref["greedy"].tolist()
+    assert len(set(want)) > 4  # not one repeated token
+    llm = LLM.from_loaded(config, params, default_tokenizer, max_model_len=64)
+    prompt = ref["tokens"][0, :golden.GREEDY_PROMPT].tolist()
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=len(want), ignore_eos=True))
+    assert out[0].outputs[0].token_ids == want
+
+
+# transformers' Qwen3 tensor names -> llama.cpp's (convert_hf_to_gguf.py, arch "qwen3")
+_GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
+
+def _qwen3_gguf(path) -> None:
+    """tiny_qwen3 as llama.cpp lays out a `qwen3` GGUF (float32 tensors, rows unpermuted)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(tiny_path("qwen3"), "config.json")) as f:
+        hf = json.load(f)
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    for key, value in (("embedding_length", hf["hidden_size"]), ("block_count", hf["num_hidden_layers"]),
+                       ("feed_forward_length", hf["intermediate_size"]), ("vocab_size", hf["vocab_size"]),
+                       ("context_length", hf["max_position_embeddings"]),
+                       ("attention.head_count", hf["num_attention_heads"]),
+                       ("attention.head_count_kv", hf["num_key_value_heads"]),
+                       ("attention.key_length", hf["head_dim"]), ("attention.value_length", hf["head_dim"])):
+        writer.add_uint32(f"qwen3.{key}", value)
+    writer.add_float32("qwen3.attention.layer_norm_rms_epsilon", hf["rms_norm_eps"])
+    writer.add_float32("qwen3.rope.freq_base", hf["rope_parameters"]["rope_theta"])
+    for name, w in load_file(os.path.join(tiny_path("qwen3"), "model.safetensors")).items():
+        if name.startswith("model.layers."):
+            idx, rest = name[len("model.layers."):].split(".", 1)
+            name = f"blk.{idx}.{_GGUF_NAMES[rest.rsplit('.', 1)[0]]}.weight"
+        else:
+            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
+        writer.add_tensor(name, np.asarray(w, np.float32))  # [out, in]; GGUF lists [in, out]
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_qwen3_gguf_matches_transformers(tmp_path):
+    path = tmp_path / "tiny_qwen3.gguf"
+    _qwen3_gguf(path)
+    config, params = model.load(str(path))
+    assert config.name == "qwen3" and config.qk_norm and config.tie_word_embeddings
+    ref = np.load(os.path.join(tiny_path("qwen3"), "logits.npz"))
+    np.testing.assert_allclose(run_full(config, params, ref["tokens"]), ref["logits"], atol=1e-3, rtol=0)
 
 
 def test_rope_variants_really_differ():

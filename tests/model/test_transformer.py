@@ -78,7 +78,23 @@ def test_captured_features_are_the_residual_entering_each_layer(tiny):
 
 
 def test_gradients_reach_every_parameter(tiny):
-    config, params = tiny
+    assert_gradients_reach_every_parameter(*tiny)
+
+
+def test_qk_norm_params_are_initialised_and_trained(tiny):
+    """qk_norm (Qwen3) layers get q_norm / k_norm of ones over head_dim (here != hidden / heads)."""
+    from model.weights import expected_layer_params
+
+    config = dataclasses.replace(tiny[0], qk_norm=True, head_dim=12)
+    params = model.init_params(config, jax.random.key(1))
+    for layer in params["layers"]:
+        assert set(layer) == expected_layer_params(config)
+        np.testing.assert_array_equal(layer["q_norm"], np.ones(12))
+        np.testing.assert_array_equal(layer["k_norm"], np.ones(12))
+    assert_gradients_reach_every_parameter(config, params)
+
+
+def assert_gradients_reach_every_parameter(config, params):
     tokens = jax.random.randint(jax.random.key(5), (2, 12), 0, config.vocab_size)
 
     def loss(p):

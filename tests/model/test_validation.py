@@ -157,3 +157,32 @@ def test_forward_packed_names_bad_layouts():
     with pytest.raises(ValueError, match="KIVI"):
         model.forward_packed(model.init_params(wide, jax.random.key(0)), wide, tokens, positions,
                              model.init_cache(wide, 2, 32, kv_cache_dtype="kivi-int4"), layout)
+
+
+def _tiny_qwen3_copy(tmp_path, keep, architecture="Qwen3ForCausalLM"):
+    """tests/model/fixtures/tiny_qwen3 rewritten with only the tensors `keep(name)` accepts."""
+    import os
+
+    from safetensors.numpy import load_file, save_file
+
+    from tests.model import golden
+
+    src = os.path.join(golden.FIXTURES, "tiny_qwen3")
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if keep(k)}, str(tmp_path / "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f:
+        hf = json.load(f)
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "architectures": [architecture]}))
+    return str(tmp_path)
+
+
+def test_qwen3_checkpoint_without_qk_norms_is_refused(tmp_path):
+    path = _tiny_qwen3_copy(tmp_path, lambda name: "q_norm" not in name)
+    with pytest.raises(ValueError, match=r"lacks.*layer 0 q_norm.*layer 1 q_norm"):
+        model.load(path)
+
+
+def test_qk_norms_in_a_checkpoint_that_does_not_declare_them_are_refused(tmp_path):
+    path = _tiny_qwen3_copy(tmp_path, lambda name: True, architecture="LlamaForCausalLM")
+    with pytest.raises(ValueError, match=r"layer 0 tensors \['k_norm', 'q_norm'\].*llama"):
+        model.load(path)
