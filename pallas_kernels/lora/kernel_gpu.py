@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.lora.tiles import accumulate_slots, pad_slots, pad_to, tile_bitmask
+from pallas_kernels.lora.tiles import accumulate_slots, pad_slots, tile_bitmask
+from pallas_kernels.padding import pad_to
 
 
 def _pow2(n: int, minimum: int = 1) -> int:

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.lora.tiles import accumulate_slots, pad_slots, pad_to, tile_bitmask
+from pallas_kernels.lora.tiles import accumulate_slots, pad_slots, tile_bitmask
+from pallas_kernels.padding import pad_to
 
 
 def _body(words_ref, slots_ref, x_ref, a_ref, b_ref, o_ref, *, num_slots):

@@ -16,16 +16,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.padding import pad_to
+
 MAX_SLOTS = 31  # the tile bitmask is one int32
-
-
-def pad_to(x, axis: int, size: int):
-    """x zero-padded along `axis` to `size`."""
-    if x.shape[axis] == size:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad)
 
 
 def pad_slots(slots, size: int):

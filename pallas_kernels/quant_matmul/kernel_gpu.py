@@ -22,7 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.quant_matmul.tiles import as_bytes, num_planes, pad_to, planes, tile_product
+from pallas_kernels.padding import pad_to
+from pallas_kernels.quant_matmul.tiles import as_bytes, num_planes, planes, tile_product
 
 MIN_DOT = 16  # Triton's smallest dot dimension
 

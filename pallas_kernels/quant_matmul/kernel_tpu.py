@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.quant_matmul.tiles import as_bytes, num_planes, pad_to, planes, tile_product
+from pallas_kernels.padding import pad_to
+from pallas_kernels.quant_matmul.tiles import as_bytes, num_planes, planes, tile_product
 
 MAX_TILE_WEIGHTS = 512 * 512  # weights dequantized per step: their float32 copies live in VMEM
 

@@ -32,15 +32,6 @@ from jax import lax
 from quant.packed import FORMATS
 
 
-def pad_to(x, axis: int, size: int):
-    """x zero-padded along `axis` to `size`."""
-    if x.shape[axis] == size:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad)
-
-
 def num_planes(fmt: str) -> int:
     """Codes per stored byte: 2 for 4-bit formats, 1 for 8-bit ones."""
     return 8 // FORMATS[fmt].bits
