@@ -160,15 +160,14 @@ def comparison(selected: Budget) -> tuple[str, dict[str, Fraction]]:
 def plot(totals: dict[str, Fraction], selected: str, path: str) -> None:
     """Bar chart of bytes per token (log scale) to `path` (needs matplotlib: the `plot` extra)."""
     try:
-        import matplotlib
+        from matplotlib.figure import Figure  # a bare Figure: pyplot's backend is left as it is
     except ImportError as e:
         raise ValueError("--plot needs matplotlib: pip install 'kvfold[plot]'") from e
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     names = sorted(totals, key=lambda n: totals[n])
     values = [float(totals[n]) for n in names]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig = Figure(figsize=(8, 4))
+    ax = fig.subplots()
     bars = ax.bar(names, values, color=["tab:orange" if n == selected else "tab:blue" for n in names])
     ax.set_yscale("log")
     ax.set_ylabel("global KV bytes per token (log)")
@@ -176,10 +175,9 @@ def plot(totals: dict[str, Fraction], selected: str, path: str) -> None:
     for bar, v in zip(bars, values):
         ax.text(bar.get_x() + bar.get_width() / 2, v * 1.1, f"{v:,.0f}", ha="center", fontsize=8)
     ax.set_ylim(top=max(values) * 3, bottom=min(values) / 3 if min(values) > 0 else None)
-    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv=None) -> None:

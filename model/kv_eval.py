@@ -236,14 +236,12 @@ def plot_rows(path: str, title: str, rows: list[dict], f32_bytes: int) -> None:
     (labelled with the compression against float32)."""
     import textwrap
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # a bare Figure: pyplot's backend is left as it is
 
     names = [r["kv_cache_dtype"] for r in rows]
     x = np.arange(len(rows))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(7.0, 0.9 * len(rows) + 2), 7), sharex=True)
+    fig = Figure(figsize=(max(7.0, 0.9 * len(rows) + 2), 7))
+    top, bottom = fig.subplots(2, 1, sharex=True)
     dppl = [r["dppl"] for r in rows]
     bars = top.bar(x, dppl, color=["tab:red" if d > 0 else "tab:green" for d in dppl])
     top.bar_label(bars, [f"{d:+.3f}\nneedle {r['needle']:.0%}" for d, r in zip(dppl, rows)],
@@ -264,7 +262,6 @@ def plot_rows(path: str, title: str, rows: list[dict], f32_bytes: int) -> None:
                   fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -90,11 +90,19 @@ def test_budget_numbers():
     assert kv_budget.budget("default").bytes_per_token == 23040
 
 
-def test_plot_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
-    path = tmp_path / "kv.png"
-    kv_budget.main(["deepseek-v3", "--plot", str(path)])
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_plot_writes_a_png_and_leaves_pyplots_backend(tmp_path):
+    """A notebook's backend (here pdf) is what it was after the plot: kv_budget draws on a
+    bare Figure rather than switching pyplot to Agg."""
+    matplotlib = pytest.importorskip("matplotlib")
+    before = matplotlib.get_backend()
+    matplotlib.use("pdf")
+    try:
+        path = tmp_path / "kv.png"
+        kv_budget.main(["deepseek-v3", "--plot", str(path)])
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert matplotlib.get_backend() == "pdf"
+    finally:
+        matplotlib.use(before)
 
 
 def test_allocated_global_cache_is_the_budget():

@@ -82,3 +82,18 @@ def test_too_short_or_needleless_runs_are_clear_errors(default_tokenizer, capsys
     with pytest.raises(SystemExit):
         kv_eval.main(["--tokens", "64", "--formats", "int8"])
     assert "too short for the needle prompts" in capsys.readouterr().err
+
+
+def test_plot_rows_writes_a_png_and_leaves_pyplots_backend(tmp_path):
+    matplotlib = pytest.importorskip("matplotlib")
+    before = matplotlib.get_backend()
+    matplotlib.use("pdf")
+    try:
+        rows = [dict(kv_cache_dtype=name, dppl=d, needle=1.0, bytes_per_token=b)
+                for name, d, b in (("float32", 0.0, 512), ("int8", 0.01, 136))]
+        path = tmp_path / "kv_eval.png"
+        kv_eval.plot_rows(str(path), "a title", rows, 512)
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert matplotlib.get_backend() == "pdf"
+    finally:
+        matplotlib.use(before)
