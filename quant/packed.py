@@ -9,9 +9,10 @@ weight, which is the model's layout:
 - GGUF's legacy blocks keep their bits (Q8_0, Q4_0, Q4_1: 32 weights per block with a
   float16 scale, plus a float16 minimum for Q4_1), and so do its K-quants (Q4_K, Q5_K,
   Q6_K: 256-weight super-blocks with float16 scales over 6- or 8-bit sub-scales, which
-  `PackedWeight.float_scales` multiplies out per group at each matmul). A block of a GGUF row is a group of
-  one output column here: the file's [out, blocks] byte rows are split into planes (codes,
-  scales, minimums) and transposed to [in, out], so the bytes resident equal the file's.
+  `PackedWeight.float_scales` multiplies out per group at each matmul). A block of a GGUF
+  row is a group of one output column here: the file's [out, blocks] byte rows are split
+  into planes (codes, scales, minimums) and transposed to [in, out], so the legacy blocks
+  keep exactly the file's bytes (K-quants widen sub-scales, and Q5_K / Q6_K codes, to bytes).
 - kvfold's weight-only formats quantize any float checkpoint: int8 with one float32 scale
   per output channel, int4 with a float16 scale and minimum per group of 128 (or the
   largest of 64 / 32 that divides the input width), fp8 E4M3 with a float32 scale per
@@ -21,7 +22,8 @@ weight, which is the model's layout:
 
 Two 4-bit codes share a byte the way GGUF packs them: within each group, byte j holds row
 j in its low nibble and row j + group / 2 in its high nibble. `dequantize` works on any
-row slice that covers whole groups, so the kernels call it on one tile at a time.
+row slice that covers whole groups (the kernels decode their tiles the same way with int32
+ops, pallas_kernels/quant_matmul/tiles.py).
 
 Bit-exactness with the gguf package's dequantizer: the scale is float16 and the codes
 have at most 8 bits, so (code - zero) * scale is exact in float32 and a fused

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from quant.packed import PackedWeight, quantize_activations
+from quant.packed import ACTIVATION_INT8, PackedWeight, quantize_activations
 
 
 def _int8_product(x: jax.Array, w: PackedWeight) -> jax.Array:
@@ -32,6 +32,6 @@ def _int8_product(x: jax.Array, w: PackedWeight) -> jax.Array:
 def quant_matmul_xla(x: jax.Array, w: PackedWeight) -> jax.Array:
     """As ref.quant_matmul_ref: x [T, in] float, w packed [in, out] -> float32 [T, out]."""
     x = x.astype(jnp.float32)
-    if w.fmt == "w8a8":
+    if w.fmt in ACTIVATION_INT8:
         return _int8_product(x, w)
     return jnp.matmul(x, w.dequantize(jnp.float32))
