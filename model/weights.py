@@ -5,9 +5,9 @@ weights_dtype (the same name on `model.load`, `LLM(...)` and `--weights-dtype`):
 - "float32" / "bfloat16": the matrices (projections, embedding, head) in that dtype; norms
   and biases in the load's `dtype`.
 - "gguf" (GGUF files only): each matrix keeps the file's own blocks where kvfold reads
-  them packed (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K); other tensor types are dequantized to
-  float32.
-- a packed format of quant/packed.py (q8_0, q4_0, q4_1, int8, int4, fp8, w8a8): every
+  them packed (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K); other tensor types are dequantized
+  to float32.
+- a packed format of quant/packed.py (q8_0, q4_0, q4_1, q5_0, int8, int4, fp8, w8a8): every
   matrix packed in it (a GGUF tensor already in that type keeps its bytes). q4_k / q5_k /
   q6_k only keep tensors of that type (there is no quantizer for them): "gguf" keeps each
   tensor's own.

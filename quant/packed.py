@@ -6,13 +6,15 @@ weight, which is the model's layout:
 
     w[k, n] = (code[k, n] - zero) * scale[k // group, n] + offset[k // group, n]
 
-- GGUF's legacy blocks keep their bits (Q8_0, Q4_0, Q4_1: 32 weights per block with a
-  float16 scale, plus a float16 minimum for Q4_1), and so do its K-quants (Q4_K, Q5_K,
+- GGUF's legacy blocks keep their bits (Q8_0, Q4_0, Q4_1, Q5_0: 32 weights per block with
+  a float16 scale, plus a float16 minimum for Q4_1), and so do its K-quants (Q4_K, Q5_K,
   Q6_K: 256-weight super-blocks with float16 scales over 6- or 8-bit sub-scales, which
   `PackedWeight.float_scales` multiplies out per group at each matmul). A block of a GGUF
   row is a group of one output column here: the file's [out, blocks] byte rows are split
-  into planes (codes, scales, minimums) and transposed to [in, out], so the legacy blocks
-  keep exactly the file's bytes (K-quants widen sub-scales, and Q5_K / Q6_K codes, to bytes).
+  into planes (codes, scales, minimums) and transposed to [in, out], so Q8_0 / Q4_0 / Q4_1
+  keep exactly the file's bytes. Q5_0's 5-bit codes take a byte (q - 16 as int8, Q8_0's
+  representation: 8.5 bits per weight for the file's 5.5); K-quants widen sub-scales, and
+  Q5_K / Q6_K codes, to bytes.
 - kvfold's weight-only formats quantize any float checkpoint: int8 with one float32 scale
   per output channel, int4 with a float16 scale and minimum per group of 128 (or the
   largest of 64 / 32 that divides the input width), fp8 E4M3 with a float32 scale per
@@ -67,6 +69,7 @@ FORMATS = {f.name: f for f in (
     Format("q8_0", 8, 32, 0, False, "int8", "float16", "Q8_0"),
     Format("q4_0", 4, 32, 8, False, "uint8", "float16", "Q4_0"),
     Format("q4_1", 4, 32, 0, True, "uint8", "float16", "Q4_1"),
+    Format("q5_0", 8, 32, 0, False, "int8", "float16", "Q5_0"),  # codes q - 16: q8_0's layout
     Format("int8", 8, None, 0, False, "int8", "float32"),
     Format("int4", 4, 128, 0, True, "uint8", "float16"),
     Format("fp8", 8, None, 0, False, "float8_e4m3fn", "float32"),
@@ -270,9 +273,9 @@ def from_gguf(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> PackedWeig
     """A PackedWeight [in, out] from a GGUF tensor's bytes.
 
     raw: uint8 [out, in // 32 * block_bytes], the tensor's rows as gguf's reader maps them
-    (one row per output channel, blocks along the input axis). qtype: "Q8_0", "Q4_0" or
-    "Q4_1". The bits are not changed: the blocks are split into their fields and laid out
-    [in, out].
+    (one row per output channel, blocks along the input axis). qtype: a GGUF_FORMATS key.
+    The values are not changed: the blocks are split into their fields and laid out
+    [in, out] (Q5_0's two code fields joined into one int8 code a weight).
     """
     if qtype not in GGUF_FORMATS:
         raise ValueError(f"GGUF tensor type {qtype} cannot stay packed; packed types: "
@@ -283,8 +286,9 @@ def from_gguf(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> PackedWeig
     d_in, d_out = shape
     raw = np.asarray(raw, np.uint8)
     blocks = d_in // _GGUF_BLOCK
-    head = 4 if f.offset else 2
-    block_bytes = head + _GGUF_BLOCK * f.bits // 8
+    q5 = qtype == "Q5_0"  # float16 d, uint32 of 5th bits, then 16 bytes of low nibbles
+    head = 6 if q5 else 4 if f.offset else 2
+    block_bytes = head + (_GGUF_BLOCK // 2 if q5 else _GGUF_BLOCK * f.bits // 8)
     if raw.shape != (d_out, blocks * block_bytes):
         raise ValueError(f"GGUF {qtype} tensor of shape [in={d_in}, out={d_out}] needs "
                          f"{d_out} rows of {blocks * block_bytes} bytes, got {raw.shape}")
@@ -292,6 +296,9 @@ def from_gguf(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> PackedWeig
     scale = np.ascontiguousarray(b[:, :, 0:2]).view(np.float16)[..., 0].T  # [blocks, out]
     offset = np.ascontiguousarray(b[:, :, 2:4]).view(np.float16)[..., 0].T if f.offset else None
     qs = b[:, :, head:]  # [out, blocks, 32 or 16]
+    if q5:  # weight j: nibble j % 16 (the low ones first), bit j of qh; uint8 q - 16 wraps to int8
+        qh = np.ascontiguousarray(b[:, :, 2:6]).view("<u4") >> np.arange(_GGUF_BLOCK, dtype=np.uint32)
+        qs = (np.concatenate([qs & 0x0F, qs >> 4], axis=-1) | ((qh & 1) << 4).astype(np.uint8)) - np.uint8(16)
     codes = qs.view(np.int8) if f.bits == 8 else qs
     codes = np.ascontiguousarray(codes.transpose(1, 2, 0)).reshape(-1, d_out)  # [in * bits / 8, out]
     return PackedWeight(jnp.asarray(codes), jnp.asarray(np.ascontiguousarray(scale)),

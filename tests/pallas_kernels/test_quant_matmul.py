@@ -4,6 +4,8 @@ and CUDA; input validation."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,6 +29,7 @@ from tests.pallas_kernels.helpers import (
 
 FMTS = [f for f in FORMATS if not FORMATS[f].super_block]  # the ones `quantize` packs from floats
 K_QUANTS = [f for f in FORMATS if FORMATS[f].super_block]  # GGUF's K-quants, from blocks
+TILED = [f for f in FMTS if f != "q5_0"]  # q5_0 tiles as q8_0 does (test_q5_0_is_q8_0s_layout)
 SHAPES = [(1, 64, 64), (5, 128, 48)]  # (num_tokens, in, out)
 interpret_only = pytest.mark.skipif(conftest.kernel_mode() == "compiled", reason=TPU_INTERPRET_ONLY)
 
@@ -77,9 +80,9 @@ def test_oracle_dequantizes_what_quantize_packed(fmt):
     if fmt == "fp8":  # 3 mantissa bits: half an ulp is 2^-4 of the value; subnormals 2^-10
         bound = 2.0**-4 * np.abs(w) + step * 2.0**-10
     else:
-        # Half a step; Q4_0 maps the group's extreme to -8 and clips the other side at +7,
-        # a whole step. Slack for GGUF rounding its float32 scale and minimum to float16.
-        half_steps = 2 if fmt == "q4_0" else 1
+        # Half a step; Q4_0 / Q5_0 map the group's extreme to -8 / -16 and clip the other
+        # side at +7 / +15, a whole step. Slack for GGUF rounding its scale and minimum to float16.
+        half_steps = 2 if fmt in ("q4_0", "q5_0") else 1
         bound = 0.5 * half_steps * step + 2.0**-9 * (1 + np.abs(w))
     assert np.all(np.abs(got - w) <= bound)
     x = np.ascontiguousarray(w.T[:4])  # any [4, 128] floats
@@ -100,7 +103,7 @@ def test_entry_matches_the_oracle(fmt, shape, interpret):
         assert err.max() > 0  # it did round the activations: the bound is the right one
 
 
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", TILED)
 def test_gpu_kernel_matches_the_oracle_with_several_tiles(fmt):
     """K tiles of 64 rows (two loop steps; two groups of 32 per tile) and output tiles of
     16 (three programs across 48 columns); 5 tokens padded to 16."""
@@ -109,6 +112,13 @@ def test_gpu_kernel_matches_the_oracle_with_several_tiles(fmt):
                            block_n=16, interpret=True)  # compiled under gpu-check
     assert got.shape == (5, 48)
     _close(got, _oracle(x, w))
+
+
+def test_q5_0_is_q8_0s_layout():
+    """q5_0 (GGUF's 5-bit codes, widened to int8 by from_gguf) decodes as q8_0 does, so the
+    kernels' tiling tests cover it through q8_0; the entry test runs it."""
+    q5, q8 = FORMATS["q5_0"], FORMATS["q8_0"]
+    assert dataclasses.replace(q5, name=q8.name, gguf=q8.gguf) == q8
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "int8", "fp8"])
@@ -124,7 +134,7 @@ def test_gpu_kernel_pads_odd_widths(fmt):
 
 
 @interpret_only
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", TILED)
 def test_tpu_kernel_accumulates_over_k_tiles(fmt):
     """Two K tiles of 64 rows and three output tiles of 16: the accumulator carries across
     K steps and is reset for every output tile. (Mosaic's tiling would not take these
