@@ -1,4 +1,5 @@
-"""Tokenizers: a `tokenizers` byte-level BPE built from GGUF metadata, or a HF tokenizer.json.
+"""Tokenizers built from GGUF metadata (byte-level BPE, or Gemma's SentencePiece BPE) as
+transformers builds them, or read from a HF tokenizer.json.
 
 Chat templates are the model's own Jinja templates, rendered the way transformers
 renders them (sandboxed, trim_blocks, lstrip_blocks).
@@ -12,7 +13,8 @@ from typing import Sequence
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers,
+                        processors)
 
 # GPT-2's split pattern; llama.cpp's pre-tokenizer names map onto it (plus digit rules).
 _GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -21,6 +23,7 @@ _LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
 _QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")  # their "llama" vocabularies are Gemma's BPE
 
 
 def _gguf_pre_tokenizer(pre: str):
@@ -95,28 +98,85 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> HFTokenizer:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                                 fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = _gguf_pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _merges_by_position(tokens: list[str]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens: earlier tokens first, longer left pieces first.
+
+    Gemma GGUFs store no merges. transformers recovers them from the vocabulary
+    (`generate_merges`) ranked by token position, because Gemma's scores do not follow
+    its merge order; this is the same list."""
+    vocab = set(tokens)
+    return [(left, right) for t in tokens for k in range(len(t) - 1, 0, -1)
+            if (left := t[:k]) in vocab and (right := t[k:]) in vocab]
+
+
+def _gemma_bpe(tokens: list[str], unk: str) -> HFTokenizer:
+    """transformers' GemmaTokenizer pipeline: spaces become "▁", BPE falls back to <0xNN> bytes."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=_merges_by_position(tokens), unk_token=unk,
+                                 fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
+
+
+def _add_gguf_tokens(tok: HFTokenizer, tokens: list[str], types: list[int]) -> None:
+    """Control tokens become special, user-defined ones plain added tokens (as transformers
+    adds them): both are matched whole, but only special ones are skipped when decoding.
+    A user-defined token the vocabulary spells differently (Gemma's runs of spaces) is not added."""
+    vocab = tok.get_vocab()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == _GGUF_CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == _GGUF_USER_DEFINED and t in vocab])
+
+
+def _bos_eos_processor(tokens: list[str], bos: int | None, eos: int | None):
+    """transformers' template: BOS before and / or EOS after each sequence (None: neither)."""
+    if bos is None and eos is None:
+        return None
+
+    def sequence(name: str, type_id: int) -> str:
+        first = [tokens[bos]] if bos is not None else []
+        last = [tokens[eos]] if eos is not None else []
+        return " ".join(f"{part}:{type_id}" for part in first + [f"${name}"] + last)
+
+    return processors.TemplateProcessing(single=sequence("A", 0), pair=f"{sequence('A', 0)} {sequence('B', 1)}",
+                                         special_tokens=[(tokens[i], i) for i in (bos, eos) if i is not None])
+
+
 def tokenizer_from_gguf(reader) -> Tokenizer:
     from model.gguf_loader import field
 
     kind = field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: gpt2 (byte-level BPE)")
     tokens = field(reader, "tokenizer.ggml.tokens")
-    types = field(reader, "tokenizer.ggml.token_type")
-    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges")]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = _gguf_pre_tokenizer(field(reader, "tokenizer.ggml.pre", "default"))
-    tok.decoder = decoders.ByteLevel()
-    special = [AddedToken(tokens[i], special=True, normalized=False)
-               for i, ty in enumerate(types) if ty in (_GGUF_CONTROL, _GGUF_USER_DEFINED)]
-    tok.add_special_tokens(special)
-    bos = field(reader, "tokenizer.ggml.bos_token_id")
-    if bos is not None and field(reader, "tokenizer.ggml.add_bos_token", False):
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)])
-    return Tokenizer(tok, field(reader, "tokenizer.chat_template"), bos,
-                     field(reader, "tokenizer.ggml.eos_token_id"))
+    if kind == "gpt2":
+        tok = _byte_level_bpe(tokens, field(reader, "tokenizer.ggml.merges"),
+                              field(reader, "tokenizer.ggml.pre", "default"))
+        add_bos = field(reader, "tokenizer.ggml.add_bos_token", False)
+    elif kind == "llama" and field(reader, "general.architecture") in _GEMMA_ARCHITECTURES:
+        # Gemma stores its runs of spaces as real spaces but looks them up as "▁▁..."
+        spelled = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        unk = field(reader, "tokenizer.ggml.unknown_token_id")
+        tok = _gemma_bpe(spelled, "<unk>" if unk is None else spelled[unk])
+        add_bos = field(reader, "tokenizer.ggml.add_bos_token", True)  # llama.cpp's SentencePiece default
+    else:
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: gpt2 (byte-level BPE), "
+                         f"llama (SentencePiece BPE) for architectures {', '.join(_GEMMA_ARCHITECTURES)}")
+    _add_gguf_tokens(tok, tokens, field(reader, "tokenizer.ggml.token_type"))
+    bos, eos = field(reader, "tokenizer.ggml.bos_token_id"), field(reader, "tokenizer.ggml.eos_token_id")
+    tok.post_processor = _bos_eos_processor(tokens, bos if add_bos else None,
+                                            eos if field(reader, "tokenizer.ggml.add_eos_token", False) else None)
+    return Tokenizer(tok, field(reader, "tokenizer.chat_template"), bos, eos)
 
 
 def tokenizer_from_hf_dir(path: str) -> Tokenizer:

@@ -206,6 +206,38 @@ def tokenizer_reference(gguf_path: str) -> dict:
             "chat": tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)}
 
 
+GEMMA3_TOKENIZER_TEXTS = TOKENIZER_TEXTS + [
+    "",
+    "multiple  spaces   and    more     ",
+    " leading space, then\n\nblank lines\n\n\n\tand tabs\t\t",
+    "<start_of_turn>user\nhi<end_of_turn>\n",
+    "<bos>already has a bos, <eos> mid-text, [multimodal] and <unused0>",
+    "byte fallback: 𠜎𠜱𠝹 ꙮ 🫨🪿 \x00\x7f",
+]
+
+
+def merges_sha256(tokenizer_json: str) -> str:
+    """A fingerprint of the BPE merge list, in order, of a serialized `tokenizers.Tokenizer`."""
+    import hashlib
+
+    merges = json.loads(tokenizer_json)["model"]["merges"]
+    return hashlib.sha256(json.dumps(merges, ensure_ascii=False).encode()).hexdigest()
+
+
+def gemma3_tokenizer_reference(gguf_path: str) -> dict:
+    """transformers' Gemma 3 tokenizer read from the GGUF: ids (with BOS), both decodes, and
+    the fingerprint of the merges it rebuilt from the vocabulary (the file has none)."""
+    import transformers
+
+    folder, name = os.path.split(gguf_path)
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    ids = [tok(t, add_special_tokens=True)["input_ids"] for t in GEMMA3_TOKENIZER_TEXTS]
+    return {"texts": GEMMA3_TOKENIZER_TEXTS, "ids": ids,
+            "decoded": [tok.decode(i, skip_special_tokens=False) for i in ids],
+            "decoded_skipping_special": [tok.decode(i, skip_special_tokens=True) for i in ids],
+            "merges_sha256": merges_sha256(tok.backend_tokenizer.to_str())}
+
+
 def main() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
     from model import default_model_path
