@@ -15,6 +15,8 @@ ATTENTION = "attention"  # full causal self-attention
 SLIDING_ATTENTION = "sliding_attention"  # causal, keys within `sliding_window`
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# MLP activations: "silu" (Llama's SwiGLU), "gelu_tanh" (Gemma's GeGLU, GELU's tanh form).
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,13 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm of each q and k head over head_dim before RoPE (Qwen3)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # for SLIDING_ATTENTION layers
+    rope_local_theta: float | None = None  # RoPE base of SLIDING_ATTENTION layers, unscaled (Gemma 3)
+    hidden_act: str = "silu"  # the gated MLP's activation, one of ACTIVATIONS
+    embedding_multiplier: float = 1.0  # token embeddings are scaled by it (Gemma: sqrt(hidden_size))
+    attention_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
+    sandwich_norm: bool = False  # RMSNorm the attention and MLP outputs too, before the residual add (Gemma)
+    attn_logit_softcap: float | None = None  # attention scores become cap * tanh(s / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # so do the output logits (Gemma 2)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = "llama"
@@ -81,6 +90,16 @@ class ModelConfig:
             raise ValueError("layer_kinds must name at least one layer")
         if SLIDING_ATTENTION in self.layer_kinds and not self.sliding_window:
             raise ValueError("sliding_attention layers need sliding_window > 0")
+        for cap in ("attn_logit_softcap", "final_logit_softcap"):
+            if getattr(self, cap) is not None and getattr(self, cap) <= 0:
+                raise ValueError(f"ModelConfig.{cap} must be > 0 or None, got {getattr(self, cap)}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {ACTIVATIONS}")
+
+    @property
+    def sm_scale(self) -> float:
+        """The attention softmax scale."""
+        return self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
 
     @property
     def num_layers(self) -> int:
@@ -112,7 +131,12 @@ HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
+_HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# Gemma's sliding_window_pattern: every n-th layer global, the others sliding
+GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
 
 
 HF_REQUIRED = ("num_attention_heads", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size")
@@ -144,6 +168,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             kinds, window = (ATTENTION,) * num_layers, None
     elif family == "mistral" and window:
         kinds = (SLIDING_ATTENTION,) * num_layers
+    elif family in GEMMA_SLIDING_PATTERN:
+        kinds = _gemma_layer_kinds(hf, num_layers, GEMMA_SLIDING_PATTERN[family])
     else:
         kinds, window = (ATTENTION,) * num_layers, None
     # transformers >= 5 writes `rope_parameters` (theta inside) instead of rope_theta/rope_scaling.
@@ -151,24 +177,64 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     eos = hf.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0]
+    extra = _gemma_from_hf(hf, hidden, family) if family in GEMMA_SLIDING_PATTERN else {}
+    if family == "gemma3":  # rope_parameters per layer type; the global layers' here
+        rope = rope.get("full_attention") or {"rope_theta": hf.get("rope_theta", 1_000_000.0),
+                                              **(hf.get("rope_scaling") or {})}
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hidden,
         intermediate_size=hf["intermediate_size"],
         num_heads=num_heads,
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        # Qwen3Config's own default head_dim is 128, not hidden / heads
-        head_dim=hf.get("head_dim") or (128 if family == "qwen3" else hidden // num_heads),
+        # Qwen3's and Gemma's config classes default head_dim to a constant, not hidden / heads
+        head_dim=hf.get("head_dim") or {"qwen3": 128, "gemma2": 256, "gemma3": 256}.get(family, hidden // num_heads),
         layer_kinds=kinds,
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
         rope_scaling=rope_scaling_from_hf(hf.get("rope_scaling") or rope),
         attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=family in ("qwen3", "gemma3"),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family in GEMMA_SLIDING_PATTERN)),
         sliding_window=window,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=eos,
         name=family,
+        **extra,
     )
+
+
+def _gemma_layer_kinds(hf: dict[str, Any], num_layers: int, pattern: int) -> tuple[str, ...]:
+    types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % hf.get("sliding_window_pattern", pattern) == 0
+        else "sliding_attention" for i in range(num_layers)]
+    kinds = {"full_attention": ATTENTION, "sliding_attention": SLIDING_ATTENTION}
+    if len(types) != num_layers or any(t not in kinds for t in types):
+        raise ValueError(f"config.json: layer_types must name {num_layers} layers from {sorted(kinds)}, "
+                         f"got {types!r}")
+    return tuple(kinds[t] for t in types)
+
+
+def _gemma_from_hf(hf: dict[str, Any], hidden: int, family: str) -> dict[str, Any]:
+    """What Gemma 2 / 3 change in the Llama layer: GeGLU, scaled embeddings, norms around both
+    sublayers, a softmax scale from query_pre_attn_scalar; Gemma 2 soft-caps attention scores
+    and logits, Gemma 3 rotates its sliding layers with their own RoPE base."""
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("config.json: use_bidirectional_attention (an encoder) is not supported")
+    act = hf.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in _HF_ACTIVATIONS:
+        raise ValueError(f"config.json: unsupported hidden_activation {act!r}; supported: "
+                         f"{sorted(_HF_ACTIVATIONS)}")
+    extra = dict(hidden_act=_HF_ACTIVATIONS[act], embedding_multiplier=hidden ** 0.5, sandwich_norm=True,
+                 attention_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5)
+    if family == "gemma2":
+        return dict(extra, attn_logit_softcap=hf.get("attn_logit_softcapping", 50.0),
+                    final_logit_softcap=hf.get("final_logit_softcapping", 30.0))
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ValueError(f"config.json: {key} (soft-capping) is not part of Gemma 3")
+    local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"config.json: scaled RoPE on sliding layers ({local['rope_type']}) is not supported")
+    return dict(extra, rope_local_theta=float(local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))))

@@ -70,6 +70,8 @@ class ForwardContext:
     layout: the same tokens as a RaggedLayout (what attention layers hand the kernel).
     shared: state a layer publishes for later layers (cross-layer KV reuse); a layer
     returns a new context with `dataclasses.replace(ctx, shared={...})`.
+    rope_local: (cos, sin) of sliding-window layers when they rotate with their own base
+    (model.config rope_local_theta, Gemma 3), else None (they use `rope`).
     """
 
     positions: jax.Array
@@ -80,6 +82,7 @@ class ForwardContext:
     tree: TokenTree | None = None
     layout: RaggedLayout | None = None
     shared: dict = dataclasses.field(default_factory=dict)
+    rope_local: tuple[jax.Array, jax.Array] | None = None
 
 
 def ragged_layout(positions: jax.Array, tree: TokenTree | None = None) -> RaggedLayout:

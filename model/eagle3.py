@@ -159,7 +159,7 @@ def layer_input(params: dict, config: Eagle3Config, hidden: jnp.ndarray,
                 tokens: jnp.ndarray) -> jnp.ndarray:
     """[RMSNorm(embed(tokens)) ; RMSNorm(hidden)]: [B, T, 2H], the input to q/k/v."""
     eps, layer = config.target.rms_norm_eps, params["layer"]
-    embeds = params["embed"][tokens].astype(hidden.dtype)
+    embeds = params["embed"][tokens].astype(hidden.dtype) * config.target.embedding_multiplier
     return jnp.concatenate([rms_norm(embeds, layer["input_norm"], eps),
                             rms_norm(hidden, layer["hidden_norm"], eps)], axis=-1)
 

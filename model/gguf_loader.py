@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from model.config import ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeScaling
+from model.config import ATTENTION, GEMMA_SLIDING_PATTERN, SLIDING_ATTENTION, ModelConfig, RopeScaling
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+GEMMA3_LOCAL_THETA = 10_000.0  # llama.cpp's fixed RoPE base of Gemma 3's sliding layers
 
 
 def open_gguf(path: str):
@@ -50,6 +51,12 @@ def config_from_gguf(reader) -> ModelConfig:
         raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: linear, yarn")
     window = field(reader, f"{arch}.attention.sliding_window")
     kinds = (SLIDING_ATTENTION if window else ATTENTION,) * layers
+    extra = {}
+    if arch == "gemma3":  # as llama.cpp builds it: every 6th layer global, GeGLU, sandwich norms
+        kinds = tuple(ATTENTION if (i + 1) % GEMMA_SLIDING_PATTERN[arch] == 0 else SLIDING_ATTENTION
+                      for i in range(layers))
+        extra = dict(hidden_act="gelu_tanh", embedding_multiplier=hidden ** 0.5, sandwich_norm=True,
+                     rope_local_theta=GEMMA3_LOCAL_THETA)
     vocab = field(reader, f"{arch}.vocab_size") or len(field(reader, "tokenizer.ggml.tokens"))
     return ModelConfig(
         vocab_size=int(vocab),
@@ -64,12 +71,13 @@ def config_from_gguf(reader) -> ModelConfig:
         rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         tie_word_embeddings="output.weight" not in names,
         sliding_window=int(window) if window else None,
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=field(reader, "tokenizer.ggml.eos_token_id"),
         name=arch,
+        **extra,
     )
 
 
@@ -86,6 +94,8 @@ _LAYER_TENSORS = {
     "attn_output.weight": "wo", "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up",
     "ffn_down.weight": "w_down", "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
     "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+    # Gemma 3's norms after attention and the MLP (GGUF stores its norm weights as 1 + w)
+    "post_attention_norm.weight": "attn_post_norm", "post_ffw_norm.weight": "mlp_post_norm",
 }
 
 

@@ -19,6 +19,13 @@ _LAYER_TENSORS = {
     "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down",
 }
 _TOP_TENSORS = {"model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head", "model.norm.weight": "final_norm"}
+# Gemma 2 / 3 name their norms after where they sit: post_attention_layernorm is the
+# attention output's norm there, not the MLP's input norm as in Llama.
+_SANDWICH_TENSORS = {**_LAYER_TENSORS, "post_attention_layernorm.weight": "attn_post_norm",
+                     "pre_feedforward_layernorm.weight": "mlp_norm",
+                     "post_feedforward_layernorm.weight": "mlp_post_norm"}
+NORMS = frozenset({"attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm", "q_norm", "k_norm",
+                   "final_norm"})
 
 
 def read_hf_config(path: str) -> ModelConfig:
@@ -47,6 +54,9 @@ def params_from_hf_dir(path: str, config: ModelConfig, dtype=np.float32,
     if not files:
         raise ValueError(f"{path} has no *.safetensors files")
     params: dict = {"layers": [{} for _ in range(config.num_layers)]}
+    layer_tensors = _SANDWICH_TENSORS if config.sandwich_norm else _LAYER_TENSORS
+    # Gemma's RMSNorm multiplies by (1 + weight): store the factor itself, as GGUF files do
+    norm_offset = 1.0 if config.name.startswith("gemma") else 0.0
     for file in files:
         with safe_open(file, framework="numpy") as f:
             for name in f.keys():
@@ -58,13 +68,15 @@ def params_from_hf_dir(path: str, config: ModelConfig, dtype=np.float32,
                     idx, rest = name[len("model.layers."):].split(".", 1)
                     if rest.endswith("rotary_emb.inv_freq"):
                         continue
-                    if rest not in _LAYER_TENSORS:
+                    if rest not in layer_tensors:
                         raise ValueError(f"unexpected tensor {name!r} in {path}")
-                    key, layer = _LAYER_TENSORS[rest], int(idx)
+                    key, layer = layer_tensors[rest], int(idx)
                 else:
                     raise ValueError(f"unexpected tensor {name!r} in {path}")
                 tensor = f.get_slice(name)  # [out, in] rows read on demand; bf16 arrives as ml_dtypes.bfloat16
-                w = store_rows(key, lambda r0, r1, tensor=tensor: np.asarray(tensor[r0:r1], np.float32),
+                shift = norm_offset if key in NORMS else 0.0
+                w = store_rows(key, lambda r0, r1, tensor=tensor, shift=shift:
+                               np.asarray(tensor[r0:r1], np.float32) + np.float32(shift),
                                tensor.get_shape()[0], weights_dtype, dtype)
                 if layer is None:
                     params[key] = w

@@ -116,7 +116,7 @@ def _attention_layer(layer, config: ModelConfig, x, kv_cache_dtype: str, window:
     cache = init_cache(config, 1, t, jnp.float32, None, kv_cache_dtype)
     positions = jnp.arange(t, dtype=jnp.int32)[None]
     num_pages = jax.tree.leaves(cache.layers[0])[0].shape[0]
-    ctx = ForwardContext(positions, rope_tables(config, positions), cache.block_tables,
+    ctx = ForwardContext(positions, rope_tables(config, positions, local=window is not None), cache.block_tables,
                          slot_mapping(positions, cache.block_tables, cache.page_size, num_pages),
                          cache.page_size)
     h = rms_norm(x[None], layer["attn_norm"], config.rms_norm_eps)

@@ -14,6 +14,7 @@ from model.kv_formats import KVPages, kernel_pages, plain_pages, read_kv, write_
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.paged_attention.kv_formats import resolve as resolve_format
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
+from pallas_kernels.variant import resolve as resolve_variant
 from model.lora import linear  # float [in, out] weights, quantized containers or LoRAWeight alike
 from model.rope import apply_rope
 
@@ -25,26 +26,33 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def mlp(params: dict, x: jnp.ndarray) -> jnp.ndarray:
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
+def mlp(params: dict, x: jnp.ndarray, act: str = "silu") -> jnp.ndarray:
+    """Gated MLP: down(act(gate(x)) * up(x)); act is a model.config.ACTIVATIONS name
+    (SwiGLU for "silu", Gemma's GeGLU for "gelu_tanh")."""
     gate = linear(x, params["w_gate"])
-    return linear(jax.nn.silu(gate) * linear(x, params["w_up"]), params["w_down"])
+    return linear(_ACTIVATIONS[act](gate) * linear(x, params["w_up"]), params["w_down"])
 
 
 def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, q_positions: jnp.ndarray,
-           sliding_window: int | None, sm_scale: float, tree: TokenTree | None = None) -> jnp.ndarray:
+           sliding_window: int | None, sm_scale: float, tree: TokenTree | None = None,
+           soft_cap: float | None = None) -> jnp.ndarray:
     """Causal GQA attention of q [B, T, Hq, D] over position-ordered k, v [B, S, Hkv, D].
 
     Row s of k/v holds position s; a query at position p sees rows s <= p (and
     s > p - window for sliding layers). With a `tree`, rows in the tree region are seen
     through its mask instead, and the window counts from the query's RoPE position
     (a node's ancestors are always inside a window longer than the tree is deep).
-    Returns [B, T, Hq, D].
+    soft_cap: scaled scores become cap * tanh(s / cap) (Gemma 2). Returns [B, T, Hq, D].
     """
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     slots = jnp.arange(k.shape[1])[None, None, :]
     visible = slots <= q_positions[:, :, None]
     window_from = q_positions
@@ -76,6 +84,7 @@ class AttentionOptions:
     kv_format: object  # None, a kv_formats name or a TurboQuant(Split)
     max_q_len: int
     max_chunks: int
+    soft_cap: float | None = None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -86,7 +95,7 @@ def _ragged_attention(options: AttentionOptions, q, k, v, k_pages, v_pages, bloc
     come from the XLA path, which computes the same function in plain jnp."""
     out, _, k_pages, v_pages = ragged_paged_attention(
         q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sm_scale=options.sm_scale,
-        sliding_window=options.sliding_window, tree=tree, kv_format=options.kv_format,
+        sliding_window=options.sliding_window, soft_cap=options.soft_cap, tree=tree, kv_format=options.kv_format,
         max_q_len=options.max_q_len, max_chunks=options.max_chunks)
     return out, k_pages, v_pages
 
@@ -95,7 +104,8 @@ def _ragged_xla(options: AttentionOptions, *args):
     fmt = None if options.kv_format is None else resolve_format(options.kv_format)
     out, _, k_pages, v_pages = ragged_paged_attention_xla(
         *args[:8], None, args[8], sm_scale=options.sm_scale, sliding_window=options.sliding_window,
-        kv_format=fmt, max_q_len=options.max_q_len, max_chunks=options.max_chunks)
+        kv_format=fmt, max_q_len=options.max_q_len, max_chunks=options.max_chunks,
+        variant=resolve_variant(None, options.soft_cap))
     return out, k_pages, v_pages
 
 
@@ -139,15 +149,16 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     if pages is None:
         cache = write_kv(cache, k, v, ctx)
         k_all, v_all = read_kv(cache, ctx, q.dtype)
-        out = attend(q, k_all, v_all, ctx.positions, sliding_window, hd ** -0.5, ctx.tree)
+        out = attend(q, k_all, v_all, ctx.positions, sliding_window, config.sm_scale, ctx.tree,
+                     config.attn_logit_softcap)
         return linear(out.reshape(b, t, -1), params["wo"]), cache
     layout = ctx.layout or ragged_layout(ctx.positions, ctx.tree)
     def pack(a):  # [B, T, H, D] -> the layout's token order [B * T, H, D]
         flat = a.reshape(b * t, *a.shape[2:])
         return flat if layout.order is None else flat[layout.order]
     kv_format, k_pages, v_pages = pages
-    options = AttentionOptions(hd ** -0.5, sliding_window, kv_format, layout.max_q_len,
-                               layout.max_chunks)
+    options = AttentionOptions(config.sm_scale, sliding_window, kv_format, layout.max_q_len,
+                               layout.max_chunks, config.attn_logit_softcap)
     out, k_pages, v_pages = _ragged_attention(
         options, pack(q), pack(k), pack(v), k_pages, v_pages, ctx.block_tables, layout.cu_q_lens,
         layout.kv_lens, layout.tree)

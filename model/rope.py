@@ -65,10 +65,17 @@ def rope_frequencies(dim: int, theta: float, scaling: RopeScaling,
     return inv_freq.astype(np.float32), float(attention_factor)
 
 
-def rope_tables(config: ModelConfig, positions: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """cos, sin of shape [*positions.shape, head_dim] (float32) for `positions` (int)."""
-    inv_freq, attention_factor = rope_frequencies(
-        config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
+def rope_tables(config: ModelConfig, positions: jnp.ndarray, local: bool = False
+                ) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """cos, sin of shape [*positions.shape, head_dim] (float32) for `positions` (int).
+
+    local: the tables of sliding-window layers, which rotate with their own unscaled base
+    when the config gives one (Gemma 3's rope_local_theta)."""
+    theta, scaling = config.rope_theta, config.rope_scaling
+    if local and config.rope_local_theta is not None:
+        theta, scaling = config.rope_local_theta, RopeScaling()
+    inv_freq, attention_factor = rope_frequencies(config.head_dim, theta, scaling,
+                                                  config.max_position_embeddings)
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb) * attention_factor, jnp.sin(emb) * attention_factor

@@ -6,7 +6,10 @@ copies them on CPU). Weights are stored [in_features, out_features].
     params = {"embed": [V, H], "final_norm": [H], "lm_head": [H, V] (untied only),
               "layers": [{"attn_norm", "wq", "wk", "wv", "wo", ("bq", "bk", "bv"),
                           ("q_norm", "k_norm") [head_dim], "mlp_norm", "w_gate", "w_up",
-                          "w_down"}, ...]}
+                          "w_down", ("attn_post_norm", "mlp_post_norm") [H]}, ...]}
+
+Norm weights multiply the normalised input as they are: checkpoints that store Gemma's
+(1 + weight) form are converted when loaded.
 
 Projections (and the embedding and head) may be packed (pallas_kernels.quant_matmul's
 PackedWeight, what `model.load(..., weights_dtype=...)` returns): a packed embedding is
@@ -68,23 +71,33 @@ def _init_decoder_layer(config: ModelConfig, key: jax.Array, dtype) -> dict:
     if config.qk_norm:
         layer["q_norm"] = jnp.ones((hd,), dtype)
         layer["k_norm"] = jnp.ones((hd,), dtype)
+    if config.sandwich_norm:
+        layer["attn_post_norm"] = jnp.ones((h,), dtype)
+        layer["mlp_post_norm"] = jnp.ones((h,), dtype)
     return layer
 
 
-def _decoder_layer(window_of: Callable[[ModelConfig], int | None]):
+def _decoder_layer(sliding: bool):
     def apply(params, config, x, cache, ctx):
-        h = rms_norm(x, params["attn_norm"], config.rms_norm_eps)
-        attn, cache = attention_block(params, config, h, cache, ctx, window_of(config))
+        eps = config.rms_norm_eps
+        layer_ctx = ctx
+        if sliding and ctx.rope_local is not None:
+            layer_ctx = dataclasses.replace(ctx, rope=ctx.rope_local)
+        attn, cache = attention_block(params, config, rms_norm(x, params["attn_norm"], eps), cache,
+                                      layer_ctx, config.sliding_window if sliding else None)
+        if config.sandwich_norm:
+            attn = rms_norm(attn, params["attn_post_norm"], eps)
         x = x + attn
-        x = x + mlp(params, rms_norm(x, params["mlp_norm"], config.rms_norm_eps))
-        return x, cache, ctx
+        out = mlp(params, rms_norm(x, params["mlp_norm"], eps), config.hidden_act)
+        if config.sandwich_norm:
+            out = rms_norm(out, params["mlp_post_norm"], eps)
+        return x + out, cache, ctx
     return apply
 
 
 LAYER_KINDS: dict[str, LayerKind] = {
-    ATTENTION: LayerKind(_init_decoder_layer, init_kv_pages, _decoder_layer(lambda c: None)),
-    SLIDING_ATTENTION: LayerKind(_init_decoder_layer, init_kv_pages,
-                                 _decoder_layer(lambda c: c.sliding_window)),
+    ATTENTION: LayerKind(_init_decoder_layer, init_kv_pages, _decoder_layer(sliding=False)),
+    SLIDING_ATTENTION: LayerKind(_init_decoder_layer, init_kv_pages, _decoder_layer(sliding=True)),
 }
 
 
@@ -174,7 +187,15 @@ def forward_context(config: ModelConfig, positions: jnp.ndarray, cache: KVCache,
     return ForwardContext(
         positions=positions, rope=rope_tables(config, rope_positions), block_tables=cache.block_tables,
         slots=slot_mapping(positions, cache.block_tables, cache.page_size, _num_pages(cache)),
-        page_size=cache.page_size, tree=tree, layout=ragged_layout(positions, tree))
+        page_size=cache.page_size, tree=tree, layout=ragged_layout(positions, tree),
+        rope_local=_rope_local(config, rope_positions))
+
+
+def _rope_local(config: ModelConfig, rope_positions: jnp.ndarray):
+    """Sliding layers' own RoPE tables, when the model gives them another base (Gemma 3)."""
+    if config.rope_local_theta is None or SLIDING_ATTENTION not in config.layer_kinds:
+        return None
+    return rope_tables(config, rope_positions, local=True)
 
 
 def _check_tree(config: ModelConfig, tokens, tree: TokenTree) -> None:
@@ -202,7 +223,7 @@ def forward_hidden(params: dict, config: ModelConfig, tokens: jnp.ndarray, posit
         raise ValueError(f"capture_layers {capture_layers} must be in [0, {config.num_layers})")
     if tree is not None:
         _check_tree(config, tokens, tree)
-    x = embed(params, tokens)
+    x = embed(params, tokens, config)
     ctx = forward_context(config, positions, cache, tree)
     hidden, layers, captured = _run_layers(params, config, x, cache.layers, ctx, capture_layers)
     return hidden, KVCache(layers, cache.block_tables, cache.page_size), captured
@@ -244,19 +265,23 @@ def forward_packed(params: dict, config: ModelConfig, tokens: jnp.ndarray, posit
         raise ValueError("packed steps cannot use KIVI pages (their newest page is kept per batch row)")
     ctx = ForwardContext(positions=positions[None], rope=rope_tables(config, positions[None]),
                          block_tables=cache.block_tables, slots=None, page_size=cache.page_size,
-                         layout=layout)
-    hidden, layers, captured = _run_layers(params, config, embed(params, tokens)[None], cache.layers,
+                         layout=layout, rope_local=_rope_local(config, positions[None]))
+    hidden, layers, captured = _run_layers(params, config, embed(params, tokens, config)[None], cache.layers,
                                            ctx, capture_layers)
     return hidden[0], KVCache(layers, cache.block_tables, cache.page_size), tuple(c[0] for c in captured)
 
 
-def embed(params: dict, tokens: jnp.ndarray) -> jnp.ndarray:
+def embed(params: dict, tokens: jnp.ndarray, config: ModelConfig) -> jnp.ndarray:
     """Token embeddings [..., H] of int tokens [...] (float rows of a [V, H] table, or the
-    dequantized columns of a packed [H, V] one)."""
+    dequantized columns of a packed [H, V] one), times config.embedding_multiplier."""
     table, dtype = params["embed"], params["final_norm"].dtype  # rows in the compute dtype
     if isinstance(table, PackedWeight):
-        return table.columns(tokens.reshape(-1), dtype).reshape(*tokens.shape, table.shape[0])
-    return table[tokens].astype(dtype)
+        rows = table.columns(tokens.reshape(-1), dtype).reshape(*tokens.shape, table.shape[0])
+    else:
+        rows = table[tokens].astype(dtype)
+    if config.embedding_multiplier != 1.0:  # in the compute dtype, as Gemma scales them
+        rows = rows * jnp.asarray(config.embedding_multiplier, dtype)
+    return rows
 
 
 def head_weight(params: dict, config: ModelConfig):
@@ -268,8 +293,11 @@ def head_weight(params: dict, config: ModelConfig):
 
 
 def lm_head(params: dict, config: ModelConfig, hidden: jnp.ndarray) -> jnp.ndarray:
-    """Logits [..., V] (float32) from final hidden states [..., H]."""
-    return linear(hidden, head_weight(params, config)).astype(jnp.float32)
+    """Logits [..., V] (float32) from final hidden states [..., H], soft-capped when the
+    model says so (Gemma 2: cap * tanh(logits / cap))."""
+    logits = linear(hidden, head_weight(params, config)).astype(jnp.float32)
+    cap = config.final_logit_softcap
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def _check_consecutive(positions: np.ndarray) -> None:

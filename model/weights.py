@@ -37,6 +37,8 @@ def expected_layer_params(config) -> frozenset[str]:
         names |= {"bq", "bk", "bv"}
     if config.qk_norm:
         names |= {"q_norm", "k_norm"}
+    if config.sandwich_norm:
+        names |= {"attn_post_norm", "mlp_post_norm"}
     return frozenset(names)
 
 

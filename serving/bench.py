@@ -158,12 +158,20 @@ def _time_llama_cpp(gguf_path: str, prompt: list[int], new_tokens: int) -> float
     return best
 
 
+def _prompt_ids(tok, text: str) -> list[int]:
+    """`text` as a user turn of the model's chat template, or plain when it has none (a base
+    model such as Gemma 3 270M)."""
+    if tok.chat_template:
+        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
+    return tok.encode(text)
+
+
 def bench_decode(args) -> None:
     import jax
 
     import model
 
-    path = model.default_model_path() if args.model == "default" else args.model
+    path = model.source_path(args.model)
     file_mb = os.path.getsize(path) / 1e6
     peers: dict[int, float | None] = {}
     llama = None
@@ -178,7 +186,7 @@ def bench_decode(args) -> None:
             llm = _llm(args, batch, weights)
             resident = sum(int(a.nbytes) for a in jax.tree.leaves(llm.runner.params)) / 1e6
             tok = llm.get_tokenizer()
-            ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=True)
+            ids = _prompt_ids(tok, PROMPT)
             ours = _time_ours(llm, [ids] * batch, args.new_tokens)
             del llm
             if batch not in peers:
@@ -195,11 +203,10 @@ def bench_decode(args) -> None:
 def bench_offline(args) -> None:
     import model
 
-    path = model.default_model_path() if args.model == "default" else args.model
+    path = model.source_path(args.model)
     llm = _llm(args, args.num_prompts, _weights(args))
     tok = llm.get_tokenizer()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Write a paragraph about {t}."}],
-                                       tokenize=True) for t in (TOPICS * 8)[:args.num_prompts]]
+    prompts = [_prompt_ids(tok, f"Write a paragraph about {t}.") for t in (TOPICS * 8)[:args.num_prompts]]
     ours = _time_ours(llm, prompts, args.new_tokens)
     peer = _time_transformers(path, prompts, args.new_tokens) if path.endswith(".gguf") else None
     _table(f"offline: {args.num_prompts} different chat prompts ({min(map(len, prompts))}-"
@@ -380,9 +387,8 @@ def bench_speculative(args) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     rows = []
     for batch in args.batch_sizes:
-        prompts = [{"prompt_token_ids": tok.apply_chat_template(
-            [{"role": "user", "content": f"Write a paragraph about {t}."}], tokenize=True)}
-            for t in (TOPICS * 8)[:batch]]
+        prompts = [{"prompt_token_ids": _prompt_ids(tok, f"Write a paragraph about {t}.")}
+                   for t in (TOPICS * 8)[:batch]]
         kw = dict(max_model_len=512, max_num_seqs=batch, max_num_batched_tokens=max(512, 64 * batch),
                   enable_prefix_caching=False)  # see _llm
         result = {}
@@ -445,9 +451,8 @@ def bench_structured(args) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=so)
     rows = []
     for batch in args.batch_sizes:
-        prompts = [{"prompt_token_ids": tok.apply_chat_template(
-            [{"role": "user", "content": f"Describe a well-known book about {t} as a JSON record."}],
-            tokenize=True)} for t in (TOPICS * 8)[:batch]]
+        prompts = [{"prompt_token_ids": _prompt_ids(tok, f"Describe a well-known book about {t} as a JSON record.")}
+                   for t in (TOPICS * 8)[:batch]]
         kw = dict(max_model_len=512, max_num_seqs=batch, max_num_batched_tokens=max(512, 64 * batch),
                   enable_prefix_caching=False)  # see _llm
         result = {}
@@ -511,9 +516,8 @@ def bench_lora(args) -> None:
 
     config, params = model.load(args.model, weights_dtype=_weights(args))
     tok = model.load_tokenizer(args.model)
-    prompts = [{"prompt_token_ids": tok.apply_chat_template(
-        [{"role": "user", "content": f"Write a few sentences about {t}."}], tokenize=True)}
-        for t in (TOPICS * 8)[:args.batch]]
+    prompts = [{"prompt_token_ids": _prompt_ids(tok, f"Write a few sentences about {t}.")}
+               for t in (TOPICS * 8)[:args.batch]]
     greedy = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     kw = dict(max_model_len=512, max_num_seqs=args.batch, max_num_batched_tokens=max(512, 64 * args.batch),
               enable_prefix_caching=False)  # see _llm

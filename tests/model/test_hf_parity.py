@@ -32,7 +32,7 @@ def test_tiny_checkpoint_matches_transformers(name):
     np.testing.assert_allclose(run_full(config, params, ref["tokens"]), ref["logits"], atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_yarn", "mistral_swa", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "llama_yarn", "mistral_swa", "qwen3", "gemma3"])
 def test_incremental_decode_matches_full_forward(name):
     """Prefill a prefix, then decode one token at a time through the cache."""
     config, params = model.load(tiny_path(name))
@@ -143,17 +143,17 @@ def smollm2_golden():
     return dict(np.load(os.path.join(golden.FIXTURES, "smollm2.npz")))
 
 
-def check_smollm2_logits(config, params, ref):
-    """All three prompts in one right-padded batch (one compilation)."""
-    prompts = [ref[f"prompt{i}"] for i in range(3)]
+def check_gguf_logits(config, params, ref):
+    """A golden.gguf_reference's prompts in one right-padded batch (one compilation)."""
+    prompts = [ref[f"prompt{i}"] for i in range(sum(k.startswith("prompt") for k in ref))]
     width = max(len(p) for p in prompts)
-    tokens = np.zeros((3, width), np.int32)
-    positions = np.full((3, width), -1, np.int32)
+    tokens = np.zeros((len(prompts), width), np.int32)
+    positions = np.full((len(prompts), width), -1, np.int32)
     for i, ids in enumerate(prompts):
         tokens[i, :len(ids)], positions[i, :len(ids)] = ids, np.arange(len(ids))
-    cache = model.init_cache(config, 3, width)
+    cache = model.init_cache(config, len(prompts), width)
     logits, _ = model.forward(params, config, jnp.asarray(tokens), jnp.asarray(positions), cache)
-    for i in range(3):
+    for i in range(len(prompts)):
         at = np.asarray(logits[i])[ref[f"positions{i}"]]
         np.testing.assert_allclose(at[:, ref["vocab_ids"]], ref[f"subset_logits{i}"], atol=1e-3, rtol=0)
         np.testing.assert_allclose(np.take_along_axis(at, ref[f"top_ids{i}"], axis=-1),
@@ -163,7 +163,7 @@ def check_smollm2_logits(config, params, ref):
 def test_default_model_logits_match_transformers(default_model, smollm2_golden):
     """Three prompts, one longer than 512 tokens, against transformers reading the same GGUF."""
     assert len(smollm2_golden["prompt2"]) > 512
-    check_smollm2_logits(*default_model, smollm2_golden)
+    check_gguf_logits(*default_model, smollm2_golden)
 
 
 def test_default_model_greedy_matches_transformers(default_model, default_tokenizer, smollm2_golden):
@@ -202,5 +202,5 @@ def test_tiny_live_against_transformers(name):
 @pytest.mark.oracle
 def test_default_model_live_against_transformers(default_model):
     pytest.importorskip("transformers")
-    ref = golden.smollm2_reference(model.default_model_path(), greedy_tokens=4)
-    check_smollm2_logits(*default_model, ref)
+    ref = golden.gguf_reference(model.default_model_path(), golden.smollm2_prompts, greedy_tokens=4)
+    check_gguf_logits(*default_model, ref)

@@ -18,7 +18,7 @@ from model.weights import WEIGHTS_DTYPES
 from quant.packed import K_BLOCK_BYTES, FORMATS, GGUF_FORMATS, PackedWeight, from_gguf, quantize
 from model.lora import linear
 from quant import pack_params
-from tests.model.test_hf_parity import check_smollm2_logits, smollm2_golden  # noqa: F401 (fixture)
+from tests.model.test_hf_parity import check_gguf_logits, smollm2_golden  # noqa: F401 (fixture)
 
 RNG = np.random.default_rng(0)
 
@@ -147,7 +147,7 @@ def test_default_model_keeps_its_gguf_blocks(smollm2_golden):  # noqa: F811 (fix
     assert {w.fmt for w in leaves if isinstance(w, PackedWeight)} == {"q4_1", "q8_0"}
     assert sum(int(a.nbytes) for a in jax.tree.leaves(params)) == _gguf_tensor_bytes()
     assert peak < EMBED_FLOAT32_BYTES / 3  # never a float32 copy of the largest matrix
-    check_smollm2_logits(config, params, smollm2_golden)
+    check_gguf_logits(config, params, smollm2_golden)
 
 
 def _perplexity_and_argmax(config, params, tokens):
