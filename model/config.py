@@ -15,8 +15,10 @@ ATTENTION = "attention"  # full causal self-attention
 SLIDING_ATTENTION = "sliding_attention"  # causal, keys within `sliding_window`
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# MLP activations: "silu" (Llama's SwiGLU), "gelu_tanh" (Gemma's GeGLU, GELU's tanh form).
-ACTIVATIONS = ("silu", "gelu_tanh")
+# MLP activations: "silu" (Llama's SwiGLU), "gelu_tanh" (Gemma's GeGLU, GELU's tanh form),
+# "swiglu_oai" (gpt-oss's clamped SwiGLU, model.layers.gated).
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
+MOE_ROUTERS = ("softmax_topk", "topk_softmax")  # model/moe.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +74,18 @@ class ModelConfig:
     sandwich_norm: bool = False  # RMSNorm the attention and MLP outputs too, before the residual add (Gemma)
     attn_logit_softcap: float | None = None  # attention scores become cap * tanh(s / cap) (Gemma 2)
     final_logit_softcap: float | None = None  # so do the output logits (Gemma 2)
+    attention_out_bias: bool = False  # the output projection carries a bias too (gpt-oss)
+    attention_sinks: bool = False  # a learned logit per query head in each softmax's denominator (gpt-oss)
+    swiglu_limit: float | None = None  # the clamp of hidden_act "swiglu_oai"
+    # Mixture of experts (model/moe.py): the MLPs of layers `moe_layers` route each token to
+    # num_experts_per_tok of num_experts experts of width moe_intermediate_size.
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None  # None: intermediate_size
+    moe_router: str = "softmax_topk"  # one of MOE_ROUTERS
+    norm_topk_prob: bool = False  # softmax_topk: renormalise the k kept weights to sum to one
+    moe_bias: bool = False  # router and expert projections carry biases (gpt-oss)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = "llama"
@@ -95,6 +109,16 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{cap} must be > 0 or None, got {getattr(self, cap)}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {ACTIVATIONS}")
+        if (self.hidden_act == "swiglu_oai") != (self.swiglu_limit is not None and self.swiglu_limit > 0):
+            raise ValueError("hidden_act 'swiglu_oai' needs swiglu_limit > 0 (and only it takes one)")
+        if self.moe_layers:
+            if any(not 0 <= i < self.num_layers for i in self.moe_layers):
+                raise ValueError(f"moe_layers {self.moe_layers} must be layer indices in [0, {self.num_layers})")
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"MoE needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= "
+                                 f"num_experts ({self.num_experts})")
+            if self.moe_router not in MOE_ROUTERS:
+                raise ValueError(f"unknown moe_router {self.moe_router!r}; known: {MOE_ROUTERS}")
 
     @property
     def sm_scale(self) -> float:
@@ -131,8 +155,10 @@ HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Gemma's sliding_window_pattern: every n-th layer global, the others sliding
@@ -158,7 +184,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     hidden = hf["hidden_size"]
     num_layers = hf["num_hidden_layers"]
     window = hf.get("sliding_window")
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         # Qwen2/3 only slide when use_sliding_window is set, and then only on the
         # layers from max_window_layers on.
         if hf.get("use_sliding_window") and window:
@@ -170,6 +196,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         kinds = (SLIDING_ATTENTION,) * num_layers
     elif family in GEMMA_SLIDING_PATTERN:
         kinds = _gemma_layer_kinds(hf, num_layers, GEMMA_SLIDING_PATTERN[family])
+    elif family == "gpt_oss":  # alternating sliding / full unless layer_types says otherwise
+        kinds = _gemma_layer_kinds(hf, num_layers, 2)
     else:
         kinds, window = (ATTENTION,) * num_layers, None
     # transformers >= 5 writes `rope_parameters` (theta inside) instead of rope_theta/rope_scaling.
@@ -177,7 +205,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     eos = hf.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0]
-    extra = _gemma_from_hf(hf, hidden, family) if family in GEMMA_SLIDING_PATTERN else {}
+    extra = _gemma_from_hf(hf, hidden, family) if family in GEMMA_SLIDING_PATTERN else \
+        _moe_from_hf(hf, num_layers, family) if family in ("qwen3_moe", "gpt_oss") else {}
     if family == "gemma3":  # rope_parameters per layer type; the global layers' here
         rope = rope.get("full_attention") or {"rope_theta": hf.get("rope_theta", 1_000_000.0),
                                               **(hf.get("rope_scaling") or {})}
@@ -188,14 +217,17 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         # Qwen3's and Gemma's config classes default head_dim to a constant, not hidden / heads
-        head_dim=hf.get("head_dim") or {"qwen3": 128, "gemma2": 256, "gemma3": 256}.get(family, hidden // num_heads),
+        head_dim=hf.get("head_dim") or {"qwen3": 128, "gemma2": 256, "gemma3": 256, "gpt_oss": 64}.get(
+            family, hidden // num_heads),
         layer_kinds=kinds,
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
         rope_scaling=rope_scaling_from_hf(hf.get("rope_scaling") or rope),
-        attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-        qk_norm=family in ("qwen3", "gemma3"),
+        attention_bias=family == "qwen2" or bool(hf.get("attention_bias", family == "gpt_oss")),
+        # the output projection shares q/k/v's bias setting, except in Qwen2 (q/k/v only)
+        attention_out_bias=family != "qwen2" and bool(hf.get("attention_bias", family == "gpt_oss")),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", family in GEMMA_SLIDING_PATTERN)),
         sliding_window=window,
         bos_token_id=hf.get("bos_token_id"),
@@ -203,6 +235,24 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         name=family,
         **extra,
     )
+
+
+def _moe_from_hf(hf: dict[str, Any], num_layers: int, family: str) -> dict[str, Any]:
+    """Qwen3-MoE: softmax over all experts, top k (renormalised when norm_topk_prob), SwiGLU
+    experts on the layers decoder_sparse_step / mlp_only_layers pick. gpt-oss: every layer,
+    softmax over the top k logits, clamped SwiGLU experts with biases, attention sinks."""
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    k = hf.get("num_experts_per_tok")
+    if not isinstance(experts, int) or not isinstance(k, int) or not 0 < k <= experts:
+        raise ValueError(f"config.json: a MoE needs 0 < num_experts_per_tok ({k!r}) <= num_experts ({experts!r})")
+    if family == "gpt_oss":
+        return dict(moe_layers=tuple(range(num_layers)), num_experts=experts, num_experts_per_tok=k,
+                    moe_router="topk_softmax", moe_bias=True, hidden_act="swiglu_oai",
+                    swiglu_limit=float(hf.get("swiglu_limit", 7.0)), attention_sinks=True)
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+    return dict(moe_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+                num_experts=experts, num_experts_per_tok=k, moe_intermediate_size=hf.get("moe_intermediate_size"),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 
 def _gemma_layer_kinds(hf: dict[str, Any], num_layers: int, pattern: int) -> tuple[str, ...]:

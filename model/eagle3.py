@@ -83,6 +83,7 @@ class Eagle3Config:
     def to_json(self) -> dict:
         target = dataclasses.asdict(self.target)
         target["layer_kinds"] = list(self.target.layer_kinds)
+        target["moe_layers"] = list(self.target.moe_layers)
         return {"method": "eagle3", "draft_vocab_size": self.draft_vocab_size,
                 "target_layer_ids": list(self.target_layer_ids), "hidden_size": self.hidden_size,
                 "target": self.target_source, "target_config": target}
@@ -93,6 +94,7 @@ class Eagle3Config:
             raise ValueError(f"not an EAGLE-3 draft config (method={d.get('method')!r})")
         t = dict(d["target_config"])
         t["layer_kinds"] = tuple(t["layer_kinds"])
+        t["moe_layers"] = tuple(t.get("moe_layers", ()))
         t["rope_scaling"] = RopeScaling(**t["rope_scaling"])
         return cls(ModelConfig(**t), int(d["draft_vocab_size"]), tuple(d["target_layer_ids"]),
                    d.get("target", ""))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 
 import numpy as np
 
@@ -17,7 +18,14 @@ _LAYER_TENSORS = {
     "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv",
     "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
     "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down",
+    "self_attn.o_proj.bias": "bo", "self_attn.sinks": "sinks",
+    # mixtures of experts (model/moe.py): Qwen3-MoE's router, gpt-oss's router and fused experts
+    "mlp.gate.weight": "router", "mlp.router.weight": "router", "mlp.router.bias": "router_bias",
+    "mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.gate_up_proj_bias": "experts_gate_up_bias",
+    "mlp.experts.down_proj": "experts_down", "mlp.experts.down_proj_bias": "experts_down_bias",
 }
+# Qwen3-MoE saves each expert's projections apart: mlp.experts.{e}.{gate,up,down}_proj.weight
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _TOP_TENSORS = {"model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head", "model.norm.weight": "final_norm"}
 # Gemma 2 / 3 name their norms after where they sit: post_attention_layernorm is the
 # attention output's norm there, not the MLP's input norm as in Llama.
@@ -48,7 +56,7 @@ def params_from_hf_dir(path: str, config: ModelConfig, dtype=np.float32,
     model/weights.py `store` says (in `dtype` when weights_dtype is None)."""
     from safetensors import safe_open
 
-    from model.weights import check_complete, store_rows
+    from model.weights import check_complete, store, store_rows
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -68,11 +76,27 @@ def params_from_hf_dir(path: str, config: ModelConfig, dtype=np.float32,
                     idx, rest = name[len("model.layers."):].split(".", 1)
                     if rest.endswith("rotary_emb.inv_freq"):
                         continue
+                    expert = _EXPERT.fullmatch(rest)
+                    if expert:  # gathered per expert, stacked [E, in, out] below
+                        e, proj = int(expert[1]), f"experts_{expert[2]}"
+                        w = np.asarray(f.get_tensor(name), np.float32).T
+                        params["layers"][int(idx)].setdefault(proj, {})[e] = store(proj, w, weights_dtype, dtype)
+                        continue
                     if rest not in layer_tensors:
                         raise ValueError(f"unexpected tensor {name!r} in {path}")
                     key, layer = layer_tensors[rest], int(idx)
                 else:
                     raise ValueError(f"unexpected tensor {name!r} in {path}")
+                if key.startswith("experts_"):  # gpt-oss's fused experts: [E, in, out] already, biases [E, out]
+                    w = np.asarray(f.get_tensor(name), np.float32)
+                    if key.startswith("experts_gate_up"):  # gate and up columns interleaved
+                        suffix = key[len("experts_gate_up"):]
+                        parts = {"experts_gate" + suffix: w[..., 0::2], "experts_up" + suffix: w[..., 1::2]}
+                    else:
+                        parts = {key: w}
+                    for part, value in parts.items():
+                        params["layers"][layer][part] = store(part, value, weights_dtype, dtype)
+                    continue
                 tensor = f.get_slice(name)  # [out, in] rows read on demand; bf16 arrives as ml_dtypes.bfloat16
                 shift = norm_offset if key in NORMS else 0.0
                 w = store_rows(key, lambda r0, r1, tensor=tensor, shift=shift:
@@ -82,5 +106,12 @@ def params_from_hf_dir(path: str, config: ModelConfig, dtype=np.float32,
                     params[key] = w
                 else:
                     params["layers"][layer][key] = w
+    for layer in params["layers"]:
+        for proj, experts in list(layer.items()):
+            if isinstance(experts, dict):
+                if sorted(experts) != list(range(config.num_experts)):
+                    raise ValueError(f"{path}: {proj} has experts {sorted(experts)[:8]}, the config "
+                                     f"{config.num_experts}")
+                layer[proj] = np.stack([experts[e] for e in range(config.num_experts)])
     check_complete(params, config, path)
     return params

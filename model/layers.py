@@ -27,25 +27,37 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
 
 
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+SWIGLU_OAI_ALPHA = 1.702  # gpt-oss's sigmoid slope
 
 
-def mlp(params: dict, x: jnp.ndarray, act: str = "silu") -> jnp.ndarray:
-    """Gated MLP: down(act(gate(x)) * up(x)); act is a model.config.ACTIVATIONS name
-    (SwiGLU for "silu", Gemma's GeGLU for "gelu_tanh")."""
-    gate = linear(x, params["w_gate"])
-    return linear(_ACTIVATIONS[act](gate) * linear(x, params["w_up"]), params["w_down"])
+def gated(gate: jnp.ndarray, up: jnp.ndarray, act: str = "silu", limit: float | None = None) -> jnp.ndarray:
+    """The gated MLP's hidden units from its gate and up projections; act is a
+    model.config.ACTIVATIONS name: act(gate) * up for "silu" (SwiGLU) and "gelu_tanh"
+    (Gemma's GeGLU); for "swiglu_oai" (gpt-oss) the gate is clamped above at `limit`, up to
+    [-limit, limit], and the units are (up + 1) * gate * sigmoid(1.702 * gate)."""
+    if act != "swiglu_oai":
+        return _ACTIVATIONS[act](gate) * up
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(SWIGLU_OAI_ALPHA * gate)
+
+
+def mlp(params: dict, x: jnp.ndarray, act: str = "silu", limit: float | None = None) -> jnp.ndarray:
+    """Gated MLP: down(gated(gate(x), up(x))) (see `gated` for act and limit)."""
+    return linear(gated(linear(x, params["w_gate"]), linear(x, params["w_up"]), act, limit), params["w_down"])
 
 
 def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, q_positions: jnp.ndarray,
            sliding_window: int | None, sm_scale: float, tree: TokenTree | None = None,
-           soft_cap: float | None = None) -> jnp.ndarray:
+           soft_cap: float | None = None, sinks: jnp.ndarray | None = None) -> jnp.ndarray:
     """Causal GQA attention of q [B, T, Hq, D] over position-ordered k, v [B, S, Hkv, D].
 
     Row s of k/v holds position s; a query at position p sees rows s <= p (and
     s > p - window for sliding layers). With a `tree`, rows in the tree region are seen
     through its mask instead, and the window counts from the query's RoPE position
     (a node's ancestors are always inside a window longer than the tree is deep).
-    soft_cap: scaled scores become cap * tanh(s / cap) (Gemma 2). Returns [B, T, Hq, D].
+    soft_cap: scaled scores become cap * tanh(s / cap) (Gemma 2). sinks: [Hq] logits that
+    join each softmax's denominator only (gpt-oss). Returns [B, T, Hq, D].
     """
     b, t, hq, d = q.shape
     hkv = k.shape[2]
@@ -68,7 +80,12 @@ def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, q_positions: jnp.ndar
         near = slots > window_from[:, :, None] - sliding_window
         visible &= near if tree is None else near | in_tree
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    if sinks is not None:  # one more column per head, dropped after the softmax
+        sink = sinks.astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1)
+        scores = jnp.concatenate([scores, jnp.broadcast_to(sink, (*scores.shape[:-1], 1))], axis=-1)
     probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
     # A padding query sees nothing; keep it finite instead of NaN.
     probs = jnp.where(jnp.isnan(probs), 0.0, probs).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
@@ -89,21 +106,21 @@ class AttentionOptions:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ragged_attention(options: AttentionOptions, q, k, v, k_pages, v_pages, block_tables, cu_q_lens,
-                      kv_lens, tree):
+                      kv_lens, sinks, tree):
     """(out, k_pages, v_pages) of pallas_kernels.ragged_paged_attention. Differentiable:
     the Pallas kernels have no autodiff rule, so gradients (training the EAGLE-3 draft)
     come from the XLA path, which computes the same function in plain jnp."""
     out, _, k_pages, v_pages = ragged_paged_attention(
         q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sm_scale=options.sm_scale,
-        sliding_window=options.sliding_window, soft_cap=options.soft_cap, tree=tree, kv_format=options.kv_format,
-        max_q_len=options.max_q_len, max_chunks=options.max_chunks)
+        sliding_window=options.sliding_window, soft_cap=options.soft_cap, sinks=sinks, tree=tree,
+        kv_format=options.kv_format, max_q_len=options.max_q_len, max_chunks=options.max_chunks)
     return out, k_pages, v_pages
 
 
 def _ragged_xla(options: AttentionOptions, *args):
     fmt = None if options.kv_format is None else resolve_format(options.kv_format)
     out, _, k_pages, v_pages = ragged_paged_attention_xla(
-        *args[:8], None, args[8], sm_scale=options.sm_scale, sliding_window=options.sliding_window,
+        *args, sm_scale=options.sm_scale, sliding_window=options.sliding_window,
         kv_format=fmt, max_q_len=options.max_q_len, max_chunks=options.max_chunks,
         variant=resolve_variant(None, options.soft_cap))
     return out, k_pages, v_pages
@@ -150,8 +167,8 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
         cache = write_kv(cache, k, v, ctx)
         k_all, v_all = read_kv(cache, ctx, q.dtype)
         out = attend(q, k_all, v_all, ctx.positions, sliding_window, config.sm_scale, ctx.tree,
-                     config.attn_logit_softcap)
-        return linear(out.reshape(b, t, -1), params["wo"]), cache
+                     config.attn_logit_softcap, params.get("sinks"))
+        return linear(out.reshape(b, t, -1), params["wo"], params.get("bo")), cache
     layout = ctx.layout or ragged_layout(ctx.positions, ctx.tree)
     def pack(a):  # [B, T, H, D] -> the layout's token order [B * T, H, D]
         flat = a.reshape(b * t, *a.shape[2:])
@@ -161,8 +178,8 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
                                layout.max_chunks, config.attn_logit_softcap)
     out, k_pages, v_pages = _ragged_attention(
         options, pack(q), pack(k), pack(v), k_pages, v_pages, ctx.block_tables, layout.cu_q_lens,
-        layout.kv_lens, layout.tree)
+        layout.kv_lens, params.get("sinks"), layout.tree)
     if layout.unorder is not None:
         out = out[layout.unorder]
     cache = dataclasses.replace(cache, pages={"k": k_pages, "v": v_pages})
-    return linear(out.reshape(b, t, -1), params["wo"]), cache
+    return linear(out.reshape(b, t, -1), params["wo"], params.get("bo")), cache

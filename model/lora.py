@@ -191,10 +191,13 @@ def init_stacks(config: ModelConfig, num_slots: int, rank: int, dtype=jnp.float3
     """Zero slot stacks for every projection of every layer: {"layers": [{name: (A
     [num_slots, in, rank], B [num_slots, rank, out])}]}."""
     shapes = projection_shapes(config)
-    return {"layers": [{name: (jnp.zeros((num_slots, d_in, rank), dtype),
-                               jnp.zeros((num_slots, rank, d_out), dtype))
-                        for name, (d_in, d_out) in shapes.items()}
-                       for _ in range(config.num_layers)]}
+    moe_mlp = ("w_gate", "w_up", "w_down")  # a mixture-of-experts layer has experts instead
+
+    def layer_stacks(i: int) -> dict:
+        return {name: (jnp.zeros((num_slots, d_in, rank), dtype), jnp.zeros((num_slots, rank, d_out), dtype))
+                for name, (d_in, d_out) in shapes.items() if i not in config.moe_layers or name not in moe_mlp}
+
+    return {"layers": [layer_stacks(i) for i in range(config.num_layers)]}
 
 
 @functools.partial(jax.jit, donate_argnames=("stacks",))
@@ -210,6 +213,9 @@ def write_slot(stacks: dict, slot: int, adapter: LoRAAdapter | None) -> dict:
         raise ValueError(f"LoRA adapter rank {adapter.rank} exceeds the stacks' rank {rank} (max_lora_rank)")
     values = jax.tree.map(lambda s: np.zeros(s.shape[1:], np.float32), stacks)
     for (layer, name), (a, b) in (adapter.weights.items() if adapter else ()):
+        if name not in values["layers"][layer]:
+            raise ValueError(f"LoRA adapter changes layer {layer} {name}, which this model's layer does not "
+                             "have (its MLP is a mixture of experts)")
         values["layers"][layer][name] = (np.pad(a, ((0, 0), (0, rank - a.shape[1]))),
                                          np.pad(b, ((0, rank - b.shape[0]), (0, 0))))
     return _write(stacks, jnp.int32(slot), values)

@@ -6,7 +6,11 @@ copies them on CPU). Weights are stored [in_features, out_features].
     params = {"embed": [V, H], "final_norm": [H], "lm_head": [H, V] (untied only),
               "layers": [{"attn_norm", "wq", "wk", "wv", "wo", ("bq", "bk", "bv"),
                           ("q_norm", "k_norm") [head_dim], "mlp_norm", "w_gate", "w_up",
-                          "w_down", ("attn_post_norm", "mlp_post_norm") [H]}, ...]}
+                          "w_down", ("attn_post_norm", "mlp_post_norm") [H], ("bo") [H],
+                          ("sinks") [num_heads]}, ...]}
+
+A layer of config.moe_layers holds model/moe.py's router and experts instead of "w_gate",
+"w_up" and "w_down".
 
 Norm weights multiply the normalised input as they are: checkpoints that store Gemma's
 (1 + weight) form are converted when loaded.
@@ -38,6 +42,7 @@ from model.kv_formats import (KiviCodec, KVPages, check_kv_cache_dtype, default_
                               init_kv_pages)
 from model.layers import attention_block, mlp, rms_norm
 from model.lora import linear, projection_shapes
+from model.moe import init_params as moe_params, moe
 from model.rope import rope_tables
 from quant.packed import PackedWeight
 from pallas_kernels.validate import check_block_tables
@@ -74,6 +79,10 @@ def _init_decoder_layer(config: ModelConfig, key: jax.Array, dtype) -> dict:
     if config.sandwich_norm:
         layer["attn_post_norm"] = jnp.ones((h,), dtype)
         layer["mlp_post_norm"] = jnp.ones((h,), dtype)
+    if config.attention_out_bias:
+        layer["bo"] = (0.02 * jax.random.normal(jax.random.fold_in(key, 1), (h,))).astype(dtype)
+    if config.attention_sinks:
+        layer["sinks"] = jnp.zeros((config.num_heads,), dtype)
     return layer
 
 
@@ -88,7 +97,9 @@ def _decoder_layer(sliding: bool):
         if config.sandwich_norm:
             attn = rms_norm(attn, params["attn_post_norm"], eps)
         x = x + attn
-        out = mlp(params, rms_norm(x, params["mlp_norm"], eps), config.hidden_act)
+        h = rms_norm(x, params["mlp_norm"], eps)
+        out = moe(params, config, h) if "router" in params else mlp(params, h, config.hidden_act,
+                                                                     config.swiglu_limit)
         if config.sandwich_norm:
             out = rms_norm(out, params["mlp_post_norm"], eps)
         return x + out, cache, ctx
@@ -117,6 +128,9 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
         "layers": [_kind(kind).init_params(config, k, dtype)
                    for kind, k in zip(config.layer_kinds, layer_keys)],
     }
+    for i in config.moe_layers:  # the MLP becomes a mixture of experts
+        layer = {k: v for k, v in params["layers"][i].items() if k not in ("w_gate", "w_up", "w_down")}
+        params["layers"][i] = {**layer, **moe_params(config, jax.random.fold_in(layer_keys[i], 1), dtype)}
     if not config.tie_word_embeddings:
         params["lm_head"] = (0.02 * jax.random.normal(
             k_head, (config.hidden_size, config.vocab_size))).astype(dtype)

@@ -30,11 +30,19 @@ WEIGHTS_DTYPES = ("float32", "bfloat16", KEEP_GGUF) + tuple(FORMATS)
 MATRICES = frozenset({"embed", "lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
 
 
-def expected_layer_params(config) -> frozenset[str]:
-    """The param names every decoder layer of a model.config.ModelConfig holds."""
+def expected_layer_params(config, layer: int) -> frozenset[str]:
+    """The param names decoder layer `layer` of a model.config.ModelConfig holds."""
+    from model.moe import shapes as moe_shapes
+
     names = {"attn_norm", "mlp_norm"} | (MATRICES - {"embed", "lm_head"})
+    if layer in config.moe_layers:
+        names = names - {"w_gate", "w_up", "w_down"} | set(moe_shapes(config))
     if config.attention_bias:
         names |= {"bq", "bk", "bv"}
+    if config.attention_out_bias:
+        names.add("bo")
+    if config.attention_sinks:
+        names.add("sinks")
     if config.qk_norm:
         names |= {"q_norm", "k_norm"}
     if config.sandwich_norm:
@@ -48,8 +56,8 @@ def check_complete(params: dict, config, source: str) -> None:
     missing = [k for k in ("embed", "final_norm") if k not in params]
     if not config.tie_word_embeddings and "lm_head" not in params:
         missing.append("lm_head")
-    want = expected_layer_params(config)
     for i, layer in enumerate(params["layers"]):
+        want = expected_layer_params(config, i)
         missing += [f"layer {i} {k}" for k in sorted(want - set(layer))]
         extra = sorted(set(layer) - want)
         if extra:

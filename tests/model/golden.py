@@ -64,10 +64,22 @@ TINY_MODELS = {
     "gemma2": ("Gemma2Config", {"head_dim": 24, "sliding_window": 8, "query_pre_attn_scalar": 20,
                                 "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0,
                                 "initializer_range": 0.05}),
+    # a dense layer then a MoE layer: top 2 of 4 experts, renormalised
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "norm_topk_prob": True, "mlp_only_layers": [0], "head_dim": 24,
+                                     "initializer_range": 0.2}),
+    # sliding (window 8) then full attention with sinks; yarn RoPE (gpt-oss's default); a clamp
+    # (swiglu_limit 3) that bites on a tiny model
+    "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 24,
+                                 "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                                 "swiglu_limit": 3.0, "initializer_range": 0.2}),
 }
 # Checkpoints whose RMSNorm weights are drawn at random (transformers initialises them to
 # ones, or Gemma's (1 + w) to zeros, which would leave a norm weight mix-up invisible).
-RANDOM_NORMS = {"qwen3", "gemma2", "gemma3"}
+RANDOM_NORMS = {"qwen3", "gemma2", "gemma3", "qwen3_moe", "gpt_oss"}
+# Checkpoints whose biases (and attention sinks) transformers zero-initialises (or draws tiny):
+# name -> (std of every bias, std of the sinks)
+RANDOM_BIASES = {"gpt_oss": (0.2, 2.0)}
 GREEDY_PROMPT = 8  # tiny fixtures store transformers' greedy continuation of tokens[0, :8]
 GREEDY_TOKENS = 16
 _TINY_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -118,6 +130,8 @@ def make_tiny(name: str, out_dir: str) -> None:
             for n, p in hf.named_parameters():
                 if n.endswith("norm.weight"):
                     p.copy_(1 + 0.5 * torch.randn_like(p))
+                elif name in RANDOM_BIASES and (n.endswith("bias") or n.endswith("sinks")):
+                    p.copy_(RANDOM_BIASES[name][n.endswith("sinks")] * torch.randn_like(p))
     path = os.path.join(out_dir, f"tiny_{name}")
     hf.save_pretrained(path, safe_serialization=True)
     np.savez(os.path.join(path, "logits.npz"), tokens=tiny_tokens(),

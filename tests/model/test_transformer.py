@@ -87,8 +87,8 @@ def test_qk_norm_params_are_initialised_and_trained(tiny):
 
     config = dataclasses.replace(tiny[0], qk_norm=True, head_dim=12)
     params = model.init_params(config, jax.random.key(1))
-    for layer in params["layers"]:
-        assert set(layer) == expected_layer_params(config)
+    for i, layer in enumerate(params["layers"]):
+        assert set(layer) == expected_layer_params(config, i)
         np.testing.assert_array_equal(layer["q_norm"], np.ones(12))
         np.testing.assert_array_equal(layer["k_norm"], np.ones(12))
     assert_gradients_reach_every_parameter(config, params)
