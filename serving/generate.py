@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
         llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=1,
                   speculative_config=speculative, weights_dtype=args.weights_dtype)
         tok = llm.get_tokenizer()
+        if not args.raw and not tok.chat_template:
+            raise ValueError(f"{args.model} has no chat template (a base model such as gemma3-270m): "
+                             "pass --raw for a plain completion")
         if args.raw:
             prompt = args.prompt
         else:

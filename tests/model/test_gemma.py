@@ -46,10 +46,11 @@ def test_config_and_packed_weights_from_the_gguf(gemma3):
 
 
 def test_logits_match_transformers(gemma3, gemma3_golden):
-    """Two prompts, one longer than the 512-token window, against transformers reading the
-    same GGUF (its float32 dequantization; we read the blocks packed)."""
+    """The prompt longer than the 512-token window against transformers reading the same GGUF
+    (its float32 dequantization; we read the blocks packed). The short prompt's tokens are
+    checked through LLM below."""
     assert len(gemma3_golden["prompt1"]) > 512
-    check_gguf_logits(*gemma3, gemma3_golden)
+    check_gguf_logits(*gemma3, gemma3_golden, which=[1])
 
 
 def test_tokenizer_and_greedy_through_llm_match_transformers(gemma3, gemma3_golden):

@@ -143,9 +143,13 @@ def smollm2_golden():
     return dict(np.load(os.path.join(golden.FIXTURES, "smollm2.npz")))
 
 
-def check_gguf_logits(config, params, ref):
-    """A golden.gguf_reference's prompts in one right-padded batch (one compilation)."""
-    prompts = [ref[f"prompt{i}"] for i in range(sum(k.startswith("prompt") for k in ref))]
+def check_gguf_logits(config, params, ref, which=None):
+    """A golden.gguf_reference's prompts (those numbered `which`, default all) in one
+    right-padded batch (one compilation)."""
+    which = range(sum(k.startswith("prompt") for k in ref)) if which is None else which
+    ref = {**ref, **{f"{key}{i}": ref[f"{key}{n}"] for i, n in enumerate(which)
+                     for key in ("prompt", "positions", "subset_logits", "top_ids", "top_logits")}}
+    prompts = [ref[f"prompt{i}"] for i in range(len(which))]
     width = max(len(p) for p in prompts)
     tokens = np.zeros((len(prompts), width), np.int32)
     positions = np.full((len(prompts), width), -1, np.int32)

@@ -55,3 +55,18 @@ def test_cli_weights_dtype_reaches_the_loader(monkeypatch, default_model, defaul
     with pytest.raises(SystemExit) as e:
         generate.main(["Hi", "--weights-dtype", "int3"])
     assert e.value.code == 2 and "weights-dtype" in capsys.readouterr().err
+
+
+def test_cli_without_a_chat_template_asks_for_raw(monkeypatch, default_model, default_tokenizer, capsys):
+    """A base model (no chat template in its file, as Gemma 3 270M's GGUF) is a usage error
+    naming --raw unless the prompt is raw."""
+    from model.tokenizer import Tokenizer
+
+    bare = Tokenizer(default_tokenizer._tok, None, default_tokenizer.bos_token_id, default_tokenizer.eos_token_id)
+    monkeypatch.setattr(model, "load", lambda source, dtype=None, weights_dtype=None: default_model)
+    monkeypatch.setattr(model, "load_tokenizer", lambda source: bare)
+    with pytest.raises(SystemExit) as e:
+        generate.main(["Hi", "--max-model-len", "256"])
+    assert e.value.code == 2 and "--raw" in capsys.readouterr().err
+    generate.main(["The capital of France is", "--raw", "--max-tokens", "2", "--max-model-len", "256"])
+    assert capsys.readouterr().out.strip()
