@@ -106,12 +106,13 @@ def params_from_hf_dir(path: str, config: ModelConfig, dtype=np.float32,
                     params[key] = w
                 else:
                     params["layers"][layer][key] = w
-    for layer in params["layers"]:
+    for i, layer in enumerate(params["layers"]):
         for proj, experts in list(layer.items()):
             if isinstance(experts, dict):
-                if sorted(experts) != list(range(config.num_experts)):
-                    raise ValueError(f"{path}: {proj} has experts {sorted(experts)[:8]}, the config "
-                                     f"{config.num_experts}")
+                wrong = sorted(set(range(config.num_experts)) ^ set(experts))
+                if wrong:
+                    raise ValueError(f"{path}: layer {i} {proj} lacks or has extra experts {wrong[:8]} "
+                                     f"(the config has {config.num_experts})")
                 layer[proj] = np.stack([experts[e] for e in range(config.num_experts)])
     check_complete(params, config, path)
     return params
