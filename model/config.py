@@ -163,6 +163,7 @@ HF_ARCHITECTURES = {
 _HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Gemma's sliding_window_pattern: every n-th layer global, the others sliding
 GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA3_LOCAL_THETA = 10_000.0  # RoPE base of Gemma 3's sliding layers unless the config gives one
 
 
 HF_REQUIRED = ("num_attention_heads", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size")
@@ -195,9 +196,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     elif family == "mistral" and window:
         kinds = (SLIDING_ATTENTION,) * num_layers
     elif family in GEMMA_SLIDING_PATTERN:
-        kinds = _gemma_layer_kinds(hf, num_layers, GEMMA_SLIDING_PATTERN[family])
+        kinds = _layer_types(hf, num_layers, GEMMA_SLIDING_PATTERN[family])
     elif family == "gpt_oss":  # alternating sliding / full unless layer_types says otherwise
-        kinds = _gemma_layer_kinds(hf, num_layers, 2)
+        kinds = _layer_types(hf, num_layers, 2)
     else:
         kinds, window = (ATTENTION,) * num_layers, None
     # transformers >= 5 writes `rope_parameters` (theta inside) instead of rope_theta/rope_scaling.
@@ -255,7 +256,9 @@ def _moe_from_hf(hf: dict[str, Any], num_layers: int, family: str) -> dict[str, 
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 
-def _gemma_layer_kinds(hf: dict[str, Any], num_layers: int, pattern: int) -> tuple[str, ...]:
+def _layer_types(hf: dict[str, Any], num_layers: int, pattern: int) -> tuple[str, ...]:
+    """Layer kinds from `layer_types`, or else every `sliding_window_pattern`-th (default
+    `pattern`) layer global and the others sliding (Gemma 2 / 3, gpt-oss)."""
     types = hf.get("layer_types") or [
         "full_attention" if (i + 1) % hf.get("sliding_window_pattern", pattern) == 0
         else "sliding_attention" for i in range(num_layers)]
@@ -287,4 +290,5 @@ def _gemma_from_hf(hf: dict[str, Any], hidden: int, family: str) -> dict[str, An
     local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
     if local.get("rope_type", "default") != "default":
         raise ValueError(f"config.json: scaled RoPE on sliding layers ({local['rope_type']}) is not supported")
-    return dict(extra, rope_local_theta=float(local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))))
+    theta = local.get("rope_theta", hf.get("rope_local_base_freq", GEMMA3_LOCAL_THETA))
+    return dict(extra, rope_local_theta=float(theta))

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from model.config import ATTENTION, GEMMA_SLIDING_PATTERN, SLIDING_ATTENTION, ModelConfig, RopeScaling
+from model.config import (ATTENTION, GEMMA3_LOCAL_THETA, GEMMA_SLIDING_PATTERN, SLIDING_ATTENTION, ModelConfig,
+                          RopeScaling)
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
-GEMMA3_LOCAL_THETA = 10_000.0  # llama.cpp's fixed RoPE base of Gemma 3's sliding layers
 
 
 def open_gguf(path: str):
@@ -56,7 +56,7 @@ def config_from_gguf(reader) -> ModelConfig:
         kinds = tuple(ATTENTION if (i + 1) % GEMMA_SLIDING_PATTERN[arch] == 0 else SLIDING_ATTENTION
                       for i in range(layers))
         extra = dict(hidden_act="gelu_tanh", embedding_multiplier=hidden ** 0.5, sandwich_norm=True,
-                     rope_local_theta=GEMMA3_LOCAL_THETA)
+                     rope_local_theta=GEMMA3_LOCAL_THETA)  # llama.cpp fixes it too
     vocab = field(reader, f"{arch}.vocab_size") or len(field(reader, "tokenizer.ggml.tokens"))
     return ModelConfig(
         vocab_size=int(vocab),

@@ -25,7 +25,6 @@ from model.layers import gated
 from model.lora import linear
 
 
-
 def shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of each MoE layer param (biases only where the config has them)."""
     h, e, i = config.hidden_size, config.num_experts, config.moe_intermediate_size or config.intermediate_size
@@ -55,8 +54,8 @@ def moe(params: dict, config: ModelConfig, x: jnp.ndarray) -> jnp.ndarray:
     weights, ids = route(linear(x, params["router"], params.get("router_bias")), config)
     flat = ids.reshape(-1)  # token t's j-th choice at t * k + j
     order = jnp.argsort(flat, stable=True)
-    expert = flat[order]
-    rows = x[order // k]  # [N * k, H], grouped by expert
+    expert, token = flat[order], order // k
+    rows = x[token]  # [N * k, H], grouped by expert
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
 
     def project(a, name):
@@ -67,7 +66,7 @@ def moe(params: dict, config: ModelConfig, x: jnp.ndarray) -> jnp.ndarray:
     hidden = gated(project(rows, "experts_gate"), project(rows, "experts_up"), config.hidden_act,
                    config.swiglu_limit)
     out = project(hidden, "experts_down") * weights.reshape(-1)[order][:, None].astype(x.dtype)
-    return jnp.zeros_like(x).at[order // k].add(out).reshape(*lead, h)
+    return jnp.zeros_like(x).at[token].add(out).reshape(*lead, h)
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype) -> dict:

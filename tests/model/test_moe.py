@@ -59,19 +59,22 @@ def test_moe_equals_a_per_token_loop_in_float64(kw):
     got = np.asarray(moe(params, config, jnp.asarray(x)))
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     flat = x.reshape(-1, config.hidden_size).astype(np.float64)
-    logits = flat @ p["router"] + p.get("router_bias", 0)
+    logits = flat @ p["router"] + p.get("router_bias", 0.0)
     want = np.zeros_like(flat)
+    def bias(name, e):
+        return p[name][e] if name in p else 0.0
+
     for t, (weights, ids) in enumerate(_route64(logits, config)):
         for w, e in zip(weights, ids):
-            g = flat[t] @ p["experts_gate"][e] + p.get("experts_gate_bias", np.zeros((5, 12)))[e]
-            u = flat[t] @ p["experts_up"][e] + p.get("experts_up_bias", np.zeros((5, 12)))[e]
+            g = flat[t] @ p["experts_gate"][e] + bias("experts_gate_bias", e)
+            u = flat[t] @ p["experts_up"][e] + bias("experts_up_bias", e)
             if config.hidden_act == "swiglu_oai":
                 lim = config.swiglu_limit
                 g, u = np.minimum(g, lim), np.clip(u, -lim, lim)
                 h = (u + 1) * g / (1 + np.exp(-1.702 * g))
             else:
                 h = g / (1 + np.exp(-g)) * u
-            want[t] += w * (h @ p["experts_down"][e] + p.get("experts_down_bias", np.zeros((5, 16)))[e])
+            want[t] += w * (h @ p["experts_down"][e] + bias("experts_down_bias", e))
     np.testing.assert_allclose(got.reshape(-1, config.hidden_size), want, rtol=2e-4, atol=2e-4)
 
 
