@@ -72,6 +72,8 @@ class ForwardContext:
     returns a new context with `dataclasses.replace(ctx, shared={...})`.
     rope_local: (cos, sin) of sliding-window layers when they rotate with their own base
     (model.config rope_local_theta, Gemma 3), else None (they use `rope`).
+    mesh: the jax.sharding.Mesh the step is sharded over (model/sharding.py), whose "model"
+    axis attention layers split their heads on; None on one device.
     """
 
     positions: jax.Array
@@ -83,6 +85,7 @@ class ForwardContext:
     layout: RaggedLayout | None = None
     shared: dict = dataclasses.field(default_factory=dict)
     rope_local: tuple[jax.Array, jax.Array] | None = None
+    mesh: Any = None
 
 
 def ragged_layout(positions: jax.Array, tree: TokenTree | None = None) -> RaggedLayout:

@@ -7,10 +7,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
 from model.context import ForwardContext, TokenTree, ragged_layout
 from model.kv_formats import KVPages, kernel_pages, plain_pages, read_kv, write_kv
+from model.sharding import MODEL, kv_spec
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.paged_attention.kv_formats import resolve as resolve_format
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
@@ -137,6 +139,18 @@ def _ragged_bwd(options, args, cotangents):
 _ragged_attention.defvjp(_ragged_fwd, _ragged_bwd)
 
 
+def _split_heads(attention, mesh, k_pages, v_pages):
+    """attention run under jax.shard_map over the mesh's "model" axis: each device attends
+    with its own query heads over its own KV heads' pages (model/sharding.py), so a Pallas
+    kernel, which XLA cannot partition, sees one device's share. The block tables, lengths
+    and tree are replicated; nothing is exchanged between devices."""
+    heads = P(None, MODEL)  # [tokens, heads, head_dim]
+    pages = (jax.tree.map(kv_spec, k_pages), jax.tree.map(kv_spec, v_pages))
+    return jax.shard_map(attention, mesh=mesh, check_vma=False,
+                         in_specs=(heads, heads, heads, *pages, P(), P(), P(), P(MODEL), P()),
+                         out_specs=(heads, *pages))
+
+
 def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KVPages,
                     ctx: ForwardContext, sliding_window: int | None) -> tuple[jnp.ndarray, KVPages]:
     """Self-attention sublayer: project, (norm q/k heads), rotate, write K/V into the pages,
@@ -176,9 +190,11 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     kv_format, k_pages, v_pages = pages
     options = AttentionOptions(config.sm_scale, sliding_window, kv_format, layout.max_q_len,
                                layout.max_chunks, config.attn_logit_softcap)
-    out, k_pages, v_pages = _ragged_attention(
-        options, pack(q), pack(k), pack(v), k_pages, v_pages, ctx.block_tables, layout.cu_q_lens,
-        layout.kv_lens, params.get("sinks"), layout.tree)
+    attention = functools.partial(_ragged_attention, options)
+    if ctx.mesh is not None and ctx.mesh.shape[MODEL] > 1:
+        attention = _split_heads(attention, ctx.mesh, k_pages, v_pages)
+    out, k_pages, v_pages = attention(pack(q), pack(k), pack(v), k_pages, v_pages, ctx.block_tables,
+                                      layout.cu_q_lens, layout.kv_lens, params.get("sinks"), layout.tree)
     if layout.unorder is not None:
         out = out[layout.unorder]
     cache = dataclasses.replace(cache, pages={"k": k_pages, "v": v_pages})

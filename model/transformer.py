@@ -34,6 +34,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from model.config import ATTENTION, SLIDING_ATTENTION, ModelConfig
 from model.context import ForwardContext, RaggedLayout, TokenTree, ragged_layout
@@ -44,6 +45,7 @@ from model.layers import attention_block, mlp, rms_norm
 from model.lora import linear, projection_shapes
 from model.moe import init_params as moe_params, moe
 from model.rope import rope_tables
+from model.sharding import MODEL, check_tensor_parallel, kv_shardings
 from quant.packed import PackedWeight
 from pallas_kernels.validate import check_block_tables
 
@@ -138,11 +140,12 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32,
-               page_size: int | None = None, kv_cache_dtype: str = "auto") -> KVCache:
+               page_size: int | None = None, kv_cache_dtype: str = "auto", mesh=None) -> KVCache:
     """An empty KV cache for `batch_size` sequences of up to `max_len` positions each.
 
     page_size: None picks DEFAULT_PAGE_SIZE (32, KIVI's group, for kivi formats).
     kv_cache_dtype: how attention pages are stored (model/kv_formats.py); "auto" = `dtype`.
+    mesh: lay the pages out over it, split by KV heads (model/sharding.py).
     """
     page_size = default_page_size(kv_cache_dtype) if page_size is None else page_size
     if batch_size <= 0:
@@ -154,24 +157,32 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.flo
         raise ValueError(f"page_size must be > 0, got {page_size}")
     pages_per_seq = -(-max_len // page_size)
     return init_paged_cache(config, batch_size * pages_per_seq, page_size, dtype,
-                            contiguous_block_tables(batch_size, pages_per_seq), kv_cache_dtype)
+                            contiguous_block_tables(batch_size, pages_per_seq), kv_cache_dtype, mesh)
 
 
 def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int, dtype,
-                     block_tables: jax.Array, kv_cache_dtype: str = "auto") -> KVCache:
+                     block_tables: jax.Array, kv_cache_dtype: str = "auto", mesh=None) -> KVCache:
     """A cache over a pool of `num_pages` pages, addressed through `block_tables`."""
-    return KVCache(init_kv_pool(config, num_pages, page_size, dtype, kv_cache_dtype, block_tables.shape[0]),
-                   block_tables, page_size)
+    return KVCache(init_kv_pool(config, num_pages, page_size, dtype, kv_cache_dtype, block_tables.shape[0],
+                                mesh), block_tables, page_size)
 
 
 def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, kv_cache_dtype: str = "auto",
-                 batch_size: int = 1) -> list:
+                 batch_size: int = 1, mesh=None) -> list:
     """Every layer's empty page pool ([num_pages, page_size, ...] leaves), as a serving
     engine keeps it: each step brings its own block tables. batch_size sizes the
-    per-sequence state of formats that have one (KIVI's residual buffer)."""
+    per-sequence state of formats that have one (KIVI's residual buffer). mesh: the
+    pages are created split by KV heads over its "model" axis, each device allocating
+    only its share (model/sharding.py)."""
     check_kv_cache_dtype(kv_cache_dtype, config, page_size)
+    _check_mesh(config, mesh)
     layout = CacheLayout(batch_size, num_pages, page_size, kv_cache_dtype)
-    return [_kind(kind).init_cache(config, layout, dtype) for kind in config.layer_kinds]
+
+    def build():
+        return [_kind(kind).init_cache(config, layout, dtype) for kind in config.layer_kinds]
+    if mesh is None:
+        return build()
+    return jax.jit(build, out_shardings=kv_shardings(jax.eval_shape(build), mesh))()
 
 
 def _num_pages(cache: KVCache) -> int:
@@ -195,14 +206,15 @@ def _check_inputs(config: ModelConfig, tokens, positions, cache: KVCache) -> Non
 
 
 def forward_context(config: ModelConfig, positions: jnp.ndarray, cache: KVCache,
-                    tree: TokenTree | None = None) -> ForwardContext:
-    """The per-step context every layer reads: RoPE tables, KV slots, block tables, tree."""
+                    tree: TokenTree | None = None, mesh=None) -> ForwardContext:
+    """The per-step context every layer reads: RoPE tables, KV slots, block tables, tree,
+    and the mesh attention splits its heads over (None on one device)."""
     rope_positions = positions if tree is None else tree.rope_positions
     return ForwardContext(
         positions=positions, rope=rope_tables(config, rope_positions), block_tables=cache.block_tables,
         slots=slot_mapping(positions, cache.block_tables, cache.page_size, _num_pages(cache)),
         page_size=cache.page_size, tree=tree, layout=ragged_layout(positions, tree),
-        rope_local=_rope_local(config, rope_positions))
+        rope_local=_rope_local(config, rope_positions), mesh=mesh)
 
 
 def _rope_local(config: ModelConfig, rope_positions: jnp.ndarray):
@@ -224,13 +236,13 @@ def _check_tree(config: ModelConfig, tokens, tree: TokenTree) -> None:
 
 
 def forward_hidden(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: jnp.ndarray,
-                   cache: KVCache, capture_layers: tuple[int, ...] = (), tree: TokenTree | None = None
-                   ) -> tuple[jnp.ndarray, KVCache, tuple[jnp.ndarray, ...]]:
+                   cache: KVCache, capture_layers: tuple[int, ...] = (), tree: TokenTree | None = None,
+                   mesh=None) -> tuple[jnp.ndarray, KVCache, tuple[jnp.ndarray, ...]]:
     """(final-norm hidden [B, T, H], updated cache, captured) — not jitted.
 
     captured[i] is the residual stream entering layer capture_layers[i] ([B, T, H]),
     the features EAGLE-3 drafts from. tree: the tokens are draft-tree nodes
-    (model/context.py TokenTree); `positions` are then their KV slots.
+    (model/context.py TokenTree); `positions` are then their KV slots. mesh: as `forward`.
     """
     _check_inputs(config, tokens, positions, cache)
     if any(not 0 <= i < config.num_layers for i in capture_layers):
@@ -238,7 +250,7 @@ def forward_hidden(params: dict, config: ModelConfig, tokens: jnp.ndarray, posit
     if tree is not None:
         _check_tree(config, tokens, tree)
     x = embed(params, tokens, config)
-    ctx = forward_context(config, positions, cache, tree)
+    ctx = forward_context(config, positions, cache, tree, mesh)
     hidden, layers, captured = _run_layers(params, config, x, cache.layers, ctx, capture_layers)
     return hidden, KVCache(layers, cache.block_tables, cache.page_size), captured
 
@@ -255,15 +267,15 @@ def _run_layers(params, config, x, layers, ctx, capture_layers):
 
 
 def forward_packed(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: jnp.ndarray,
-                   cache: KVCache, layout: RaggedLayout, capture_layers: tuple[int, ...] = ()
-                   ) -> tuple[jnp.ndarray, KVCache, tuple[jnp.ndarray, ...]]:
+                   cache: KVCache, layout: RaggedLayout, capture_layers: tuple[int, ...] = (),
+                   mesh=None) -> tuple[jnp.ndarray, KVCache, tuple[jnp.ndarray, ...]]:
     """forward_hidden over a packed step, the serving engine's layout (not jitted).
 
     tokens, positions: int32 [N], every sequence's tokens back to back as `layout`
     (model/context.py RaggedLayout, order None) describes them: prefill chunks, decode
     rows and draft-tree nodes alike (positions are RoPE positions; a tree node's KV slot
     comes from the layout). cache.block_tables: [S, pages] for the layout's S sequences.
-    Returns hidden [N, H], the cache and captured residual streams [N, H].
+    Returns hidden [N, H], the cache and captured residual streams [N, H]. mesh: as `forward`.
     """
     if tokens.ndim != 1 or positions.shape != tokens.shape:
         raise ValueError(f"packed tokens {tokens.shape} and positions {positions.shape} must be "
@@ -279,7 +291,7 @@ def forward_packed(params: dict, config: ModelConfig, tokens: jnp.ndarray, posit
         raise ValueError("packed steps cannot use KIVI pages (their newest page is kept per batch row)")
     ctx = ForwardContext(positions=positions[None], rope=rope_tables(config, positions[None]),
                          block_tables=cache.block_tables, slots=None, page_size=cache.page_size,
-                         layout=layout, rope_local=_rope_local(config, positions[None]))
+                         layout=layout, rope_local=_rope_local(config, positions[None]), mesh=mesh)
     hidden, layers, captured = _run_layers(params, config, embed(params, tokens, config)[None], cache.layers,
                                            ctx, capture_layers)
     return hidden[0], KVCache(layers, cache.block_tables, cache.page_size), tuple(c[0] for c in captured)
@@ -325,7 +337,7 @@ def _check_consecutive(positions: np.ndarray) -> None:
 
 def forward(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: jnp.ndarray,
             cache: KVCache, logits_indices: jnp.ndarray | None = None,
-            tree: TokenTree | None = None) -> tuple[jnp.ndarray, KVCache]:
+            tree: TokenTree | None = None, mesh=None) -> tuple[jnp.ndarray, KVCache]:
     """Run the model over tokens and write their K/V into the cache (jitted, config static).
 
     tokens, positions: int32 [batch, seq]. A negative position marks a padding
@@ -337,6 +349,9 @@ def forward(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: j
     logits_indices: optional int32 [batch]; if given, logits only at those sequence
     indices ([batch, V]) instead of every token ([batch, seq, V]).
     tree: score draft-tree nodes in one pass (speculative decoding, model/context.py).
+    mesh: a jax.sharding.Mesh (model.make_mesh) the params and cache are laid out over
+    (model.shard_params, init_cache(..., mesh=mesh)): attention splits its heads over the
+    mesh's "model" axis; None for one device.
     """
     _check_inputs(config, tokens, positions, cache)  # shapes first: the value check needs them
     paged = [layer for layer in cache.layers if isinstance(layer, KVPages)]
@@ -346,12 +361,25 @@ def forward(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: j
         kv_lens = np.maximum(np.asarray(positions).max(axis=1, initial=-1) + 1, 0)
         check_block_tables(cache.block_tables, jax.tree.leaves(paged[0].pages)[0].shape[0], kv_lens,
                            cache.page_size)
-    return _forward(params, config, tokens, positions, cache, logits_indices, tree)
+    _check_mesh(config, mesh)
+    return _forward(params, config, tokens, positions, cache, logits_indices, tree, mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
-def _forward(params, config, tokens, positions, cache, logits_indices, tree):
-    hidden, cache, _ = forward_hidden(params, config, tokens, positions, cache, tree=tree)
+def _check_mesh(config: ModelConfig, mesh) -> None:
+    if mesh is None:
+        return
+    if not isinstance(mesh, Mesh) or MODEL not in mesh.axis_names:
+        raise ValueError(f"mesh must be a jax.sharding.Mesh with a {MODEL!r} axis (model.make_mesh), got {mesh!r}")
+    tp = mesh.shape[MODEL]
+    check_tensor_parallel(config, tp)
+    if tp > 1 and config.num_kv_heads % tp:
+        raise ValueError(f"{config.num_kv_heads} KV heads do not split {tp} ways: shard the params with "
+                         "model.shard_params(params, config, mesh), which repeats them, and use its config")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("cache",))
+def _forward(params, config, tokens, positions, cache, logits_indices, tree, mesh):
+    hidden, cache, _ = forward_hidden(params, config, tokens, positions, cache, tree=tree, mesh=mesh)
     if logits_indices is not None:
         hidden = jnp.take_along_axis(hidden, logits_indices[:, None, None], axis=1)[:, 0]
     return lm_head(params, config, hidden), cache

@@ -10,6 +10,11 @@ Speculative decoding with an EAGLE-3 draft (`python -m training.train_eagle3` wr
     llm = LLM(speculative_config={"method": "eagle3", "model": "path/to/draft",
                                   "num_speculative_tokens": 15, "depth": 4, "top_k": 4})
 
+Tensor parallelism over the first N devices (model/sharding.py: heads and MLP columns
+split on a "model" mesh axis, KV pages split by KV heads):
+
+    llm = LLM(tensor_parallel_size=3)             # SmolLM2's 9 query / 3 KV heads
+
 Many fine-tunes of one base (S-LoRA): PEFT adapters chosen per request, mixed in a batch:
 
     llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=16)
@@ -35,6 +40,7 @@ from model.weights import WEIGHTS_DTYPES
 from model import eagle3
 from model.config import ATTENTION, SLIDING_ATTENTION
 from model.kv_formats import KV_CACHE_DTYPES, bytes_per_token, check_kv_cache_dtype
+from model.sharding import check_tensor_parallel
 from model import compile_cache
 from serving import scheduler as sched
 from serving.draft_tree import TreeSpec
@@ -61,7 +67,8 @@ class LLM:
                  preemption_mode: str = RECOMPUTE, seed: int = 0, dtype=jnp.float32,
                  speculative_config: dict | None = None, jump_forward: bool = True,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: int | None = None, weights_dtype: str | None = None):
+                 max_cpu_loras: int | None = None, weights_dtype: str | None = None,
+                 tensor_parallel_size: int = 1):
         import model as model_lib
 
         config, params = model_lib.load(model, dtype, weights_dtype)
@@ -69,7 +76,7 @@ class LLM:
                     num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
                     kv_cache_dtype, scheduling_policy, capacity_policy, chunking_policy,
                     preemption_mode, seed, dtype, speculative_config, jump_forward, enable_lora,
-                    max_loras, max_lora_rank, max_cpu_loras, weights_dtype)
+                    max_loras, max_lora_rank, max_cpu_loras, weights_dtype, tensor_parallel_size)
 
     @classmethod
     def from_loaded(cls, config: model.ModelConfig, params: dict, tokenizer: model.Tokenizer,
@@ -91,7 +98,7 @@ class LLM:
                max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_dtype,
                scheduling_policy, capacity_policy, chunking_policy, preemption_mode, seed, dtype,
                speculative_config, jump_forward, enable_lora, max_loras, max_lora_rank, max_cpu_loras,
-               weights_dtype):
+               weights_dtype, tensor_parallel_size):
         # Every argument is checked here, before anything is built.
         if weights_dtype is not None and weights_dtype not in WEIGHTS_DTYPES:
             raise ValueError(f"unknown weights_dtype {weights_dtype!r}; allowed: {', '.join(WEIGHTS_DTYPES)}")
@@ -126,6 +133,7 @@ class LLM:
                              f"{kv_cache_dtype!r} (KIVI keeps a per-batch-row buffer the engine cannot "
                              "page yet)")
         check_kv_cache_dtype(kv_cache_dtype, config, block_size)
+        tp = check_int("tensor_parallel_size", tensor_parallel_size, 1)
         draft = _drafter(speculative_config, config, dtype)
         lora = None
         if check_bool("enable_lora", enable_lora):
@@ -137,13 +145,24 @@ class LLM:
         if draft is not None and max_num_batched_tokens < draft.spec.num_tokens:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot fit one draft tree "
                              f"({draft.spec.num_tokens} tokens)")
+        # The model as the devices hold it: over a tensor-parallel mesh, KV heads repeated
+        # when tp exceeds them (model/sharding.py); self.config stays the model's own.
+        mesh, step_config = None, config
+        self._loaded = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+        if tp > 1:
+            check_tensor_parallel(config, tp)
+            if draft is not None or lora is not None:
+                raise ValueError("speculative decoding and LoRA adapters are not sharded yet: use them with "
+                                 "tensor_parallel_size=1")
+            mesh = model.make_mesh(tp)
+            step_config, params = model.shard_params(params, config, mesh)
         lookahead = draft.spec.lookahead if draft else 0
         max_pages_per_seq = -(-(max_model_len + lookahead) // block_size)
         if num_kv_blocks is None:
             # Every running sequence at full length, capped by a memory budget. Not larger:
             # XLA:CPU still converts a whole bfloat16 / fp8 pool in each scatter
             # (model/kv_cache.py scatter_rows), a cost per step that grows with the pool.
-            per_token = bytes_per_token(kv_cache_dtype, config, dtype, block_size)
+            per_token = bytes_per_token(kv_cache_dtype, step_config, dtype, block_size)
             if draft is not None:
                 per_token += bytes_per_token(kv_cache_dtype, draft.config.layer_config, dtype, block_size)
             budget = DEFAULT_KV_CACHE_GIB * 2**30 // per_token
@@ -157,8 +176,8 @@ class LLM:
             chunk_unit_size=min(sched.SchedulerConfig.chunk_unit_size, max_num_batched_tokens),
             tokens_per_decode=draft.spec.num_tokens if draft else 1, num_lookahead_slots=lookahead,
             max_loras=lora.max_loras if lora else 0)
-        self.runner = ModelRunner(config, params, num_kv_blocks, block_size, max_pages_per_seq,
-                                  max_num_seqs, dtype, kv_cache_dtype, draft, lora)
+        self.runner = ModelRunner(step_config, params, num_kv_blocks, block_size, max_pages_per_seq,
+                                  max_num_seqs, dtype, kv_cache_dtype, draft, lora, mesh)
         self.engine = EngineCore(self.runner, sched_config, num_kv_blocks, max_model_len,
                                  tokenizer.eos_token_id, enable_prefix_caching, preemption_mode, seed,
                                  decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
@@ -188,7 +207,10 @@ class LLM:
                 if config != self.config:
                     raise ValueError(f"checkpoint {path!r} is another model: its config differs "
                                      f"from the running one ({config} != {self.config})")
-            self.runner.params = _matching_params(self.runner.params, params)
+            params = _matching_params(self._loaded, params)
+            if self.runner.mesh is not None:
+                params = model.shard_params(params, self.config, self.runner.mesh)[1]
+            self.runner.params = params
             self.engine.kv.flush_prefix_cache()
 
     def add_lora(self, lora_request: LoRARequest) -> bool:

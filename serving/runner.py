@@ -126,18 +126,19 @@ def table_width(live: list[int], max_pages: int, minimum: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "page_size", "want_logprobs",
-                                             "want_prompt_logprobs"),
+                                             "want_prompt_logprobs", "mesh"),
                    donate_argnames=("pool",))
 def _step(params, config, page_size, pool, batch: StepBatch, want_logprobs, want_prompt_logprobs,
-          lora_stacks=None):
+          lora_stacks=None, mesh=None):
     """One engine step of prefill chunks and decode rows: (sampled [S], logprob extras,
     prompt logprob extras (per token [N]), pool). With lora_stacks (serving/lora.py), each
-    token's projections add its adapter slot's term (batch.lora_slots)."""
+    token's projections add its adapter slot's term (batch.lora_slots). mesh: the params
+    and pool are sharded over it (model/sharding.py); the batch is replicated."""
     if lora_stacks is not None:
         params = model_lora.attach(params, lora_stacks, batch.lora_slots)
     cache = KVCache(pool["target"], batch.block_tables, page_size)
     hidden, cache, _ = model.forward_packed(params, config, batch.tokens, batch.positions, cache,
-                                            batch.layout)
+                                            batch.layout, mesh=mesh)
     logits = lm_head(params, config, hidden[batch.logits_indices])
     keys = row_keys(batch.seeds, batch.counters)
     adjusted = apply_adjustments(logits, batch.adjust_ids, batch.adjust_counts, batch.adjust_seen,
@@ -302,15 +303,22 @@ class ModelRunner:
 
     def __init__(self, config: model.ModelConfig, params: dict, num_pages: int, page_size: int,
                  max_pages_per_seq: int, max_num_seqs: int, dtype=jnp.float32,
-                 kv_cache_dtype: str = "auto", draft: Drafter | None = None, lora: LoRAManager | None = None):
+                 kv_cache_dtype: str = "auto", draft: Drafter | None = None, lora: LoRAManager | None = None,
+                 mesh=None):
+        """mesh: a tensor-parallel mesh (model.make_mesh) that `params` are sharded over
+        (model.shard_params, whose config this takes); the pool is split by KV heads."""
         if lora is not None and draft is not None:
             raise ValueError("LoRA adapters are not supported with speculative decoding yet")
-        self.config, self.params, self.draft, self.lora = config, params, draft, lora
+        if mesh is not None and (lora is not None or draft is not None):
+            raise ValueError("LoRA adapters and speculative decoding are not sharded yet: "
+                             "use them with tensor_parallel_size=1")
+        self.config, self.params, self.draft, self.lora, self.mesh = config, params, draft, lora, mesh
         self.page_size, self.num_pages = page_size, num_pages
         self.max_pages_per_seq, self.max_num_seqs = max_pages_per_seq, max_num_seqs
         self.min_table_width = -(-MIN_TABLE_POSITIONS // page_size)
         self.mask_words = -(-config.vocab_size // 32)
-        self.pool = {"target": model.init_kv_pool(config, num_pages, page_size, dtype, kv_cache_dtype)}
+        self.pool = {"target": model.init_kv_pool(config, num_pages, page_size, dtype, kv_cache_dtype,
+                                                  mesh=mesh)}
         if draft is not None:
             self.pool["draft"] = model.init_kv_pool(draft.config.layer_config, num_pages, page_size, dtype,
                                                     kv_cache_dtype)
@@ -456,7 +464,7 @@ class ModelRunner:
         batch = self.step_batch(rows, lora_slot)
         next_tokens, extra, prompt_extra, self.pool = _step(
             self.params, self.config, self.page_size, self.pool, batch, want_logprobs,
-            any(_prompt_targets(r) for r in rows), self.lora.stacks if self.lora else None)
+            any(_prompt_targets(r) for r in rows), self.lora.stacks if self.lora else None, self.mesh)
         starts = np.asarray(batch.cu_q_lens)[:-1]
         return self._results(rows, np.asarray(next_tokens), [np.asarray(e) for e in extra],
                              prompt_extra=[np.asarray(e) for e in prompt_extra],

@@ -6,12 +6,14 @@ pools the Triton ragged kernel; TurboQuant pools lower to the XLA path there."""
 
 import jax
 import pytest
+from jax import export
 
 import model
 from model.config import ModelConfig
 from serving.engine import Row
 from serving.runner import ModelRunner, _step
-from tests.pallas_kernels.helpers import TRITON_CALL, export_cuda, export_tpu, kernel_calls, spec
+
+from tests.pallas_kernels.helpers import TRITON_CALL, abstract_tpu_mesh, export_cuda, export_tpu, kernel_calls, spec
 
 LAYERS = 3
 PAGE_SIZE = 16
@@ -105,3 +107,29 @@ def test_a_lora_step_runs_every_projection_through_the_lora_kernel(tiny):
     per_layer = 1 + len(lora.PROJECTIONS)
     assert kernel_calls(export_tpu(lora_fn, *lora_specs), "tpu_custom_call") == LAYERS * per_layer
     assert kernel_calls(export_cuda(lora_fn, *lora_specs), TRITON_CALL) == LAYERS * per_layer
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "nvfp4"])
+def test_a_tensor_parallel_step_runs_the_kernels_inside_shard_map(tiny, kv_cache_dtype):
+    """A mixed step over a 2-way "model" mesh of TPU devices: weights and pages carry their
+    shardings, and each layer's attention kernel runs inside a shard_map (a manual
+    computation over the heads), which XLA cannot partition otherwise."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from model.sharding import AXES, kv_spec, param_specs
+
+    config, params = tiny
+    mesh = jax.sharding.AbstractMesh((1, 2), AXES, abstract_device=abstract_tpu_mesh().abstract_device)
+    fn, (params_spec, pool_spec, batch_spec) = _step_specs(config, params, kv_cache_dtype, lens=(9, 1))
+    placed = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))
+    specs = [jax.tree.map(placed, params_spec, param_specs(params, config, 2)),
+             jax.tree.map(lambda x: placed(x, kv_spec(x)), pool_spec),
+             jax.tree.map(lambda x: placed(x, P()), batch_spec)]
+    sharded = lambda params, pool, batch: _step(params, config, PAGE_SIZE, pool, batch, False, False, None, mesh)
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = export.export(jax.jit(sharded), platforms=["tpu"])(*specs)
+    mlir = exported.mlir_module()
+    assert exported.nr_devices == 2
+    assert kernel_calls(mlir, "tpu_custom_call") == LAYERS
+    assert mlir.count("sdy.manual_computation") == LAYERS  # one shard_map per attention layer
+    assert '#sdy.sharding<@mesh, [{}, {"model"}]>' in mlir  # the column-split projections

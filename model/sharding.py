@@ -1,0 +1,166 @@
+"""Tensor parallelism over a device mesh, the way vLLM, tpu-inference and MaxText shard a
+Llama-family decoder (Megatron-LM's column / row split).
+
+The mesh has two named axes, ("data", "model"). Every weight carries a PartitionSpec:
+
+- q/k/v projections, the MLP's gate and up projections (and their biases) are split by
+  output columns on "model" (column-parallel): each device computes its own heads and its
+  own slice of the MLP's hidden units, with no communication;
+- the attention output projection and the MLP's down projection are split by input rows
+  (row-parallel): each device's partial product is summed across "model", the all-reduce
+  XLA's partitioner inserts where the replicated output sharding asks for it;
+- the embedding table and the vocabulary projection are split over the vocabulary;
+- norms, the output bias and MoE layers are replicated (expert parallelism is not built yet).
+
+A weight whose split dimension the tensor-parallel size does not divide is replicated
+instead (a vocabulary of 49,153 rows, say); query heads must divide, since attention runs
+per head (`check_tensor_parallel`).
+
+KV pages are split by KV heads on "model", so a device holds and reads only its heads' K/V.
+When tp exceeds the number of KV heads, each KV head is repeated tp / num_kv_heads times
+(`expand_kv_heads`, what tpu-inference and vLLM do): an exact reparametrisation of the same
+model, whose every device then holds one KV head, and whose pool costs that many copies.
+
+The attention entry (pallas_kernels.ragged_paged_attention, a Pallas kernel on TPU and GPU
+that XLA cannot partition) runs under `jax.shard_map` over "model": each device runs the
+kernel on its own heads and pages (model/layers.py). Everything else is plain jnp that
+XLA's SPMD partitioner splits from the weights' shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from model.config import ModelConfig
+from quant.packed import PackedWeight
+
+DATA, MODEL = "data", "model"
+AXES = (DATA, MODEL)
+
+# Layer weights by how they split: output columns, input rows, or a per-head vector.
+_COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
+_ROW = ("wo", "w_down")
+_HEAD_VECTOR = ("bq", "bk", "bv", "sinks")
+
+
+def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None) -> Mesh:
+    """A ("data", "model") mesh of data_parallel_size x tensor_parallel_size devices.
+
+    devices: the devices to use (default jax.devices()); the mesh takes the first
+    dp * tp of them, so a mesh may use fewer devices than exist.
+    """
+    for name, n in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    devices = list(jax.devices() if devices is None else devices)
+    need = tensor_parallel_size * data_parallel_size
+    if need > len(devices):
+        raise ValueError(f"a mesh of data_parallel_size={data_parallel_size} x tensor_parallel_size="
+                         f"{tensor_parallel_size} needs {need} devices; {len(devices)} are available")
+    grid = np.asarray(devices[:need], dtype=object).reshape(data_parallel_size, tensor_parallel_size)
+    return Mesh(grid, AXES)
+
+
+def tensor_parallel_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape[MODEL]
+
+
+def valid_tensor_parallel_sizes(config: ModelConfig) -> list[int]:
+    """The tp sizes this model shards to: divisors of the query heads that are either
+    divisors or multiples of the KV heads (KV heads are repeated in the second case)."""
+    return [tp for tp in range(1, config.num_heads + 1)
+            if config.num_heads % tp == 0 and (config.num_kv_heads % tp == 0 or tp % config.num_kv_heads == 0)]
+
+
+def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
+    """ValueError naming the valid sizes unless the model's heads split tp ways."""
+    valid = valid_tensor_parallel_sizes(config)
+    if tp not in valid:
+        raise ValueError(f"tensor_parallel_size={tp} does not split this model's {config.num_heads} query "
+                         f"heads and {config.num_kv_heads} KV heads evenly; valid sizes: {valid}")
+
+
+def expand_kv_heads(config: ModelConfig, params: dict, tp: int) -> tuple[ModelConfig, dict]:
+    """(config, params) with each KV head repeated tp / num_kv_heads times when tp exceeds
+    the KV heads, else unchanged.
+
+    Query head i reads KV head i // (num_heads / num_kv_heads) in both models: the
+    repeated heads are consecutive, so the groups line up.
+    """
+    check_tensor_parallel(config, tp)
+    if tp <= config.num_kv_heads:
+        return config, params
+    repeat, hd = tp // config.num_kv_heads, config.head_dim
+
+    def widen(x):  # [..., kv * hd] -> [..., kv * repeat * hd]
+        if isinstance(x, PackedWeight):
+            raise ValueError("tensor_parallel_size above the KV heads needs float weights; "
+                             "load with weights_dtype='float32' or 'bfloat16'")
+        heads = x.reshape(*x.shape[:-1], config.num_kv_heads, hd)
+        return jnp.repeat(heads, repeat, axis=-2).reshape(*x.shape[:-1], tp * hd)
+
+    layers = [{name: widen(w) if name in ("wk", "wv", "bk", "bv") else w for name, w in layer.items()}
+              for layer in params["layers"]]
+    return dataclasses.replace(config, num_kv_heads=tp), {**params, "layers": layers}
+
+
+def _split(shape, axis: int, tp: int) -> P:
+    """P with "model" on `axis` when tp divides that dimension, else replicated."""
+    if tp == 1 or shape[axis] % tp:
+        return P()
+    spec = [None] * len(shape)
+    spec[axis] = MODEL
+    return P(*spec)
+
+
+def param_specs(params: dict, config: ModelConfig, tp: int) -> dict:
+    """A PartitionSpec for every leaf of params (same tree), as the module docstring says."""
+    def leaf(name: str, x, moe: bool):
+        if isinstance(x, PackedWeight):
+            if tp > 1:
+                raise ValueError(f"packed weights ({name}) are not sharded yet: load with "
+                                 "weights_dtype='float32' or 'bfloat16' for tensor_parallel_size > 1")
+            return jax.tree.map(lambda _: P(), x)
+        shape = np.shape(x)
+        if moe and name not in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "sinks"):
+            return P()  # router and experts replicated
+        if name in _COLUMN or name in _HEAD_VECTOR:
+            return _split(shape, len(shape) - 1, tp)
+        if name in _ROW:
+            return _split(shape, 0, tp)
+        if name == "embed":  # [V, H] over the vocabulary
+            return _split(shape, 0, tp)
+        if name == "lm_head":  # [H, V]
+            return _split(shape, 1, tp)
+        return P()
+
+    specs = {name: leaf(name, x, False) for name, x in params.items() if name != "layers"}
+    specs["layers"] = [{name: leaf(name, x, "router" in layer) for name, x in layer.items()}
+                       for layer in params["layers"]]
+    return specs
+
+
+def shard_params(params: dict, config: ModelConfig, mesh: Mesh) -> tuple[ModelConfig, dict]:
+    """(config, params) laid out over the mesh: KV heads expanded when tp exceeds them,
+    every weight placed by `param_specs` (replicated over "data")."""
+    tp = tensor_parallel_size(mesh)
+    config, params = expand_kv_heads(config, params, tp)
+    specs = param_specs(params, config, tp)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
+    return config, jax.device_put(params, shardings)
+
+
+def kv_spec(leaf) -> P:
+    """A KV page leaf's spec: [num_pages, page_size, num_kv_heads, ...] split on its heads;
+    a scalar (a format's tensor scale) replicated."""
+    return P(None, None, MODEL) if getattr(leaf, "ndim", 0) >= 3 else P()
+
+
+def kv_shardings(pool, mesh: Mesh):
+    """NamedShardings of a KV pool (any pytree of page leaves) split by KV heads."""
+    return jax.tree.map(lambda a: NamedSharding(mesh, kv_spec(a)), pool)

@@ -1,0 +1,160 @@
+"""Tensor parallelism (model/sharding.py): which sizes are valid, the KV-head repetition is
+the same model, every weight's split, and, on 8 simulated CPU devices (a subprocess, since
+XLA_FLAGS must be set before jax starts), sharded logits and greedy output equal one device:
+the default model at tp = 3 (its 9 query and 3 KV heads), a tiny Qwen3 at tp = 2 and 4 and an
+8-head model at tp = 8 (KV heads repeated), with the weights and the pool really split."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import model
+from model.config import ATTENTION, SLIDING_ATTENTION, ModelConfig
+from model.sharding import MODEL, check_tensor_parallel, expand_kv_heads, param_specs, valid_tensor_parallel_sizes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _config(**kw):
+    base = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_heads=8, num_kv_heads=2, head_dim=16,
+                layer_kinds=(ATTENTION, SLIDING_ATTENTION), max_position_embeddings=128, sliding_window=8,
+                attention_bias=True, tie_word_embeddings=True)
+    return ModelConfig(**{**base, **kw})
+
+
+def test_valid_sizes_divide_the_query_heads_and_divide_or_repeat_the_kv_heads():
+    assert valid_tensor_parallel_sizes(_config(num_heads=9, num_kv_heads=3)) == [1, 3, 9]
+    assert valid_tensor_parallel_sizes(_config()) == [1, 2, 4, 8]
+    assert valid_tensor_parallel_sizes(_config(num_heads=12, num_kv_heads=4)) == [1, 2, 4, 12]  # not 3, 6
+    with pytest.raises(ValueError, match=r"valid sizes: \[1, 3, 9\]"):
+        check_tensor_parallel(_config(num_heads=9, num_kv_heads=3), 2)
+
+
+def test_repeated_kv_heads_are_the_same_model():
+    """tp = 8 over 2 KV heads repeats each 4 times: logits equal the original model's."""
+    config = _config()
+    params = model.init_params(config, jax.random.key(0))
+    wide_config, wide = expand_kv_heads(config, params, 8)
+    assert wide_config.num_kv_heads == 8 and wide["layers"][0]["wk"].shape == (64, 8 * 16)
+    assert expand_kv_heads(config, params, 2)[1] is params  # nothing to repeat
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, config.vocab_size)
+    positions = jnp.tile(jnp.arange(12), (2, 1))
+    ref, _ = model.forward(params, config, tokens, positions, model.init_cache(config, 2, 32))
+    out, _ = model.forward(wide, wide_config, tokens, positions, model.init_cache(wide_config, 2, 32))
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+def test_param_specs_split_columns_rows_and_vocabulary():
+    config = _config(vocab_size=98, tie_word_embeddings=False)  # 98 rows do not split 4 ways
+    params = model.init_params(config, jax.random.key(0))
+    specs = param_specs(params, config, 4)
+    layer = specs["layers"][0]
+    for name in ("wq", "wk", "wv", "w_gate", "w_up"):
+        assert layer[name] == P(None, MODEL), name
+    for name in ("wo", "w_down"):
+        assert layer[name] == P(MODEL, None), name
+    assert layer["bq"] == P(MODEL) and layer["attn_norm"] == P()
+    assert specs["embed"] == P() and specs["lm_head"] == P()  # replicated: 98 % 4
+    assert param_specs(params, config, 2)["embed"] == P(MODEL, None)
+    assert param_specs(params, config, 2)["lm_head"] == P(None, MODEL)
+
+
+def test_bad_meshes_are_clear_errors():
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        model.make_mesh(16)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
+        model.make_mesh(0)
+    config = _config(num_heads=9, num_kv_heads=3)
+    with pytest.raises(ValueError, match=r"valid sizes: \[1, 3, 9\]"):
+        model.forward({}, config, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                      model.init_cache(config, 1, 16), mesh=model.make_mesh(2, devices=jax.devices() * 2))
+
+
+SCRIPT = r"""
+import os, jax, jax.numpy as jnp, numpy as np
+import model
+from serving import LLM, SamplingParams
+from tests.model import golden
+
+def shard_shape(a):
+    return a.addressable_shards[0].data.shape
+
+def check_forward(config, params, tokens, tp, what):
+    positions = jnp.tile(jnp.arange(tokens.shape[1]), (tokens.shape[0], 1))
+    ref, _ = model.forward(params, config, tokens, positions, model.init_cache(config, tokens.shape[0], 64))
+    mesh = model.make_mesh(tp)
+    sharded_config, sharded = model.shard_params(params, config, mesh)
+    cache = model.init_cache(sharded_config, tokens.shape[0], 64, mesh=mesh)
+    out, cache = model.forward(sharded, sharded_config, tokens, positions, cache, mesh=mesh)
+    err = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+    assert err < 1e-4, (what, tp, err)
+    k = cache.layers[0]["k"]
+    heads = max(config.num_kv_heads, tp) // tp
+    assert len(k.sharding.device_set) == tp and shard_shape(k)[2] == heads, (what, tp, k.sharding)
+    wq = sharded["layers"][0]["wq"]
+    assert shard_shape(wq) == (config.hidden_size, config.num_heads * config.head_dim // tp), (what, shard_shape(wq))
+    print(f"{what} tp={tp}: logits relative error {err:.1e}, KV heads per device {heads}")
+    return sharded
+
+# the default model (SmolLM2-135M) at tp = 3: logits, shards, then greedy through LLM
+config, params = model.load("default")
+tok = model.load_tokenizer("default")
+ids = tok.encode("The quick brown fox jumps over the lazy dog, then it runs to the river.")
+sharded = check_forward(config, params, jnp.asarray([ids]), 3, "default")
+assert shard_shape(sharded["layers"][0]["w_down"]) == (config.intermediate_size // 3, config.hidden_size)
+assert shard_shape(sharded["embed"]) == (config.vocab_size // 3, config.hidden_size)
+prompts = ["The capital of France is", "Write a haiku about the sea."]
+greedy = SamplingParams(temperature=0, max_tokens=8, logprobs=1)
+runs = {}
+for tp in (1, 3):
+    llm = LLM(max_model_len=128, tensor_parallel_size=tp)
+    runs[tp] = llm.generate(prompts, greedy)
+    pool = llm.runner.pool["target"][0]["k"]
+    assert len(pool.sharding.device_set) == tp and shard_shape(pool)[2] == 3 // tp, pool.sharding
+for a, b in zip(runs[1], runs[3]):
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids, (a.outputs[0].token_ids, b.outputs[0].token_ids)
+    for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+        assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) < 1e-4, (x, y)
+print("default LLM tp=3 greedy equals tp=1:", [r.outputs[0].token_ids for r in runs[3]])
+
+# a tiny Qwen3 (4 query, 2 KV heads, q/k norms) at tp = 2 and 4 (KV heads repeated)
+config, params = model.load(os.path.join(golden.FIXTURES, "tiny_qwen3"))
+tokens = jnp.asarray(golden.tiny_tokens())
+for tp in (2, 4):
+    check_forward(config, params, tokens, tp, "tiny_qwen3")
+
+# 8 query heads over 2 KV heads at tp = 8, through LLM, and update_weights on the sharded engine
+config = model.ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_heads=8,
+                           num_kv_heads=2, head_dim=16, layer_kinds=("sliding_attention", "attention"),
+                           max_position_embeddings=256, sliding_window=8, tie_word_embeddings=True)
+params = jax.tree.map(lambda a: a * 10, model.init_params(config, jax.random.key(0)))  # varied greedy text
+other = jax.tree.map(lambda a: a * 10, model.init_params(config, jax.random.key(1)))
+check_forward(config, params, jnp.asarray([ids[:20]]), 8, "8-head")
+sampling = SamplingParams(temperature=0, max_tokens=10)
+wide = LLM.from_loaded(config, params, tok, max_model_len=128, tensor_parallel_size=8)
+one = LLM.from_loaded(config, params, tok, max_model_len=128)
+assert [r.outputs[0].token_ids for r in wide.generate(prompts, sampling)] == \
+    [r.outputs[0].token_ids for r in one.generate(prompts, sampling)]
+wide.update_weights(other)
+one.update_weights(other)
+compiled = wide.runner.num_compilations()
+after = [r.outputs[0].token_ids for r in wide.generate(prompts, sampling)]
+assert wide.runner.num_compilations() == compiled  # the new weights are arguments, not constants
+assert after == [r.outputs[0].token_ids for r in one.generate(prompts, sampling)]
+assert shard_shape(wide.runner.params["layers"][0]["wk"]) == (64, 16)
+print("8-head LLM tp=8 equals tp=1, before and after update_weights:", after)
+"""
+
+
+def test_sharded_logits_and_greedy_output_equal_one_device():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    print(done.stdout)
