@@ -146,7 +146,8 @@ def _split_heads(attention, mesh, k_pages, v_pages):
     and tree are replicated; nothing is exchanged between devices."""
     heads = P(None, MODEL)  # [tokens, heads, head_dim]
     pages = (jax.tree.map(kv_spec, k_pages), jax.tree.map(kv_spec, v_pages))
-    return jax.shard_map(attention, mesh=mesh, check_vma=False,
+    inside = jax.sharding.get_abstract_mesh()  # set inside an outer shard_map (over "data")
+    return jax.shard_map(attention, mesh=mesh if inside.empty else inside, axis_names={MODEL}, check_vma=False,
                          in_specs=(heads, heads, heads, *pages, P(), P(), P(), P(MODEL), P()),
                          out_specs=(heads, *pages))
 

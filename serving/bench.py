@@ -526,7 +526,7 @@ def _expected_bytes(config, tp: int, num_pages: int, page_size: int, itemsize: i
     sinks are not counted (the bench's models have none)."""
     h, hd, kv = config.hidden_size, config.head_dim, max(config.num_kv_heads, tp)
     per_layer = (2 * h * config.num_heads * hd + 2 * h * kv * hd + 3 * h * config.intermediate_size) // tp
-    per_layer += 2 * h + (2 * hd if config.qk_norm else 0)
+    per_layer += (4 if config.sandwich_norm else 2) * h + (2 * hd if config.qk_norm else 0)
     vocab = config.vocab_size // tp if config.vocab_size % tp == 0 else config.vocab_size
     tables = 1 if config.tie_word_embeddings else 2
     weights = (config.num_layers * per_layer + tables * vocab * h + h) * itemsize

@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="how the weights stay in memory: float32, bfloat16, gguf (a GGUF file's own "
                              "blocks), or a packed format (int8, w8a8, int4, fp8, q8_0, q4_0, q4_1)")
     parser.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="shard the model over this many devices (LLM(tensor_parallel_size=...))")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -59,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.compile_cache_dir is not None:  # compiled steps persist across runs (model/compile_cache.py)
             os.environ[compile_cache.ENV] = args.compile_cache_dir
         llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=1,
-                  speculative_config=speculative, weights_dtype=args.weights_dtype)
+                  speculative_config=speculative, weights_dtype=args.weights_dtype,
+                  tensor_parallel_size=args.tensor_parallel_size)
         tok = llm.get_tokenizer()
         if not args.raw and not tok.chat_template:
             raise ValueError(f"{args.model} has no chat template (a base model such as gemma3-270m): "

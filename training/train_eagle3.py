@@ -1,12 +1,18 @@
 """Train an EAGLE-3 draft for a target model, on text every machine has.
 
     python -m training.train_eagle3 --target default --out DIR [--max-steps N]
+        [--data-parallel-size D] [--tensor-parallel-size T]
 
 The target's features (residuals entering layers 2, L/2, L-3) and logits are computed
 on the fly for each batch. The output directory is a draft `model.eagle3.load_draft`
 reads (config.json + model.safetensors); it also keeps the prepared data (data.npz),
 orbax checkpoints (a rerun with the same DIR resumes) and the held-out acceptance
 (eval.json). `--target tiny-random` trains against a tiny random model (tests).
+
+Over D x T devices (a ("data", "model") mesh, model/sharding.py) each batch is split over
+"data": every data rank runs the frozen target on its rows, tensor-parallel over "model"
+as the serving engine shards it, and the draft's gradients are summed across ranks. The
+checkpoints do not depend on the device count: a run resumes on another mesh.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -27,6 +34,7 @@ from tqdm.auto import tqdm
 
 import model
 from model.config import ModelConfig
+from model.sharding import DATA
 from model.eagle3 import FROZEN, Eagle3Config, feature_layers, init_draft_params, save_draft
 from model.weights import WEIGHTS_DTYPES
 from quant import WEIGHT_FORMATS, pack_params
@@ -66,10 +74,12 @@ class TrainConfig:
     eval_sequences: int = 8  # held out per kind (text, chat)
     save_every: int = 10
     seed: int = 0
+    data_parallel_size: int = 1  # devices each batch is split over (mesh axis "data")
+    tensor_parallel_size: int = 1  # devices the frozen target is split over (mesh axis "model")
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "draft_vocab_size", "ttt_steps", "text_tokens",
-                     "eval_sequences", "save_every"):
+                     "eval_sequences", "save_every", "data_parallel_size", "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.seq_len < self.ttt_steps + 4:
@@ -77,6 +87,9 @@ class TrainConfig:
         if self.target_weights_dtype is not None and self.target_weights_dtype not in WEIGHTS_DTYPES:
             raise ValueError(f"target_weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}, "
                              f"got {self.target_weights_dtype!r}")
+        if self.batch_size % self.data_parallel_size:
+            raise ValueError(f"batch_size={self.batch_size} does not split over data_parallel_size="
+                             f"{self.data_parallel_size} ranks")
         if self.max_steps is not None and self.max_steps <= 0:
             raise ValueError(f"max_steps must be > 0, got {self.max_steps}")
         if self.chat_prompts < 0 or self.warmup_steps < 0 or self.clip_norm <= 0 or self.lr <= 0:
@@ -102,19 +115,30 @@ def load_target(source: str, weights_dtype: str | None = None):
     return config, params, model.load_tokenizer(source)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "layer_ids"))
+@functools.partial(jax.jit, static_argnames=("config", "layer_ids", "mesh"))
 def target_batch(params: dict, config: ModelConfig, layer_ids: tuple[int, ...],
-                 draft_target_ids: jnp.ndarray, tokens: jnp.ndarray) -> dict:
+                 draft_target_ids: jnp.ndarray, tokens: jnp.ndarray, mesh=None) -> dict:
     """The target's features [B, T, 3H], logits over the draft vocabulary [B, T, Vd] and
-    argmax over its full vocabulary [B, T] for `tokens` [B, T]."""
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    cache = model.init_cache(config, b, t)
-    hidden, _, captured = model.forward_hidden(params, config, tokens, positions, cache, layer_ids)
-    logits = model.lm_head(params, config, hidden)
-    return {"features": jnp.concatenate(captured, axis=-1), "tokens": tokens,
-            "target_logits": logits[..., draft_target_ids],
-            "target_ids": jnp.argmax(logits, -1).astype(jnp.int32)}
+    argmax over its full vocabulary [B, T] for `tokens` [B, T].
+
+    mesh: the target's params are sharded over it (model.shard_params); when its "data"
+    axis splits B, each data rank runs the target on its own rows (a shard_map over "data",
+    attention tensor-parallel inside it over "model")."""
+    def run(params, tokens):
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        cache = model.init_cache(config, b, t)
+        hidden, _, captured = model.forward_hidden(params, config, tokens, positions, cache, layer_ids,
+                                                   mesh=mesh)
+        logits = model.lm_head(params, config, hidden)
+        return {"features": jnp.concatenate(captured, axis=-1), "tokens": tokens,
+                "target_logits": logits[..., draft_target_ids],
+                "target_ids": jnp.argmax(logits, -1).astype(jnp.int32)}
+    ranks = 1 if mesh is None else mesh.shape[DATA]
+    if ranks == 1 or tokens.shape[0] % ranks:  # a ragged held-out batch runs whole
+        return run(params, tokens)
+    return jax.shard_map(run, mesh=mesh, in_specs=(P(), P(DATA)), out_specs=P(DATA), axis_names={DATA},
+                         check_vma=False)(params, tokens)
 
 
 @functools.lru_cache(maxsize=8)
@@ -199,13 +223,14 @@ def batch_indices(step: int, batch_size: int, num_rows: int, seed: int) -> np.nd
 # --- the loop ---
 
 def evaluate(params: dict, draft_config: Eagle3Config, target_params: dict, target_config: ModelConfig,
-             tokens: np.ndarray, mask: np.ndarray, batch_size: int, num_steps: int) -> dict:
-    """Held-out greedy acceptance by draft position (see training.ttt.acceptance_counts)."""
+             tokens: np.ndarray, mask: np.ndarray, batch_size: int, num_steps: int, mesh=None) -> dict:
+    """Held-out greedy acceptance by draft position (see training.ttt.acceptance_counts);
+    mesh: as target_batch."""
     draft_target_ids = jnp.asarray(np.flatnonzero(np.asarray(params["t2d"])), jnp.int32)
     tried, accepted = np.zeros(num_steps), np.zeros(num_steps)
     for start in range(0, len(tokens) - batch_size + 1, batch_size):
         batch = target_batch(target_params, target_config, draft_config.target_layer_ids,
-                             draft_target_ids, jnp.asarray(tokens[start:start + batch_size]))
+                             draft_target_ids, jnp.asarray(tokens[start:start + batch_size]), mesh)
         batch["loss_mask"] = jnp.asarray(mask[start:start + batch_size])
         n, a = eval_counts(params, draft_config, batch, num_steps)
         tried += np.asarray(n)
@@ -232,6 +257,13 @@ def train(cfg: TrainConfig) -> dict:
     optimizer = make_optimizer(cfg.lr, cfg.warmup_steps, cfg.steps, cfg.clip_norm, cfg.weight_decay)
     trainable = {k: v for k, v in params.items() if k not in FROZEN}
     state = {"params": trainable, "opt_state": optimizer.init(trainable)}
+    mesh, rows_on = None, lambda x: jnp.asarray(x)
+    if cfg.data_parallel_size * cfg.tensor_parallel_size > 1:
+        mesh = model.make_mesh(cfg.tensor_parallel_size, cfg.data_parallel_size)
+        target_config, target_params = model.shard_params(target_params, target_config, mesh)
+        replicated = NamedSharding(mesh, P())
+        state, frozen = jax.device_put(state, replicated), jax.device_put(frozen, replicated)
+        rows_on = lambda x: jax.device_put(x, NamedSharding(mesh, P(DATA)))  # batch rows over "data"
 
     manager = _checkpoint_manager(cfg)
     start = manager.latest_step() or 0
@@ -245,8 +277,8 @@ def train(cfg: TrainConfig) -> dict:
     while step < stop:
         rows = batch_indices(step, cfg.batch_size, len(tokens), cfg.seed)
         batch = target_batch(target_params, target_config, draft_config.target_layer_ids,
-                             draft_target_ids, jnp.asarray(tokens[rows]))
-        batch["loss_mask"] = jnp.asarray(masks[rows])
+                             draft_target_ids, rows_on(tokens[rows]), mesh)
+        batch["loss_mask"] = rows_on(masks[rows])
         state, m = train_step(state, frozen, draft_config, optimizer, cfg.ttt_steps, batch)
         step += 1
         metrics = {k: np.asarray(v).tolist() for k, v in m.items()}
@@ -272,7 +304,7 @@ def train(cfg: TrainConfig) -> dict:
             results["eval"][kind] = evaluate(
                 params, draft_config, target_params, target_config, dataset[f"eval_{kind}_tokens"],
                 dataset[f"eval_{kind}_mask"], min(cfg.batch_size, len(dataset[f"eval_{kind}_tokens"])),
-                cfg.ttt_steps)
+                cfg.ttt_steps, mesh)
     with open(os.path.join(cfg.out, "eval.json"), "w") as f:
         json.dump(results, f, indent=2)
     return results

@@ -1,7 +1,12 @@
-"""The training loop on a tiny random target: learning, resuming, the CLI and its output."""
+"""The training loop on a tiny random target: learning, resuming, the CLI and its output,
+and data-parallel training on 4 simulated devices (a subprocess: the device count is set
+before jax starts)."""
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -70,3 +75,52 @@ def test_cli_rejects_bad_arguments(tmp_path):
         train_eagle3.main(["--out", str(tmp_path), "--target", "/no/such/model"])
     with pytest.raises(SystemExit):
         train_eagle3.main(["--out", str(tmp_path), "--target-weights-dtype", "int3"])
+    with pytest.raises(SystemExit):  # 8 rows do not split over 3 data ranks
+        train_eagle3.main(["--out", str(tmp_path), "--batch-size", "8", "--data-parallel-size", "3"])
+
+
+PARALLEL = r"""
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+import dataclasses, sys, numpy as np
+import jax.numpy as jnp
+import model
+from model import eagle3
+from training import train_eagle3
+from training.train_eagle3 import TrainConfig
+
+out = sys.argv[1]
+tiny = TrainConfig(target="tiny-random", steps=4, batch_size=4, seq_len=16, draft_vocab_size=64, ttt_steps=3,
+                   lr=3e-3, warmup_steps=1, text_tokens=8 * 16, eval_sequences=2, save_every=100)
+
+# the target's batch over a 2 x 2 mesh: rows split over "data", equal to one device
+config, params, _ = train_eagle3.load_target("tiny-random")
+mesh = model.make_mesh(tensor_parallel_size=2, data_parallel_size=2)
+sharded_config, sharded = model.shard_params(params, config, mesh)
+tokens = jnp.arange(4 * 16, dtype=jnp.int32).reshape(4, 16) % config.vocab_size
+ids = jnp.arange(64, dtype=jnp.int32)
+want = train_eagle3.target_batch(params, config, (2, 4, 5), ids, tokens)
+got = train_eagle3.target_batch(sharded, sharded_config, (2, 4, 5), ids,
+                                jax.device_put(tokens, jax.NamedSharding(mesh, jax.P("data"))), mesh)
+assert got["features"].sharding.spec[0] == "data", got["features"].sharding
+for name in want:
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+# 2 steps on the 2 x 2 mesh, resumed for 2 more on one device: the same run as 4 on one device
+full = train_eagle3.train(dataclasses.replace(tiny, out=out + "/full"))
+first = train_eagle3.train(dataclasses.replace(tiny, out=out + "/split", max_steps=2, data_parallel_size=2,
+                                               tensor_parallel_size=2))
+resumed = train_eagle3.train(dataclasses.replace(tiny, out=out + "/split"))
+assert resumed["start_step"] == 2 and resumed["step"] == 4
+np.testing.assert_allclose(first["loss_history"] + resumed["loss_history"], full["loss_history"], rtol=1e-5)
+for a, b in zip(jax.tree.leaves(eagle3.load_draft(out + "/split")[1]), jax.tree.leaves(eagle3.load_draft(out + "/full")[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+print("losses", full["loss_history"])
+"""
+
+
+def test_data_parallel_training_equals_one_device_and_resumes_on_another_mesh(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", PARALLEL, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr[-4000:]
