@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from model.config import ModelConfig
 from model.context import ForwardContext, TokenTree, ragged_layout
 from model.kv_formats import KVPages, kernel_pages, plain_pages, read_kv, write_kv
-from model.sharding import MODEL, kv_spec
+from model.sharding import MODEL, kv_spec, manual_over_model
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.paged_attention.kv_formats import resolve as resolve_format
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
@@ -146,10 +146,8 @@ def _split_heads(attention, mesh, k_pages, v_pages):
     and tree are replicated; nothing is exchanged between devices."""
     heads = P(None, MODEL)  # [tokens, heads, head_dim]
     pages = (jax.tree.map(kv_spec, k_pages), jax.tree.map(kv_spec, v_pages))
-    inside = jax.sharding.get_abstract_mesh()  # set inside an outer shard_map (over "data")
-    return jax.shard_map(attention, mesh=mesh if inside.empty else inside, axis_names={MODEL}, check_vma=False,
-                         in_specs=(heads, heads, heads, *pages, P(), P(), P(), P(MODEL), P()),
-                         out_specs=(heads, *pages))
+    return manual_over_model(attention, mesh, (heads, heads, heads, *pages, P(), P(), P(), P(MODEL), P()),
+                             (heads, *pages))
 
 
 def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KVPages,

@@ -10,7 +10,10 @@ The mesh has two named axes, ("data", "model"). Every weight carries a Partition
   (row-parallel): each device's partial product is summed across "model", the all-reduce
   XLA's partitioner inserts where the replicated output sharding asks for it;
 - the embedding table and the vocabulary projection are split over the vocabulary;
-- norms, the output bias and MoE layers are replicated (expert parallelism is not built yet).
+- norms and the output bias are replicated;
+- a mixture-of-experts layer's experts are split on "model" whole (expert parallelism,
+  model/moe.py `expert_parallel`: tokens travel to their experts' devices by all_to_all),
+  its router replicated; experts that do not split tp ways are replicated.
 
 A weight whose split dimension the tensor-parallel size does not divide is replicated
 instead (a vocabulary of 49,153 rows, say); query heads must divide, since attention runs
@@ -127,8 +130,10 @@ def param_specs(params: dict, config: ModelConfig, tp: int) -> dict:
                                  "weights_dtype='float32' or 'bfloat16' for tensor_parallel_size > 1")
             return jax.tree.map(lambda _: P(), x)
         shape = np.shape(x)
-        if moe and name not in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "sinks"):
-            return P()  # router and experts replicated
+        if moe and name.startswith("experts_"):  # expert parallel: E / tp experts per device
+            return _split(shape, 0, tp) if config.num_experts % tp == 0 else P()
+        if moe and name.startswith("router"):
+            return P()
         if name in _COLUMN or name in _HEAD_VECTOR:
             return _split(shape, len(shape) - 1, tp)
         if name in _ROW:
@@ -153,6 +158,20 @@ def shard_params(params: dict, config: ModelConfig, mesh: Mesh) -> tuple[ModelCo
     specs = param_specs(params, config, tp)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
     return config, jax.device_put(params, shardings)
+
+
+def manual_over_model(fn, mesh, in_specs, out_specs):
+    """fn under jax.shard_map, manual over the mesh's "model" axis.
+
+    At the top of a step the map is manual over every axis (specs without "data" replicate
+    over it): Mosaic kernels refuse a partly automatic mesh. Inside an outer shard_map over
+    "data" (a data-parallel training step) it is manual over "model" only, on the context's
+    mesh, and together the two leave no axis automatic."""
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or not context.manual_axes:
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return jax.shard_map(fn, mesh=context, in_specs=in_specs, out_specs=out_specs, axis_names={MODEL},
+                         check_vma=False)
 
 
 def kv_spec(leaf) -> P:

@@ -100,7 +100,7 @@ def _decoder_layer(sliding: bool):
             attn = rms_norm(attn, params["attn_post_norm"], eps)
         x = x + attn
         h = rms_norm(x, params["mlp_norm"], eps)
-        out = moe(params, config, h) if "router" in params else mlp(params, h, config.hidden_act,
+        out = moe(params, config, h, ctx.mesh) if "router" in params else mlp(params, h, config.hidden_act,
                                                                      config.swiglu_limit)
         if config.sandwich_norm:
             out = rms_norm(out, params["mlp_post_norm"], eps)

@@ -15,6 +15,11 @@ split on a "model" mesh axis, KV pages split by KV heads):
 
     llm = LLM(tensor_parallel_size=3)             # SmolLM2's 9 query / 3 KV heads
 
+Data parallelism: one engine per rank (its own pool, prefix cache and scheduler), each
+request routed to one (serving/data_parallel.py):
+
+    llm = LLM(tensor_parallel_size=3, data_parallel_size=2)   # 6 devices
+
 Many fine-tunes of one base (S-LoRA): PEFT adapters chosen per request, mixed in a batch:
 
     llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=16)
@@ -34,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tqdm
+from jax.sharding import Mesh
 
 import model
 from model.weights import WEIGHTS_DTYPES
@@ -44,6 +50,7 @@ from model.sharding import check_tensor_parallel
 from model import compile_cache
 from serving import scheduler as sched
 from serving.draft_tree import TreeSpec
+from serving.data_parallel import DataParallelEngine
 from serving.engine import PREEMPTION_MODES, RECOMPUTE, EngineCore
 from serving.params import (CompletionOutput, LoRARequest, RequestOutput, SamplingParams, check_bool, check_int,
                             check_text)
@@ -68,7 +75,7 @@ class LLM:
                  speculative_config: dict | None = None, jump_forward: bool = True,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, weights_dtype: str | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1):
         import model as model_lib
 
         config, params = model_lib.load(model, dtype, weights_dtype)
@@ -76,7 +83,8 @@ class LLM:
                     num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
                     kv_cache_dtype, scheduling_policy, capacity_policy, chunking_policy,
                     preemption_mode, seed, dtype, speculative_config, jump_forward, enable_lora,
-                    max_loras, max_lora_rank, max_cpu_loras, weights_dtype, tensor_parallel_size)
+                    max_loras, max_lora_rank, max_cpu_loras, weights_dtype, tensor_parallel_size,
+                    data_parallel_size)
 
     @classmethod
     def from_loaded(cls, config: model.ModelConfig, params: dict, tokenizer: model.Tokenizer,
@@ -98,7 +106,7 @@ class LLM:
                max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_dtype,
                scheduling_policy, capacity_policy, chunking_policy, preemption_mode, seed, dtype,
                speculative_config, jump_forward, enable_lora, max_loras, max_lora_rank, max_cpu_loras,
-               weights_dtype, tensor_parallel_size):
+               weights_dtype, tensor_parallel_size, data_parallel_size):
         # Every argument is checked here, before anything is built.
         if weights_dtype is not None and weights_dtype not in WEIGHTS_DTYPES:
             raise ValueError(f"unknown weights_dtype {weights_dtype!r}; allowed: {', '.join(WEIGHTS_DTYPES)}")
@@ -134,6 +142,7 @@ class LLM:
                              "page yet)")
         check_kv_cache_dtype(kv_cache_dtype, config, block_size)
         tp = check_int("tensor_parallel_size", tensor_parallel_size, 1)
+        dp = check_int("data_parallel_size", data_parallel_size, 1)
         draft = _drafter(speculative_config, config, dtype)
         lora = None
         if check_bool("enable_lora", enable_lora):
@@ -145,17 +154,22 @@ class LLM:
         if draft is not None and max_num_batched_tokens < draft.spec.num_tokens:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot fit one draft tree "
                              f"({draft.spec.num_tokens} tokens)")
-        # The model as the devices hold it: over a tensor-parallel mesh, KV heads repeated
-        # when tp exceeds them (model/sharding.py); self.config stays the model's own.
-        mesh, step_config = None, config
+        # The model as the devices hold it: one copy per data-parallel rank, each on its row
+        # of a (data, model) mesh, tensor-parallel over the row with KV heads repeated when
+        # tp exceeds them (model/sharding.py); self.config stays the model's own.
+        rank_meshes, step_config, rank_params = [None], config, [params]
         self._loaded = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
-        if tp > 1:
+        if tp * dp > 1:
             check_tensor_parallel(config, tp)
             if draft is not None or lora is not None:
                 raise ValueError("speculative decoding and LoRA adapters are not sharded yet: use them with "
-                                 "tensor_parallel_size=1")
-            mesh = model.make_mesh(tp)
-            step_config, params = model.shard_params(params, config, mesh)
+                                 "tensor_parallel_size=1 and data_parallel_size=1")
+            mesh = model.make_mesh(tp, dp)
+            rank_meshes = [Mesh(mesh.devices[r:r + 1], mesh.axis_names) for r in range(dp)]
+            rank_params = []
+            for rank_mesh in rank_meshes:
+                step_config, placed = model.shard_params(params, config, rank_mesh)
+                rank_params.append(placed)
         lookahead = draft.spec.lookahead if draft else 0
         max_pages_per_seq = -(-(max_model_len + lookahead) // block_size)
         if num_kv_blocks is None:
@@ -176,15 +190,20 @@ class LLM:
             chunk_unit_size=min(sched.SchedulerConfig.chunk_unit_size, max_num_batched_tokens),
             tokens_per_decode=draft.spec.num_tokens if draft else 1, num_lookahead_slots=lookahead,
             max_loras=lora.max_loras if lora else 0)
-        self.runner = ModelRunner(step_config, params, num_kv_blocks, block_size, max_pages_per_seq,
-                                  max_num_seqs, dtype, kv_cache_dtype, draft, lora, mesh)
-        self.engine = EngineCore(self.runner, sched_config, num_kv_blocks, max_model_len,
-                                 tokenizer.eos_token_id, enable_prefix_caching, preemption_mode, seed,
-                                 decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-                                 grammars=GrammarCompiler(tokenizer, config.vocab_size, tokenizer.eos_token_id),
-                                 jump_forward=jump_forward,
-                                 encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False),
-                                 vocab_size=config.vocab_size)
+        # one runner (its own pool) and one engine (its own scheduler and prefix cache) per rank
+        self.runners = [ModelRunner(step_config, placed, num_kv_blocks, block_size, max_pages_per_seq,
+                                    max_num_seqs, dtype, kv_cache_dtype, draft, lora, rank_mesh)
+                        for placed, rank_mesh in zip(rank_params, rank_meshes)]
+        self.runner = self.runners[0]
+        grammars = GrammarCompiler(tokenizer, config.vocab_size, tokenizer.eos_token_id)
+        engines = [EngineCore(runner, sched_config, num_kv_blocks, max_model_len,
+                              tokenizer.eos_token_id, enable_prefix_caching, preemption_mode, seed + rank,
+                              decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                              grammars=grammars, jump_forward=jump_forward,
+                              encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                              vocab_size=config.vocab_size)
+                   for rank, runner in enumerate(self.runners)]
+        self.engine = engines[0] if dp == 1 else DataParallelEngine(engines)
         self._ids = itertools.count()
         self._lock = threading.RLock()  # one engine step (or request change) at a time
 
@@ -208,9 +227,9 @@ class LLM:
                     raise ValueError(f"checkpoint {path!r} is another model: its config differs "
                                      f"from the running one ({config} != {self.config})")
             params = _matching_params(self._loaded, params)
-            if self.runner.mesh is not None:
-                params = model.shard_params(params, self.config, self.runner.mesh)[1]
-            self.runner.params = params
+            for runner in self.runners:
+                runner.params = params if runner.mesh is None else \
+                    model.shard_params(params, self.config, runner.mesh)[1]
             self.engine.kv.flush_prefix_cache()
 
     def add_lora(self, lora_request: LoRARequest) -> bool:

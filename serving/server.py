@@ -318,6 +318,8 @@ def _parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="shard the model over this many devices (LLM(tensor_parallel_size=...))")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="engines, each on its own tensor_parallel_size devices (LLM(data_parallel_size=...))")
     parser.add_argument("--speculative-config", default=None,
                         help='JSON, e.g. \'{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 15}\'')
     parser.add_argument("--seed", type=int, default=0)
@@ -375,7 +377,8 @@ def build(args: argparse.Namespace) -> FastAPI:
               enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
               seed=args.seed, dtype=dtype, speculative_config=speculative, enable_lora=args.enable_lora,
               max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-              weights_dtype=args.weights_dtype, tensor_parallel_size=args.tensor_parallel_size)
+              weights_dtype=args.weights_dtype, tensor_parallel_size=args.tensor_parallel_size,
+              data_parallel_size=args.data_parallel_size)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return create_app(llm, args.served_model_name or args.model, api_key, args.max_waiting_requests,
                       args.max_waiting_tokens, args.max_request_body_bytes, lora_modules)

@@ -1,8 +1,10 @@
 """Tensor parallelism (model/sharding.py): which sizes are valid, the KV-head repetition is
 the same model, every weight's split, and, on 8 simulated CPU devices (a subprocess, since
 XLA_FLAGS must be set before jax starts), sharded logits and greedy output equal one device:
-the default model at tp = 3 (its 9 query and 3 KV heads), a tiny Qwen3 at tp = 2 and 4 and an
-8-head model at tp = 8 (KV heads repeated), with the weights and the pool really split."""
+the default model at tp = 3 (its 9 query and 3 KV heads) and tp = 3 x dp = 2, a tiny Qwen3 at
+tp = 2 and 4, Qwen3-MoE and gpt-oss with their experts split across 4 devices (expert
+parallelism), an 8-head model at tp = 8 (KV heads repeated) and at dp = 2, with the weights
+and the pool really split, and requests routed to the rank holding their prefix."""
 
 import os
 import subprocess
@@ -77,7 +79,10 @@ def test_bad_meshes_are_clear_errors():
 
 
 SCRIPT = r"""
-import os, jax, jax.numpy as jnp, numpy as np
+import os, time, jax, jax.numpy as jnp, numpy as np
+start = time.time()
+def say(*parts):
+    print(f"[{time.time() - start:5.1f} s]", *parts)
 import model
 from serving import LLM, SamplingParams
 from tests.model import golden
@@ -99,7 +104,7 @@ def check_forward(config, params, tokens, tp, what):
     assert len(k.sharding.device_set) == tp and shard_shape(k)[2] == heads, (what, tp, k.sharding)
     wq = sharded["layers"][0]["wq"]
     assert shard_shape(wq) == (config.hidden_size, config.num_heads * config.head_dim // tp), (what, shard_shape(wq))
-    print(f"{what} tp={tp}: logits relative error {err:.1e}, KV heads per device {heads}")
+    say(f"{what} tp={tp}: logits relative error {err:.1e}, KV heads per device {heads}")
     return sharded
 
 # the default model (SmolLM2-135M) at tp = 3: logits, shards, then greedy through LLM
@@ -109,25 +114,52 @@ ids = tok.encode("The quick brown fox jumps over the lazy dog, then it runs to t
 sharded = check_forward(config, params, jnp.asarray([ids]), 3, "default")
 assert shard_shape(sharded["layers"][0]["w_down"]) == (config.intermediate_size // 3, config.hidden_size)
 assert shard_shape(sharded["embed"]) == (config.vocab_size // 3, config.hidden_size)
-prompts = ["The capital of France is", "Write a haiku about the sea."]
-greedy = SamplingParams(temperature=0, max_tokens=8, logprobs=1)
-runs = {}
-for tp in (1, 3):
-    llm = LLM(max_model_len=128, tensor_parallel_size=tp)
-    runs[tp] = llm.generate(prompts, greedy)
-    pool = llm.runner.pool["target"][0]["k"]
-    assert len(pool.sharding.device_set) == tp and shard_shape(pool)[2] == 3 // tp, pool.sharding
-for a, b in zip(runs[1], runs[3]):
-    assert a.outputs[0].token_ids == b.outputs[0].token_ids, (a.outputs[0].token_ids, b.outputs[0].token_ids)
-    for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-        assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) < 1e-4, (x, y)
-print("default LLM tp=3 greedy equals tp=1:", [r.outputs[0].token_ids for r in runs[3]])
+# tp = 3 x dp = 2 through LLM: greedy as transformers' on the same GGUF (the fixture), every step's
+# logprobs as one device's forward; each rank on its own 3 devices with one KV head per device
+golden_ref = np.load(os.path.join(golden.FIXTURES, "smollm2.npz"))
+want = golden_ref["greedy0"].tolist()
+prompts = [{"prompt_token_ids": golden_ref["prompt0"].tolist()}, {"prompt_token_ids": ids}]
+llm = LLM(max_model_len=256, tensor_parallel_size=3, data_parallel_size=2)  # 2 ranks of 3 devices
+split = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=len(want), ignore_eos=True, logprobs=1))
+for r, runner in enumerate(llm.runners):
+    pool = runner.pool["target"][0]["k"]
+    assert pool.sharding.device_set == set(jax.devices()[3 * r:3 * r + 3]) and shard_shape(pool)[2] == 1, pool.sharding
+assert split[0].outputs[0].token_ids == want, (split[0].outputs[0].token_ids, want)
+full = ids + split[1].outputs[0].token_ids
+logits, _ = model.forward(params, config, jnp.asarray([full]), jnp.arange(len(full))[None], model.init_cache(config, 1, 256))
+logprobs = jax.nn.log_softmax(logits[0, len(ids) - 1:-1], axis=-1)
+got = [lp[t] for t, lp in zip(split[1].outputs[0].token_ids, split[1].outputs[0].logprobs)]
+assert np.max(np.abs(np.asarray(got) - np.take_along_axis(logprobs, jnp.asarray(split[1].outputs[0].token_ids)[:, None], 1)[:, 0])) < 1e-4
+say("default LLM tp=3 x dp=2 greedy equals transformers and one device:", [r.outputs[0].token_ids for r in split])
 
 # a tiny Qwen3 (4 query, 2 KV heads, q/k norms) at tp = 2 and 4 (KV heads repeated)
 config, params = model.load(os.path.join(golden.FIXTURES, "tiny_qwen3"))
 tokens = jnp.asarray(golden.tiny_tokens())
 for tp in (2, 4):
     check_forward(config, params, tokens, tp, "tiny_qwen3")
+
+# mixtures of experts: experts split whole across the devices (expert parallelism, tokens
+# exchanged by all_to_all), attention sinks and biases split by head; greedy through LLM as
+# transformers decoded it (the fixtures)
+from model import moe
+for name in ("tiny_qwen3_moe", "tiny_gpt_oss"):
+    path = os.path.join(golden.FIXTURES, name)
+    config, params = model.load(path)
+    sharded = check_forward(config, params, tokens, 4, name)
+    layer = config.moe_layers[0]
+    assert shard_shape(sharded["layers"][layer]["experts_down"])[0] == config.num_experts // 4
+    hidden = model.transformer.embed(params, tokens, config)
+    load = moe.expert_load(params["layers"][layer], config, hidden)
+    assert int(load.sum()) == tokens.size * config.num_experts_per_tok
+    say(f"{name} router load over {config.num_experts} experts:", load.tolist())
+ref = np.load(os.path.join(path, "logits.npz"))
+llm = LLM.from_loaded(config, params, tok, max_model_len=64, tensor_parallel_size=2)
+out = llm.generate({"prompt_token_ids": ref["tokens"][0, :golden.GREEDY_PROMPT].tolist()},
+                   SamplingParams(temperature=0, max_tokens=len(ref["greedy"]), ignore_eos=True))
+assert out[0].outputs[0].token_ids == ref["greedy"].tolist()
+say("tiny gpt-oss LLM tp=2 (expert parallel) greedy equals transformers")
+
+prompts = ["The capital of France is", "Write a haiku about the sea.", "Name three colors.", "Count to five."]
 
 # 8 query heads over 2 KV heads at tp = 8, through LLM, and update_weights on the sharded engine
 config = model.ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_heads=8,
@@ -148,7 +180,20 @@ after = [r.outputs[0].token_ids for r in wide.generate(prompts, sampling)]
 assert wide.runner.num_compilations() == compiled  # the new weights are arguments, not constants
 assert after == [r.outputs[0].token_ids for r in one.generate(prompts, sampling)]
 assert shard_shape(wide.runner.params["layers"][0]["wk"]) == (64, 16)
-print("8-head LLM tp=8 equals tp=1, before and after update_weights:", after)
+say("8-head LLM tp=8 equals tp=1, before and after update_weights:", after)
+
+# data parallel over single devices: each rank its own engine; a prefix is routed to its rank
+llm = LLM.from_loaded(config, other, tok, max_model_len=128, data_parallel_size=2)
+assert [r.outputs[0].token_ids for r in llm.generate(prompts, sampling)] == \
+    [r.outputs[0].token_ids for r in one.generate(prompts, sampling)]
+assert [r.runner.params["layers"][0]["wq"].sharding.device_set for r in llm.engine.ranks] == \
+    [{d} for d in jax.devices()[:2]]
+long_a, long_b = [11 + i for i in range(20)], [900 + i for i in range(20)]
+llm.generate([{"prompt_token_ids": long_a}, {"prompt_token_ids": long_b}], sampling)  # rank 0, then rank 1
+assert llm.engine.route(long_b + [5, 6]) == 1 and llm.engine.route(long_a + [5, 6]) == 0
+again = llm.generate([{"prompt_token_ids": long_b + [5, 6]}], sampling)[0]
+assert again.num_cached_tokens == 16, again.num_cached_tokens  # long_b's first page, on rank 1
+say("dp = 2 equals one device; a shared prefix is routed to the rank that cached it")
 """
 
 
