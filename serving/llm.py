@@ -52,6 +52,7 @@ from serving import scheduler as sched
 from serving.draft_tree import TreeSpec
 from serving.data_parallel import DataParallelEngine
 from serving.engine import PREEMPTION_MODES, RECOMPUTE, EngineCore
+from serving.multihost import BroadcastRunner
 from serving.params import (CompletionOutput, LoRARequest, RequestOutput, SamplingParams, check_bool, check_int,
                             check_text)
 from serving.lora import LoRAManager
@@ -196,7 +197,11 @@ class LLM:
                         for placed, rank_mesh in zip(rank_params, rank_meshes)]
         self.runner = self.runners[0]
         grammars = GrammarCompiler(tokenizer, config.vocab_size, tokenizer.eos_token_id)
-        engines = [EngineCore(runner, sched_config, num_kv_blocks, max_model_len,
+        multihost = jax.process_count() > 1  # process 0 broadcasts each runner call (serving/multihost.py)
+        if multihost and (dp > 1 or preemption_mode != RECOMPUTE):
+            raise ValueError("across hosts, data_parallel_size must be 1 and preemption_mode 'recompute'")
+        engines = [EngineCore(BroadcastRunner(runner) if multihost and jax.process_index() == 0 else runner,
+                              sched_config, num_kv_blocks, max_model_len,
                               tokenizer.eos_token_id, enable_prefix_caching, preemption_mode, seed + rank,
                               decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
                               grammars=grammars, jump_forward=jump_forward,

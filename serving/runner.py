@@ -31,6 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import model
 from model import eagle3
@@ -149,6 +150,9 @@ def _step(params, config, page_size, pool, batch: StepBatch, want_logprobs, want
     # Only steps with a prompt_logprobs request pay for logits at every token.
     prompt_extra = (_logprobs(lm_head(params, config, hidden), jnp.maximum(batch.targets, 0))
                     if want_prompt_logprobs else ())
+    if mesh is not None:  # every device (every host) holds the whole results
+        next_tokens, extra, prompt_extra = jax.tree.map(
+            lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P())), (next_tokens, extra, prompt_extra))
     return next_tokens, extra, prompt_extra, {"target": cache.layers}
 
 

@@ -102,7 +102,7 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
             yield
 
     app = FastAPI(title="kvfold", lifespan=lifespan)
-    app.state.engine, app.state.metrics = engine, metrics
+    app.state.engine, app.state.metrics, app.state.llm = engine, metrics, llm
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -335,6 +335,11 @@ def _parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="prompt tokens allowed to wait for the engine; more get 429")
     parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="larger request bodies get 413")
+    parser.add_argument("--num-processes", type=int, default=1,
+                        help="hosts serving one model together (one process each; serving/multihost.py)")
+    parser.add_argument("--process-id", type=int, default=0, help="this host's rank: 0 serves HTTP")
+    parser.add_argument("--coordinator-address", default=None,
+                        help="HOST:PORT of process 0's coordinator (default: from the cluster, e.g. a TPU pod)")
     parser.add_argument("--compile-cache-dir", default=None,
                         help="where compiled steps persist ('off' disables; default $KVFOLD_COMPILE_CACHE "
                              "or ~/.cache/kvfold/jax)")
@@ -390,13 +395,30 @@ def app_from_flags(argv: list[str]) -> FastAPI:
 
 
 def serve(args: argparse.Namespace) -> None:
+    """Build and serve. With --num-processes N > 1 (one process per host, same flags but
+    --process-id), every process joins the coordinator and builds the same sharded model;
+    process 0 serves HTTP and broadcasts each engine step, the others run them
+    (serving/multihost.py)."""
     import uvicorn
 
+    from serving import multihost
+
     try:
+        if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+            raise ValueError(f"--process-id must be in [0, --num-processes={args.num_processes})")
+        if args.num_processes > 1:  # no --coordinator-address: JAX reads the cluster's (TPU pods)
+            multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
         app = build(args)
     except ValueError as e:
         sys.exit(f"kvfold serve: {e}")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    if args.process_id > 0:
+        multihost.serve_worker(app.state.llm)
+        return
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    finally:
+        if args.num_processes > 1:  # the engine thread has stopped with the server
+            multihost.shutdown(app.state.llm)
 
 
 def main(argv: list[str] | None = None) -> None:
