@@ -18,7 +18,7 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # MLP activations: "silu" (Llama's SwiGLU), "gelu_tanh" (Gemma's GeGLU, GELU's tanh form),
 # "swiglu_oai" (gpt-oss's clamped SwiGLU, model.layers.gated).
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
-MOE_ROUTERS = ("softmax_topk", "topk_softmax")  # model/moe.py
+MOE_ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_topk")  # model/moe.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +84,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int | None = None  # None: intermediate_size
     moe_router: str = "softmax_topk"  # one of MOE_ROUTERS
-    norm_topk_prob: bool = False  # softmax_topk: renormalise the k kept weights to sum to one
+    norm_topk_prob: bool = False  # softmax_topk / sigmoid_topk: renormalise the k kept weights to sum to one
     moe_bias: bool = False  # router and expert projections carry biases (gpt-oss)
+    num_shared_experts: int = 0  # experts every token also runs, one gated MLP of that many widths (DeepSeek)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = "llama"
@@ -119,6 +120,8 @@ class ModelConfig:
                                  f"num_experts ({self.num_experts})")
             if self.moe_router not in MOE_ROUTERS:
                 raise ValueError(f"unknown moe_router {self.moe_router!r}; known: {MOE_ROUTERS}")
+            if self.num_shared_experts < 0:
+                raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
 
     @property
     def sm_scale(self) -> float:

@@ -5,11 +5,15 @@ grouped matmuls, and the outputs are summed with the routing weights.
         "router": [H, E] (+ "router_bias": [E]),
         "experts_gate", "experts_up": [E, H, I], "experts_down": [E, I, H]
         (+ "experts_gate_bias", "experts_up_bias": [E, I], "experts_down_bias": [E, H])
+        (+ "shared_gate", "shared_up": [H, S * I], "shared_down": [S * I, H] with S =
+         config.num_shared_experts: DeepSeek's shared experts, one gated MLP every token runs)
 
 Routing (config.moe_router, one of model.config.MOE_ROUTERS):
 - "softmax_topk" (Qwen3-MoE, Mixtral): softmax over all E logits, keep the top k, and
   renormalise them to sum to one when config.norm_topk_prob;
-- "topk_softmax" (gpt-oss): keep the top k logits, softmax over those k.
+- "topk_softmax" (gpt-oss): keep the top k logits, softmax over those k;
+- "sigmoid_topk" (DeepSeek-V3 and later): an independent sigmoid score per expert, keep
+  the top k scores (renormalised to sum to one when config.norm_topk_prob).
 
 Tokens are sorted by expert so each expert's projection is one `jax.lax.ragged_dot` group
 (a grouped matmul on GPU / TPU; XLA:CPU evaluates it densely over the groups). Over a
@@ -34,6 +38,9 @@ def shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     out = {"router": (h, e), "experts_gate": (e, h, i), "experts_up": (e, h, i), "experts_down": (e, i, h)}
     if config.moe_bias:
         out.update(router_bias=(e,), experts_gate_bias=(e, i), experts_up_bias=(e, i), experts_down_bias=(e, h))
+    if config.num_shared_experts:
+        s = config.num_shared_experts * i
+        out.update(shared_gate=(h, s), shared_up=(h, s), shared_down=(s, h))
     return out
 
 
@@ -43,7 +50,8 @@ def route(logits: jnp.ndarray, config: ModelConfig) -> tuple[jnp.ndarray, jnp.nd
     if config.moe_router == "topk_softmax":
         top, ids = jax.lax.top_k(logits, config.num_experts_per_tok)
         return jax.nn.softmax(top, axis=-1), ids
-    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), config.num_experts_per_tok)
+    scores = jax.nn.sigmoid(logits) if config.moe_router == "sigmoid_topk" else jax.nn.softmax(logits, axis=-1)
+    weights, ids = jax.lax.top_k(scores, config.num_experts_per_tok)
     if config.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, ids
@@ -54,8 +62,11 @@ def moe(params: dict, config: ModelConfig, x: jnp.ndarray, mesh=None) -> jnp.nda
     (model/sharding.py), the expert-parallel path runs (`expert_parallel`)."""
     lead, h = x.shape[:-1], x.shape[-1]
     x = x.reshape(-1, h)
+    shared = 0 if "shared_gate" not in params else linear(  # DeepSeek's shared experts, on every token
+        gated(linear(x, params["shared_gate"]), linear(x, params["shared_up"]), config.hidden_act,
+              config.swiglu_limit), params["shared_down"])
     if mesh is not None and mesh.shape[MODEL] > 1 and config.num_experts % mesh.shape[MODEL] == 0:
-        return expert_parallel(params, config, x, mesh).reshape(*lead, h)
+        return (expert_parallel(params, config, x, mesh) + shared).reshape(*lead, h)
     k, e = config.num_experts_per_tok, config.num_experts
     weights, ids = route(linear(x, params["router"], params.get("router_bias")), config)
     flat = ids.reshape(-1)  # token t's j-th choice at t * k + j
@@ -63,7 +74,7 @@ def moe(params: dict, config: ModelConfig, x: jnp.ndarray, mesh=None) -> jnp.nda
     expert, token = flat[order], order // k
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     out = _experts(params, config, x[token], expert, sizes) * weights.reshape(-1)[order][:, None].astype(x.dtype)
-    return jnp.zeros_like(x).at[token].add(out).reshape(*lead, h)
+    return (jnp.zeros_like(x).at[token].add(out) + shared).reshape(*lead, h)
 
 
 def _experts(params: dict, config: ModelConfig, rows: jnp.ndarray, expert: jnp.ndarray,
@@ -126,7 +137,8 @@ def expert_parallel(params: dict, config: ModelConfig, x: jnp.ndarray, mesh) -> 
         out = (back[dest, slot] * weights.reshape(-1, 1).astype(x.dtype)).reshape(per, k, h).sum(axis=1)
         return jax.lax.all_gather(out, MODEL, tiled=True)  # [per * p, H]
 
-    specs = {name: P(MODEL) if name in EXPERT_NAMES else P() for name in params}
+    specs = {name: P(MODEL) if name in EXPERT_NAMES else P() for name in params if not name.startswith("shared_")}
+    params = {name: params[name] for name in specs}
     return manual_over_model(body, mesh, (specs, P()), P())(params, x)[:n]
 
 

@@ -46,8 +46,8 @@ DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
 
 # Layer weights by how they split: output columns, input rows, or a per-head vector.
-_COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
-_ROW = ("wo", "w_down")
+_COLUMN = ("wq", "wk", "wv", "w_gate", "w_up", "shared_gate", "shared_up")
+_ROW = ("wo", "w_down", "shared_down")
 _HEAD_VECTOR = ("bq", "bk", "bv", "sinks")
 
 
@@ -133,7 +133,7 @@ def param_specs(params: dict, config: ModelConfig, tp: int) -> dict:
         if moe and name.startswith("experts_"):  # expert parallel: E / tp experts per device
             return _split(shape, 0, tp) if config.num_experts % tp == 0 else P()
         if moe and name.startswith("router"):
-            return P()
+            return P()  # (shared experts split like a dense MLP, by the rules below)
         if name in _COLUMN or name in _HEAD_VECTOR:
             return _split(shape, len(shape) - 1, tp)
         if name in _ROW:

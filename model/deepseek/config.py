@@ -205,7 +205,8 @@ def _flash() -> DeepSeekConfig:
 
 def _tiny() -> DeepSeekConfig:
     # Flash's structure at 8 layers: SWA, SWA, Full r2, Reuse r2, Full r1 + candidates (the
-    # last KV source: layers 4-7 are the CED decoder), Reuse r1, Reindex r1, Reuse r1.
+    # last KV source: layers 4-7 are the CED decoder), Reuse r1, Reindex r1, Reuse r1; and a
+    # small MoE FFN where Flash's plan here keeps a dense stand-in.
     return _build(
         "deepseek-v4.1-tiny",
         compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1], kv_sources=(2, 4),
@@ -215,7 +216,11 @@ def _tiny() -> DeepSeekConfig:
         swa_rope_theta=10000.0,
         rope_scaling=RopeScaling("yarn", factor=4.0, original_max_position_embeddings=256),
         sliding_window=8, q_lora_rank=32, o_groups=2, o_lora_rank=32, index_heads=4,
-        index_dim=32, index_top_k=8, num_candidate_blocks=2)
+        index_dim=32, index_top_k=8, num_candidate_blocks=2,
+        # a small mixture of experts on two of the last layers (DeepSeek keeps its first layers
+        # dense): 4 routed experts, 2 per token by sigmoid score, and one shared expert
+        moe_layers=(5, 7), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_router="sigmoid_topk", norm_topk_prob=True, num_shared_experts=1)
 
 
 PRESETS = {"deepseek-v4.1-flash": _flash, "deepseek-v4.1-tiny": _tiny}

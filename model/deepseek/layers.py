@@ -4,7 +4,9 @@ Every kind: h = RMSNorm(x); q = W_qb RMSNorm(W_qa h) (64 heads x 512 in Flash), 
 the last rope_dim channels; its own window KV row RMSNorm(W_kv h) written to an FP8 ring;
 attention over [window rows ; selected compressed rows] with a per-head sink; inverse RoPE
 on the output's RoPE channels at the query position; grouped output projection
-(o_groups x W_oa -> o_lora, then W_ob); then a dense SwiGLU MLP (the MoE is out of scope).
+(o_groups x W_oa -> o_lora, then W_ob); then the FFN: a dense SwiGLU MLP, or on layers of
+config.moe_layers DeepSeek's mixture of experts (routed experts with sigmoid top-k gating
+plus shared experts, model/moe.py).
 
 Full layers (KV sources) also run the compressor and the lightning indexer and publish
 rows, index keys and their top-k selection in ctx.shared["csa_r<ratio>"]; a candidate
@@ -46,6 +48,7 @@ from model.deepseek.config import (
     parse_kind,
 )
 from model.layers import mlp, rms_norm
+from model.moe import moe
 from model.rope import apply_rope, rope_frequencies
 from model.transformer import LAYER_KINDS, LayerKind
 from pallas_kernels import indexer_topk
@@ -235,7 +238,8 @@ def attention_and_mlp(kind: str, params, config: DeepSeekConfig, x, cache: dict,
     g = config.o_groups
     out = jnp.einsum("btgi,gio->btgo", out.reshape(b, t, g, hq * d // g), params["wo_a"])
     x = x + linear(out.reshape(b, t, -1), params["wo_b"])
-    x = x + mlp(params, rms_norm(x, params["mlp_norm"], config.rms_norm_eps))
+    h = rms_norm(x, params["mlp_norm"], config.rms_norm_eps)
+    x = x + (moe(params, config, h, ctx.mesh) if "router" in params else mlp(params, h))
     return x, dict(cache, local=local), dataclasses.replace(ctx, shared=shared)
 
 

@@ -118,3 +118,24 @@ def test_reindex_with_the_sources_indexer_equals_it():
     assert int((np.asarray(sel) >= 0).sum(-1).max()) == config.index_top_k
     visible = np.arange(1, T + 1)  # ratio 1: position p sees p + 1 rows
     assert (np.asarray(shared["csa_r1"]["candidates"]).sum(-1) < visible).any()
+
+
+def test_a_moe_layer_adds_the_mixture_of_experts_to_its_attention():
+    """The tiny preset's layer 5 (Reuse r1) has DeepSeek's FFN: routed experts by sigmoid
+    top-k plus a shared expert. Its output is the attention residual plus model.moe over
+    its normalised value: with every expert zeroed the layer is attention alone."""
+    from model.layers import rms_norm
+    from model.moe import moe
+
+    config, params = tiny()
+    layer = params["layers"][5]
+    assert config.layer_kinds[5] == "csa_reuse_r1" and {"router", "shared_gate", "experts_down"} <= set(layer)
+    pos, x = positions(B, 0, T), _x(config, 5)
+    _, _, shared = _apply("csa_candidates_r1")(params["layers"][4], x, _cache("csa_candidates_r1", config), pos, {})
+    reuse = _apply("csa_reuse_r1")
+    out, _, _ = reuse(layer, x, _cache("csa_reuse_r1", config), pos, shared)
+    silent = {k: jnp.zeros_like(v) if k.startswith(("experts_", "shared_")) else v for k, v in layer.items()}
+    attended, _, _ = reuse(silent, x, _cache("csa_reuse_r1", config), pos, shared)
+    ffn = moe(layer, config, rms_norm(attended, layer["mlp_norm"], config.rms_norm_eps))
+    assert float(jnp.abs(ffn).max()) > 1e-3  # the experts contribute
+    np.testing.assert_allclose(np.asarray(out), np.asarray(attended + ffn), atol=1e-5)

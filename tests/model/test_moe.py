@@ -38,8 +38,11 @@ def _route64(logits, config):
             w = np.exp(row[ids] - row[ids].max())
             out.append((w / w.sum(), ids))
         else:
-            p = np.exp(row - row.max())
-            p /= p.sum()
+            if config.moe_router == "sigmoid_topk":
+                p = 1 / (1 + np.exp(-row))
+            else:
+                p = np.exp(row - row.max())
+                p /= p.sum()
             ids = np.argsort(-p)[:config.num_experts_per_tok]
             w = p[ids] / (p[ids].sum() if config.norm_topk_prob else 1.0)
             out.append((w, ids))
@@ -48,10 +51,12 @@ def _route64(logits, config):
 
 @pytest.mark.parametrize("kw", [dict(), dict(norm_topk_prob=True),
                                 dict(moe_router="topk_softmax", moe_bias=True, hidden_act="swiglu_oai",
-                                     swiglu_limit=0.05)])
+                                     swiglu_limit=0.05),
+                                dict(moe_router="sigmoid_topk", norm_topk_prob=True, num_shared_experts=2)])
 def test_moe_equals_a_per_token_loop_in_float64(kw):
     """Sorting tokens by expert into grouped matmuls gives each token the weighted sum of
-    its k experts' MLPs (biases, clamps and all), as a plain per-token loop computes it."""
+    its k experts' MLPs (biases, clamps and all), plus the shared experts' MLP where the
+    config has them (DeepSeek), as a plain per-token loop computes it."""
     config = _config(**kw)
     params = {k: jnp.asarray(RNG.standard_normal(v.shape), jnp.float32) for k, v in
               model.init_params(config, jax.random.key(0))["layers"][1].items()}
@@ -75,12 +80,16 @@ def test_moe_equals_a_per_token_loop_in_float64(kw):
             else:
                 h = g / (1 + np.exp(-g)) * u
             want[t] += w * (h @ p["experts_down"][e] + bias("experts_down_bias", e))
+        if config.num_shared_experts:
+            g, u = flat[t] @ p["shared_gate"], flat[t] @ p["shared_up"]
+            want[t] += (g / (1 + np.exp(-g)) * u) @ p["shared_down"]
     np.testing.assert_allclose(got.reshape(-1, config.hidden_size), want, rtol=2e-4, atol=2e-4)
 
 
 def test_routing_matches_its_numpy_statement():
     logits = RNG.standard_normal((9, 5)).astype(np.float32)
-    for kw in (dict(), dict(norm_topk_prob=True), dict(moe_router="topk_softmax")):
+    for kw in (dict(), dict(norm_topk_prob=True), dict(moe_router="topk_softmax"),
+               dict(moe_router="sigmoid_topk"), dict(moe_router="sigmoid_topk", norm_topk_prob=True)):
         config = _config(**kw)
         weights, ids = route(jnp.asarray(logits), config)
         for (w, i), (w64, i64) in zip(zip(np.asarray(weights), np.asarray(ids)), _route64(logits, config)):
