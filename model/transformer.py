@@ -100,8 +100,10 @@ def _decoder_layer(sliding: bool):
             attn = rms_norm(attn, params["attn_post_norm"], eps)
         x = x + attn
         h = rms_norm(x, params["mlp_norm"], eps)
-        out = moe(params, config, h, ctx.mesh) if "router" in params else mlp(params, h, config.hidden_act,
-                                                                     config.swiglu_limit)
+        if "router" in params:
+            out = moe(params, config, h, ctx.mesh)
+        else:
+            out = mlp(params, h, config.hidden_act, config.swiglu_limit)
         if config.sandwich_norm:
             out = rms_norm(out, params["mlp_post_norm"], eps)
         return x + out, cache, ctx
@@ -351,7 +353,8 @@ def forward(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: j
     tree: score draft-tree nodes in one pass (speculative decoding, model/context.py).
     mesh: a jax.sharding.Mesh (model.make_mesh) the params and cache are laid out over
     (model.shard_params, init_cache(..., mesh=mesh)): attention splits its heads over the
-    mesh's "model" axis; None for one device.
+    mesh's "model" axis (and a MoE layer its experts); a "data" axis replicates the work
+    (serving runs one engine per data-parallel rank); None for one device.
     """
     _check_inputs(config, tokens, positions, cache)  # shapes first: the value check needs them
     paged = [layer for layer in cache.layers if isinstance(layer, KVPages)]
