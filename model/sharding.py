@@ -69,10 +69,6 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, device
     return Mesh(grid, AXES)
 
 
-def tensor_parallel_size(mesh: Mesh | None) -> int:
-    return 1 if mesh is None else mesh.shape[MODEL]
-
-
 def valid_tensor_parallel_sizes(config: ModelConfig) -> list[int]:
     """The tp sizes this model shards to: divisors of the query heads that are either
     divisors or multiples of the KV heads (KV heads are repeated in the second case)."""
@@ -153,7 +149,7 @@ def param_specs(params: dict, config: ModelConfig, tp: int) -> dict:
 def shard_params(params: dict, config: ModelConfig, mesh: Mesh) -> tuple[ModelConfig, dict]:
     """(config, params) laid out over the mesh: KV heads expanded when tp exceeds them,
     every weight placed by `param_specs` (replicated over "data")."""
-    tp = tensor_parallel_size(mesh)
+    tp = mesh.shape[MODEL]
     config, params = expand_kv_heads(config, params, tp)
     specs = param_specs(params, config, tp)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))

@@ -144,6 +144,9 @@ class LLM:
         check_kv_cache_dtype(kv_cache_dtype, config, block_size)
         tp = check_int("tensor_parallel_size", tensor_parallel_size, 1)
         dp = check_int("data_parallel_size", data_parallel_size, 1)
+        multihost = jax.process_count() > 1  # process 0 broadcasts each runner call (serving/multihost.py)
+        if multihost and (dp > 1 or preemption_mode != RECOMPUTE):
+            raise ValueError("across hosts, data_parallel_size must be 1 and preemption_mode 'recompute'")
         draft = _drafter(speculative_config, config, dtype)
         lora = None
         if check_bool("enable_lora", enable_lora):
@@ -197,9 +200,6 @@ class LLM:
                         for placed, rank_mesh in zip(rank_params, rank_meshes)]
         self.runner = self.runners[0]
         grammars = GrammarCompiler(tokenizer, config.vocab_size, tokenizer.eos_token_id)
-        multihost = jax.process_count() > 1  # process 0 broadcasts each runner call (serving/multihost.py)
-        if multihost and (dp > 1 or preemption_mode != RECOMPUTE):
-            raise ValueError("across hosts, data_parallel_size must be 1 and preemption_mode 'recompute'")
         engines = [EngineCore(BroadcastRunner(runner) if multihost and jax.process_index() == 0 else runner,
                               sched_config, num_kv_blocks, max_model_len,
                               tokenizer.eos_token_id, enable_prefix_caching, preemption_mode, seed + rank,

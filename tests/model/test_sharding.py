@@ -203,3 +203,17 @@ def test_sharded_logits_and_greedy_output_equal_one_device():
                           cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     print(done.stdout)
+
+
+def test_llm_checks_its_parallel_sizes(default_tokenizer):
+    from serving import LLM
+
+    config = _config(vocab_size=default_tokenizer.vocab_size)
+    params = model.init_params(config, jax.random.key(0))
+    for kw, message in ((dict(tensor_parallel_size=0), "tensor_parallel_size"),
+                        (dict(data_parallel_size="2"), "data_parallel_size"),
+                        (dict(tensor_parallel_size=3), r"valid sizes: \[1, 2, 4, 8\]"),
+                        (dict(tensor_parallel_size=2), "needs 2 devices"),  # this process has one
+                        (dict(tensor_parallel_size=1, data_parallel_size=2), "needs 2 devices")):
+        with pytest.raises(ValueError, match=message):
+            LLM.from_loaded(config, params, default_tokenizer, max_model_len=64, **kw)
