@@ -193,7 +193,23 @@ llm.generate([{"prompt_token_ids": long_a}, {"prompt_token_ids": long_b}], sampl
 assert llm.engine.route(long_b + [5, 6]) == 1 and llm.engine.route(long_a + [5, 6]) == 0
 again = llm.generate([{"prompt_token_ids": long_b + [5, 6]}], sampling)[0]
 assert again.num_cached_tokens == 16, again.num_cached_tokens  # long_b's first page, on rank 1
-say("dp = 2 equals one device; a shared prefix is routed to the rank that cached it")
+
+# the OpenAI server over the two ranks: concurrent completions, greedy as one device, nothing leaked
+import asyncio, httpx, openai
+from serving.server import create_app
+app = create_app(llm, "tiny")
+
+async def complete(texts):
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://kvfold") as http:
+        client = openai.AsyncOpenAI(base_url="http://kvfold/v1", api_key="none", http_client=http, max_retries=0)
+        return await asyncio.gather(*(client.completions.create(model="tiny", prompt=t, max_tokens=10,
+                                                                temperature=0) for t in texts))
+with app.state.engine:
+    served = asyncio.run(complete(prompts))
+assert [r.choices[0].text for r in served] == [r.outputs[0].text for r in one.generate(prompts, sampling)]
+llm.engine.kv.check()
+assert not llm.engine.requests and llm.engine.kv.num_available == llm.engine.kv.pool.num_pages
+say("dp = 2 equals one device, through LLM and the server; a shared prefix is routed to the rank that cached it")
 """
 
 
