@@ -11,7 +11,7 @@
     python -m serving.bench serve      [--rates 2 8 inf] [--num-prompts 32] [--model default]
     python -m serving.bench structured [--batch-sizes 1 8] [--max-tokens 160]
     python -m serving.bench lora       [--adapters 1 4] [--batch 16] [--rank 16]
-    python -m serving.bench sharding   [--tp 1 3] [--batch 4] [--new-tokens 16]
+    python -m serving.bench sharding   [--tp 1 3] [--dp 1 2] [--batch 4] [--new-tokens 16]
 
 decode / offline: greedy generation throughput on the default model (generated tokens
 per second, prefill included, after a warm-up run that compiles), against
@@ -47,10 +47,10 @@ multi-LoRA does: one adapter's requests at a time on its merged weights (swapped
 update_weights, nothing recompiles), and against the base model alone on the same batch;
 greedy, generated tokens/s after a warm-up, and whether the outputs equal the merged
 ones (float32 sums in another order may flip a near tie).
-sharding: tensor parallelism (model/sharding.py) at each --tp: compile time, step time
-against the first --tp (one device), per-device weight and KV pool bytes measured from the
-arrays' shards against the arithmetic of the split, and whether greedy output equals the
-baseline. On CPU the devices are simulated and share its cores: a check that nothing is
+sharding: tensor and data parallelism (model/sharding.py, serving/data_parallel.py) for
+each --tp with each --dp: compile time, tokens/s against the first layout (one device),
+per-device weight and KV pool bytes measured from the arrays' shards against the arithmetic
+of the split, and whether greedy output equals the first layout's. On CPU the devices are simulated and share its cores: a check that nothing is
 replicated by mistake, not a speed-up.
 """
 
@@ -535,42 +535,46 @@ def _expected_bytes(config, tp: int, num_pages: int, page_size: int, itemsize: i
 
 
 def bench_sharding(args) -> None:
-    """Tensor parallelism at each --tp on this machine's devices (simulated CPU devices share
-    its cores: the times check that nothing is replicated by mistake, they are not speed)."""
+    """Each (--tp, --dp) layout on this machine's devices (simulated CPU devices share its
+    cores: the times check that nothing is replicated by mistake, they are not speed)."""
     import jax
 
     from serving.llm import LLM
 
-    prompts = [[1 + (7 * i + j) % 1000 for j in range(args.prompt_len)] for i in range(args.batch)]
+    prompts = [{"prompt_token_ids": [1 + (7 * i + j) % 1000 for j in range(args.prompt_len)]}
+               for i in range(args.batch)]
     sampling = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     rows, outputs = [], {}
-    for tp in args.tp:
-        llm = LLM(args.model, max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=args.batch,
-                  enable_prefix_caching=False, num_kv_blocks=args.kv_blocks, tensor_parallel_size=tp,
-                  weights_dtype=args.weights_dtype)
-        start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in prompts], sampling)
-        first = time.perf_counter() - start
-        start = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling)
-        second = time.perf_counter() - start
-        outputs[tp] = [o.outputs[0].token_ids for o in out]
-        runner = llm.runner
-        itemsize = jax.tree.leaves(runner.params)[0].dtype.itemsize
-        weights, pool = _shard_bytes(runner.params), _shard_bytes(runner.pool)
-        want_w, want_p = _expected_bytes(llm.config, tp, runner.num_pages, runner.page_size, itemsize)
-        rows.append((tp, first - second, 1e3 * second / args.new_tokens, weights, want_w, pool, want_p))
-        del llm, runner
-    base = rows[0][2]
+    for dp in args.dp:
+        for tp in args.tp:
+            llm = LLM(args.model, max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=args.batch,
+                      enable_prefix_caching=False, num_kv_blocks=args.kv_blocks, tensor_parallel_size=tp,
+                      data_parallel_size=dp, weights_dtype=args.weights_dtype)
+            start = time.perf_counter()
+            llm.generate(prompts, sampling)
+            first = time.perf_counter() - start
+            start = time.perf_counter()
+            out = llm.generate(prompts, sampling)
+            second = time.perf_counter() - start
+            outputs[tp, dp] = [o.outputs[0].token_ids for o in out]
+            runner = llm.runner  # rank 0's; every rank holds the same
+            itemsize = jax.tree.leaves(runner.params)[0].dtype.itemsize
+            weights, pool = _shard_bytes(runner.params), _shard_bytes(runner.pool)
+            want_w, want_p = _expected_bytes(llm.config, tp, runner.num_pages, runner.page_size, itemsize)
+            rows.append((tp, dp, first - second, args.batch * args.new_tokens / second, weights, want_w, pool,
+                         want_p))
+            del llm, runner
+    base = rows[0][3]
     print(f"\nsharding: {args.model}, batch {args.batch} x {args.prompt_len} prompt tokens, "
-          f"{args.new_tokens} new tokens (greedy), {len(jax.devices())} x {_device()}; "
+          f"{args.new_tokens} new tokens (greedy, prefill included), {len(jax.devices())} x {_device()}; "
           "compile = first run - second run; per-device bytes on device 0 against the arithmetic")
-    print("| tp | compile s | ms / step | vs tp=1 | weights MB / device | expected | KV pool MB / device "
-          "| expected | greedy = tp=1 |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
-    for tp, compile_s, step_ms, weights, want_w, pool, want_p in rows:
-        same = "yes" if outputs[tp] == outputs[args.tp[0]] else "NO"
-        print(f"| {tp} | {compile_s:.1f} | {step_ms:.1f} | {step_ms / base:.2f}x | {weights / 1e6:.1f} | "
+    print("| tp | dp | compile s | tok/s | vs first | weights MB / device | expected | KV pool MB / device "
+          "| expected | greedy = first |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
+    first_layout = (args.tp[0], args.dp[0])
+    for tp, dp, compile_s, tok_s, weights, want_w, pool, want_p in rows:
+        same = "yes" if outputs[tp, dp] == outputs[first_layout] else "NO"
+        print(f"| {tp} | {dp} | {compile_s:.1f} | {tok_s:.1f} | {tok_s / base:.2f}x | {weights / 1e6:.1f} | "
               f"{want_w / 1e6:.1f} | {pool / 1e6:.1f} | {want_p / 1e6:.1f} | {same} |")
 
 
@@ -1033,7 +1037,8 @@ def main(argv: list[str] | None = None) -> None:
     sh.add_argument("--model", default="default")
     sh.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES,
                     help="model.load's weights_dtype (float32 or bfloat16: packed weights are not sharded)")
-    sh.add_argument("--tp", type=int, nargs="+", default=[1, 3], help="tensor parallel sizes; the first is the baseline")
+    sh.add_argument("--tp", type=int, nargs="+", default=[1, 3], help="tensor parallel sizes")
+    sh.add_argument("--dp", type=int, nargs="+", default=[1], help="data parallel sizes (each --tp with each)")
     sh.add_argument("--batch", type=int, default=4)
     sh.add_argument("--prompt-len", type=int, default=64)
     sh.add_argument("--new-tokens", type=int, default=16)
@@ -1083,11 +1088,11 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--batch, --rank and --new-tokens must be > 0, and --adapters in [1, min(batch, 31)]")
         bench_lora(args)
     elif args.command == "sharding":
-        if min(args.tp) < 1 or args.batch <= 0 or args.prompt_len <= 0 or args.new_tokens <= 0:
-            parser.error("--tp, --batch, --prompt-len and --new-tokens must be > 0")
+        if min(args.tp + args.dp) < 1 or args.batch <= 0 or args.prompt_len <= 0 or args.new_tokens <= 0:
+            parser.error("--tp, --dp, --batch, --prompt-len and --new-tokens must be > 0")
         import jax
 
-        jax.config.update("jax_num_cpu_devices", max(args.tp))  # on CPU: simulate the devices
+        jax.config.update("jax_num_cpu_devices", max(args.tp) * max(args.dp))  # on CPU: simulate the devices
         bench_sharding(args)
     elif args.command == "fuzz":
         if args.examples <= 0:

@@ -5,8 +5,9 @@ rank: each owns a ModelRunner on its own devices (a row of the ("data", "model")
 tensor-parallel inside it), its own KV page pool, radix prefix cache and scheduler. A
 request lives on one rank for its whole life; `route` picks the rank whose prefix cache
 holds the longest prefix of its prompt (SGLang's cache-aware routing), then the least
-loaded one. `step()` steps every rank that has work: their device calls are dispatched
-one after another, and each rank's tokens come back with its own step.
+loaded one. `step()` steps every rank that has work, each in its own thread, so one rank's
+host work (scheduling, packing the batch, detokenizing) overlaps the others' device steps;
+the step returns when every rank's has.
 
 `DataParallelEngine` answers what the LLM API, AsyncLLM and the server read of an
 EngineCore (requests, seqs, state, kv, add_request, step, abort, release, ...), so the
@@ -16,6 +17,7 @@ layers above need no other change. Host-side only: no jax here.
 from __future__ import annotations
 
 import collections.abc
+import concurrent.futures
 from typing import Sequence
 
 from serving import scheduler as sched
@@ -100,6 +102,7 @@ class DataParallelEngine:
         self.seqs = _Union(lambda: [e.seqs for e in self.ranks])
         self.kv = _KVTotals([e.kv for e in self.ranks])
         self._rank_of: dict[str, int] = {}  # request id -> its rank
+        self._threads = concurrent.futures.ThreadPoolExecutor(len(self.ranks), "kvfold-dp-rank")
 
     # -- routing -----------------------------------------------------------------
 
@@ -127,11 +130,15 @@ class DataParallelEngine:
         self._rank_of[request_id] = rank
 
     def step(self) -> set[str]:
-        progressed: set[str] = set()
-        for engine in self.ranks:
-            if engine.has_unfinished():
-                progressed |= engine.step()
-        return progressed
+        """One step of every rank with work, concurrently (each rank's state is its own; the
+        grammar compiler they share is thread-safe); the request ids that made progress.
+        Every rank's step has ended when this returns or raises."""
+        busy = [e for e in self.ranks if e.has_unfinished()]
+        if len(busy) == 1:
+            return busy[0].step()
+        steps = [self._threads.submit(e.step) for e in busy]
+        concurrent.futures.wait(steps)
+        return set().union(*(f.result() for f in steps))
 
     def has_unfinished(self) -> bool:
         return any(e.has_unfinished() for e in self.ranks)
