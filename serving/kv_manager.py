@@ -101,13 +101,35 @@ class KVManager:
         full = num_computed // self.page_size
         if full == 0:
             return
-        node = self.radix.insert(tokens[:full * self.page_size], self.tables[seq_id][:full],
-                                 self._namespaces[seq_id])
-        self.radix.lock(node)
+        table = self.tables[seq_id]
+        node = self.radix.insert(tokens[:full * self.page_size], table[:full], self._namespaces[seq_id])
+        # Where these tokens were cached first, under other pages (the same K/V), the sequence
+        # takes the cached pages and gives back its own copies, as SGLang does: a duplicate
+        # would stay allocated, and the cached copy pinned under the sequence's newer pages.
+        for i, page in enumerate(self.radix.path_pages(node)):
+            if table[i] != page:
+                self.pool.incref([page])
+                self.pool.decref([table[i]])
+                table[i] = page
+        self._lock_held(seq_id, node)
+
+    def _lock_held(self, seq_id: str, node) -> None:
+        """Move seq_id's lock to the deepest node on `node`'s path holding one of the
+        sequence's pages (a lock covers its ancestors too). A lock marks cached pages that
+        evicting would not free while the sequence runs; a cached page the sequence has
+        since copied on write (a fork's) stays evictable."""
+        table, held = set(self.tables[seq_id]), None
+        while node is not None and node.parent is not None:  # the root holds no pages
+            if table.intersection(node.pages):
+                held = node
+                break
+            node = node.parent
+        if held is not None:
+            self.radix.lock(held)
         old = self._locks[seq_id]
         if old is not None:
             self.radix.unlock(old)
-        self._locks[seq_id] = node
+        self._locks[seq_id] = held
 
     # -- growth, sharing, release ----------------------------------------------
 
@@ -144,6 +166,8 @@ class KVManager:
                 self.pool.decref([page])
                 table[i] = new
                 copies.append((page, new))
+        if copies and self._locks[seq_id] is not None:  # a copied page may no longer be the cache's
+            self._lock_held(seq_id, self._locks[seq_id])
         return copies
 
     def free(self, seq_id: str) -> None:

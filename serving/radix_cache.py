@@ -149,6 +149,14 @@ class RadixCache:
             node = leaf
         return node
 
+    def path_pages(self, node: Node) -> list[int]:
+        """The pages from the root down to `node`, in position order."""
+        parts = []
+        while node is not None:
+            parts.append(node.pages)
+            node = node.parent
+        return [p for pages in reversed(parts) for p in pages]
+
     def _depth(self, node: Node) -> int:
         n = 0
         while node is not None:

@@ -2,7 +2,7 @@
 accepts to the end, within a bounded number of steps (or rejects it up front)."""
 
 import hypothesis.strategies as st
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from serving import scheduler as sched
 from serving.engine import PREEMPTION_MODES, EngineCore
@@ -32,8 +32,22 @@ requests = st.lists(st.tuples(st.lists(st.integers(0, 4), min_size=1, max_size=7
                               st.integers(1, 3)), min_size=1, max_size=8)
 
 
+def _case(page_size, budget, policy, chunked, lookahead, num_pages, max_model_len):
+    config = dict(page_size=page_size, max_num_seqs=1, max_num_batched_tokens=budget, capacity_policy=policy,
+                  chunking_policy=sched.FIRST_COME_FIRST_SERVED, chunk_unit_size=1, order="fcfs",
+                  enable_chunked_prefill=chunked, tokens_per_decode=1, num_lookahead_slots=lookahead)
+    return config, dict(num_pages=num_pages, max_model_len=max_model_len, enable_prefix_caching=True,
+                        preemption_mode="recompute")
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(args=engine_args(), reqs=requests)
+# Found by this test: forks whose computed pages repeat tokens another sequence cached first
+# kept their own copies and pinned the cached ones, so a full reservation ran out of pages.
+@example(args=_case(4, 1, sched.GUARANTEED_NO_EVICT, True, 2, 9, 9),
+         reqs=[([0], 1, 3), ([3, 3, 0, 3], 1, 3), ([3, 3, 0, 3], 5, 3)])
+@example(args=_case(4, 1, sched.GUARANTEED_NO_EVICT, True, 0, 12, 14),
+         reqs=[([0], 4, 3), ([0], 1, 2), ([0], 13, 3)])
 def test_every_accepted_request_finishes_in_bounded_steps(args, reqs):
     config, kw = args
     try:
