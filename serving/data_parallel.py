@@ -78,9 +78,6 @@ class _KVTotals:
     def num_available(self) -> int:
         return sum(kv.num_available for kv in self._kvs)
 
-    def cached_prefix_len(self, tokens, namespace: int = 0) -> int:
-        return max(kv.cached_prefix_len(tokens, namespace) for kv in self._kvs)
-
     def flush_prefix_cache(self, namespace: int | None = None) -> int:
         return sum(kv.flush_prefix_cache(namespace) for kv in self._kvs)
 
@@ -150,14 +147,8 @@ class DataParallelEngine:
         if request_id in self._rank_of:
             self.ranks[self._rank_of[request_id]].abort(request_id)
 
-    def finish_seq(self, seq_id: str, reason: str) -> None:
-        self.ranks[self._rank_of[self.seqs[seq_id].request_id]].finish_seq(seq_id, reason)
-
     def release(self, request_id: str) -> None:
         self.ranks[self._rank_of.pop(request_id)].release(request_id)
-
-    def tokens(self, seq_id: str, start: int = 0, end: int | None = None) -> tuple[int, ...]:
-        return self.ranks[self._rank_of[self.seqs[seq_id].request_id]].tokens(seq_id, start, end)
 
     @property
     def state(self) -> sched.SchedulerState:
@@ -169,7 +160,3 @@ class DataParallelEngine:
     @property
     def num_preemptions(self) -> int:
         return sum(e.num_preemptions for e in self.ranks)
-
-    @property
-    def accepted_counts(self) -> collections.Counter:
-        return sum((e.accepted_counts for e in self.ranks), collections.Counter())
