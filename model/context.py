@@ -72,8 +72,8 @@ class ForwardContext:
     returns a new context with `dataclasses.replace(ctx, shared={...})`.
     rope_local: (cos, sin) of sliding-window layers when they rotate with their own base
     (model.config rope_local_theta, Gemma 3), else None (they use `rope`).
-    mesh: the jax.sharding.Mesh the step is sharded over (model/sharding.py), whose "model"
-    axis attention layers split their heads on; None on one device.
+    mesh: the jax.sharding.Mesh the step is sharded over (model/sharding.py), whose
+    tensor-parallel axes attention layers split their heads on; None on one device.
     """
 
     positions: jax.Array

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from model.config import ModelConfig
 from model.context import ForwardContext, TokenTree, ragged_layout
 from model.kv_formats import KVPages, kernel_pages, plain_pages, read_kv, write_kv
-from model.sharding import MODEL, kv_spec, manual_over_model
+from model.sharding import TENSOR, kv_spec, manual_over_model, tensor_parallel_size
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.paged_attention.kv_formats import resolve as resolve_format
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
@@ -140,13 +140,13 @@ _ragged_attention.defvjp(_ragged_fwd, _ragged_bwd)
 
 
 def _split_heads(attention, mesh, k_pages, v_pages):
-    """attention run under jax.shard_map over the mesh's "model" axis: each device attends
+    """attention run under jax.shard_map over the mesh's tensor-parallel axes: each device attends
     with its own query heads over its own KV heads' pages (model/sharding.py), so a Pallas
     kernel, which XLA cannot partition, sees one device's share. The block tables, lengths
     and tree are replicated; nothing is exchanged between devices."""
-    heads = P(None, MODEL)  # [tokens, heads, head_dim]
+    heads = P(None, TENSOR)  # [tokens, heads, head_dim]
     pages = (jax.tree.map(kv_spec, k_pages), jax.tree.map(kv_spec, v_pages))
-    return manual_over_model(attention, mesh, (heads, heads, heads, *pages, P(), P(), P(), P(MODEL), P()),
+    return manual_over_model(attention, mesh, (heads, heads, heads, *pages, P(), P(), P(), P(TENSOR), P()),
                              (heads, *pages))
 
 
@@ -190,7 +190,7 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     options = AttentionOptions(config.sm_scale, sliding_window, kv_format, layout.max_q_len,
                                layout.max_chunks, config.attn_logit_softcap)
     attention = functools.partial(_ragged_attention, options)
-    if ctx.mesh is not None and ctx.mesh.shape[MODEL] > 1:
+    if ctx.mesh is not None and tensor_parallel_size(ctx.mesh) > 1:
         attention = _split_heads(attention, ctx.mesh, k_pages, v_pages)
     out, k_pages, v_pages = attention(pack(q), pack(k), pack(v), k_pages, v_pages, ctx.block_tables,
                                       layout.cu_q_lens, layout.kv_lens, params.get("sinks"), layout.tree)

@@ -45,7 +45,7 @@ from model.layers import attention_block, mlp, rms_norm
 from model.lora import linear, projection_shapes
 from model.moe import init_params as moe_params, moe
 from model.rope import rope_tables
-from model.sharding import MODEL, check_tensor_parallel, kv_shardings
+from model.sharding import AXES, EXPERT, check_expert_parallel, check_tensor_parallel, kv_shardings, tensor_parallel_size
 from quant.packed import PackedWeight
 from pallas_kernels.validate import check_block_tables
 
@@ -174,7 +174,7 @@ def init_kv_pool(config: ModelConfig, num_pages: int, page_size: int, dtype, kv_
     """Every layer's empty page pool ([num_pages, page_size, ...] leaves), as a serving
     engine keeps it: each step brings its own block tables. batch_size sizes the
     per-sequence state of formats that have one (KIVI's residual buffer). mesh: the
-    pages are created split by KV heads over its "model" axis, each device allocating
+    pages are created split by KV heads over its tensor-parallel axes, each device allocating
     only its share (model/sharding.py)."""
     check_kv_cache_dtype(kv_cache_dtype, config, page_size)
     _check_mesh(config, mesh)
@@ -353,7 +353,8 @@ def forward(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: j
     tree: score draft-tree nodes in one pass (speculative decoding, model/context.py).
     mesh: a jax.sharding.Mesh (model.make_mesh) the params and cache are laid out over
     (model.shard_params, init_cache(..., mesh=mesh)): attention splits its heads over the
-    mesh's "model" axis (and a MoE layer its experts); a "data" axis replicates the work
+    mesh's tensor-parallel axes ("expert" x "model"; a MoE layer splits its experts over
+    "expert" and their hidden units over "model"); the "data" axis replicates the work
     (serving runs one engine per data-parallel rank); None for one device.
     """
     _check_inputs(config, tokens, positions, cache)  # shapes first: the value check needs them
@@ -371,10 +372,11 @@ def forward(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: j
 def _check_mesh(config: ModelConfig, mesh) -> None:
     if mesh is None:
         return
-    if not isinstance(mesh, Mesh) or MODEL not in mesh.axis_names:
-        raise ValueError(f"mesh must be a jax.sharding.Mesh with a {MODEL!r} axis (model.make_mesh), got {mesh!r}")
-    tp = mesh.shape[MODEL]
+    if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != AXES:
+        raise ValueError(f"mesh must be a jax.sharding.Mesh with axes {AXES} (model.make_mesh), got {mesh!r}")
+    tp = tensor_parallel_size(mesh)
     check_tensor_parallel(config, tp)
+    check_expert_parallel(config, tp, mesh.shape[EXPERT])
     if tp > 1 and config.num_kv_heads % tp:
         raise ValueError(f"{config.num_kv_heads} KV heads do not split {tp} ways: shard the params with "
                          "model.shard_params(params, config, mesh), which repeats them, and use its config")

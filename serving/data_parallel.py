@@ -1,7 +1,7 @@
 """Data parallelism: one engine per data-parallel rank behind the one engine interface.
 
 `LLM(data_parallel_size=dp)` builds dp EngineCores, as vLLM runs one engine core per DP
-rank: each owns a ModelRunner on its own devices (a row of the ("data", "model") mesh,
+rank: each owns a ModelRunner on its own devices (a row of the ("data", "expert", "model") mesh,
 tensor-parallel inside it), its own KV page pool, radix prefix cache and scheduler. A
 request lives on one rank for its whole life; `route` picks the rank whose prefix cache
 holds the longest prefix of its prompt (SGLang's cache-aware routing), then the least

@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="shard the model over this many devices (LLM(tensor_parallel_size=...))")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="engines, each on its own tensor_parallel_size devices (LLM(data_parallel_size=...))")
+    parser.add_argument("--expert-parallel-size", "-ep", type=int, default=1,
+                        help="groups a MoE model's experts are split into whole, dividing tensor_parallel_size "
+                             "(LLM(expert_parallel_size=...); 1 splits each expert tp ways)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -64,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
             os.environ[compile_cache.ENV] = args.compile_cache_dir
         llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=1,
                   speculative_config=speculative, weights_dtype=args.weights_dtype,
-                  tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+                  expert_parallel_size=args.expert_parallel_size)
         tok = llm.get_tokenizer()
         if not args.raw and not tok.chat_template:
             raise ValueError(f"{args.model} has no chat template (a base model such as gemma3-270m): "

@@ -11,9 +11,14 @@ Speculative decoding with an EAGLE-3 draft (`python -m training.train_eagle3` wr
                                   "num_speculative_tokens": 15, "depth": 4, "top_k": 4})
 
 Tensor parallelism over the first N devices (model/sharding.py: heads and MLP columns
-split on a "model" mesh axis, KV pages split by KV heads):
+split over the devices, KV pages split by KV heads):
 
     llm = LLM(tensor_parallel_size=3)             # SmolLM2's 9 query / 3 KV heads
+
+A mixture-of-experts model splits each expert over the tp devices by default, or its
+experts whole into expert_parallel_size groups (tokens travel to their experts):
+
+    llm = LLM("path/to/qwen3-moe", tensor_parallel_size=4, expert_parallel_size=4)
 
 Data parallelism: one engine per rank (its own pool, prefix cache and scheduler), each
 request routed to one (serving/data_parallel.py):
@@ -46,7 +51,7 @@ from model.weights import WEIGHTS_DTYPES
 from model import eagle3
 from model.config import ATTENTION, SLIDING_ATTENTION
 from model.kv_formats import KV_CACHE_DTYPES, bytes_per_token, check_kv_cache_dtype
-from model.sharding import check_tensor_parallel
+from model.sharding import check_expert_parallel, check_tensor_parallel
 from model import compile_cache
 from serving import scheduler as sched
 from serving.draft_tree import TreeSpec
@@ -76,7 +81,7 @@ class LLM:
                  speculative_config: dict | None = None, jump_forward: bool = True,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, weights_dtype: str | None = None,
-                 tensor_parallel_size: int = 1, data_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, expert_parallel_size: int = 1):
         import model as model_lib
 
         config, params = model_lib.load(model, dtype, weights_dtype)
@@ -85,7 +90,7 @@ class LLM:
                     kv_cache_dtype, scheduling_policy, capacity_policy, chunking_policy,
                     preemption_mode, seed, dtype, speculative_config, jump_forward, enable_lora,
                     max_loras, max_lora_rank, max_cpu_loras, weights_dtype, tensor_parallel_size,
-                    data_parallel_size)
+                    data_parallel_size, expert_parallel_size)
 
     @classmethod
     def from_loaded(cls, config: model.ModelConfig, params: dict, tokenizer: model.Tokenizer,
@@ -107,7 +112,7 @@ class LLM:
                max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_dtype,
                scheduling_policy, capacity_policy, chunking_policy, preemption_mode, seed, dtype,
                speculative_config, jump_forward, enable_lora, max_loras, max_lora_rank, max_cpu_loras,
-               weights_dtype, tensor_parallel_size, data_parallel_size):
+               weights_dtype, tensor_parallel_size, data_parallel_size, expert_parallel_size):
         # Every argument is checked here, before anything is built.
         if weights_dtype is not None and weights_dtype not in WEIGHTS_DTYPES:
             raise ValueError(f"unknown weights_dtype {weights_dtype!r}; allowed: {', '.join(WEIGHTS_DTYPES)}")
@@ -144,6 +149,7 @@ class LLM:
         check_kv_cache_dtype(kv_cache_dtype, config, block_size)
         tp = check_int("tensor_parallel_size", tensor_parallel_size, 1)
         dp = check_int("data_parallel_size", data_parallel_size, 1)
+        ep = check_int("expert_parallel_size", expert_parallel_size, 1)
         multihost = jax.process_count() > 1  # process 0 broadcasts each runner call (serving/multihost.py)
         if multihost and (dp > 1 or preemption_mode != RECOMPUTE):
             raise ValueError("across hosts, data_parallel_size must be 1 and preemption_mode 'recompute'")
@@ -159,16 +165,18 @@ class LLM:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot fit one draft tree "
                              f"({draft.spec.num_tokens} tokens)")
         # The model as the devices hold it: one copy per data-parallel rank, each on its row
-        # of a (data, model) mesh, tensor-parallel over the row with KV heads repeated when
-        # tp exceeds them (model/sharding.py); self.config stays the model's own.
+        # of a (data, expert, model) mesh, tensor-parallel over the row with KV heads repeated
+        # when tp exceeds them and a MoE layer's experts in ep groups (model/sharding.py);
+        # self.config stays the model's own.
         rank_meshes, step_config, rank_params = [None], config, [params]
         self._loaded = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+        check_tensor_parallel(config, tp)
+        check_expert_parallel(config, tp, ep)
         if tp * dp > 1:
-            check_tensor_parallel(config, tp)
             if draft is not None or lora is not None:
                 raise ValueError("speculative decoding and LoRA adapters are not sharded yet: use them with "
                                  "tensor_parallel_size=1 and data_parallel_size=1")
-            mesh = model.make_mesh(tp, dp)
+            mesh = model.make_mesh(tp, dp, expert_parallel_size=ep)
             rank_meshes = [Mesh(mesh.devices[r:r + 1], mesh.axis_names) for r in range(dp)]
             rank_params = []
             for rank_mesh in rank_meshes:

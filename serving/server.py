@@ -320,6 +320,9 @@ def _parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="shard the model over this many devices (LLM(tensor_parallel_size=...))")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="engines, each on its own tensor_parallel_size devices (LLM(data_parallel_size=...))")
+    parser.add_argument("--expert-parallel-size", "-ep", type=int, default=1,
+                        help="groups a MoE model's experts are split into whole, dividing tensor_parallel_size "
+                             "(LLM(expert_parallel_size=...); 1 splits each expert tp ways)")
     parser.add_argument("--speculative-config", default=None,
                         help='JSON, e.g. \'{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 15}\'')
     parser.add_argument("--seed", type=int, default=0)
@@ -383,7 +386,7 @@ def build(args: argparse.Namespace) -> FastAPI:
               seed=args.seed, dtype=dtype, speculative_config=speculative, enable_lora=args.enable_lora,
               max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
               weights_dtype=args.weights_dtype, tensor_parallel_size=args.tensor_parallel_size,
-              data_parallel_size=args.data_parallel_size)
+              data_parallel_size=args.data_parallel_size, expert_parallel_size=args.expert_parallel_size)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return create_app(llm, args.served_model_name or args.model, api_key, args.max_waiting_requests,
                       args.max_waiting_tokens, args.max_request_body_bytes, lora_modules)

@@ -9,9 +9,9 @@ reads (config.json + model.safetensors); it also keeps the prepared data (data.n
 orbax checkpoints (a rerun with the same DIR resumes) and the held-out acceptance
 (eval.json). `--target tiny-random` trains against a tiny random model (tests).
 
-Over D x T devices (a ("data", "model") mesh, model/sharding.py) each batch is split over
-"data": every data rank runs the frozen target on its rows, tensor-parallel over "model"
-as the serving engine shards it, and the draft's gradients are summed across ranks. The
+Over D x T devices (a ("data", "expert", "model") mesh, model/sharding.py) each batch is
+split over "data": every data rank runs the frozen target on its rows, tensor-parallel over
+its T devices as the serving engine shards it, and the draft's gradients are summed across ranks. The
 checkpoints do not depend on the device count: a run resumes on another mesh.
 """
 
@@ -75,7 +75,7 @@ class TrainConfig:
     save_every: int = 10
     seed: int = 0
     data_parallel_size: int = 1  # devices each batch is split over (mesh axis "data")
-    tensor_parallel_size: int = 1  # devices the frozen target is split over (mesh axis "model")
+    tensor_parallel_size: int = 1  # devices the frozen target is split over (tensor parallel)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "draft_vocab_size", "ttt_steps", "text_tokens",

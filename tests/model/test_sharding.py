@@ -1,11 +1,12 @@
 """Tensor parallelism (model/sharding.py): which sizes are valid, the KV-head repetition is
 the same model, every weight's split, and, on 8 simulated CPU devices (a subprocess, since
 XLA_FLAGS must be set before jax starts), sharded logits and greedy output equal one device:
-the default model at tp = 3 (its 9 query and 3 KV heads) and tp = 3 x dp = 2, a tiny Qwen3 at
-tp = 2 and 4, Qwen3-MoE and gpt-oss with their experts split across 4 devices (expert
-parallelism), an 8-head model at tp = 8 (KV heads repeated) and at dp = 2, with the weights
+the default model at tp = 3 (its 9 query and 3 KV heads), tp = 3 x dp = 2 and dp = 2, a tiny
+Qwen3 at tp = 2 and 4, Qwen3-MoE and gpt-oss over 4 devices with each expert split 4 ways and
+with whole experts per device (expert parallelism, both token exchanges), an 8-head model at tp = 8 (KV heads repeated) and at dp = 2, with the weights
 and the pool really split, and requests routed to the rank holding their prefix."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -18,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 import model
 from model.config import ATTENTION, SLIDING_ATTENTION, ModelConfig
-from model.sharding import MODEL, check_tensor_parallel, expand_kv_heads, param_specs, valid_tensor_parallel_sizes
+from model.sharding import (EXPERT, MODEL, TENSOR, check_expert_parallel, check_tensor_parallel, expand_kv_heads,
+                            param_specs, valid_expert_parallel_sizes, valid_tensor_parallel_sizes)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -58,13 +60,34 @@ def test_param_specs_split_columns_rows_and_vocabulary():
     specs = param_specs(params, config, 4)
     layer = specs["layers"][0]
     for name in ("wq", "wk", "wv", "w_gate", "w_up"):
-        assert layer[name] == P(None, MODEL), name
+        assert layer[name] == P(None, TENSOR), name
     for name in ("wo", "w_down"):
-        assert layer[name] == P(MODEL, None), name
-    assert layer["bq"] == P(MODEL) and layer["attn_norm"] == P()
+        assert layer[name] == P(TENSOR, None), name
+    assert layer["bq"] == P(TENSOR) and layer["attn_norm"] == P()
     assert specs["embed"] == P() and specs["lm_head"] == P()  # replicated: 98 % 4
-    assert param_specs(params, config, 2)["embed"] == P(MODEL, None)
-    assert param_specs(params, config, 2)["lm_head"] == P(None, MODEL)
+    assert param_specs(params, config, 2)["embed"] == P(TENSOR, None)
+    assert param_specs(params, config, 2)["lm_head"] == P(None, TENSOR)
+
+
+def test_experts_split_whole_over_expert_and_by_hidden_units_over_model():
+    """A MoE layer's experts: E over "expert", each expert's hidden units over "model"
+    (the down projection's bias, added once after the sum, only over "expert")."""
+    config = _config(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, moe_bias=True,
+                     layer_kinds=("attention", "attention"), moe_layers=(1,))
+    params = model.init_params(config, jax.random.key(0))
+    layer = param_specs(params, config, 4)["layers"][1]
+    assert layer["experts_gate"] == layer["experts_up"] == P(EXPERT, None, MODEL)
+    assert layer["experts_down"] == P(EXPERT, MODEL, None)
+    assert layer["experts_gate_bias"] == P(EXPERT, MODEL) and layer["experts_down_bias"] == P(EXPERT)
+    assert layer["router"] == P() and param_specs(params, config, 4)["layers"][0]["w_up"] == P(None, TENSOR)
+    # ep divides tp and the experts; tp / ep divides the 48 hidden units (not 32 of them)
+    assert valid_expert_parallel_sizes(config, 4) == [1, 2, 4]
+    assert valid_expert_parallel_sizes(dataclasses.replace(config, moe_intermediate_size=12), 8) == [2, 4]
+    assert valid_expert_parallel_sizes(dataclasses.replace(config, num_experts=6), 4) == [1, 2]
+    with pytest.raises(ValueError, match=r"valid sizes: \[1, 2\]"):
+        check_expert_parallel(dataclasses.replace(config, num_experts=6), 4, 4)
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        check_expert_parallel(_config(), 2, 2)
 
 
 def test_bad_meshes_are_clear_errors():
@@ -72,6 +95,10 @@ def test_bad_meshes_are_clear_errors():
         model.make_mesh(16)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
         model.make_mesh(0)
+    with pytest.raises(ValueError, match="expert_parallel_size=2 must divide tensor_parallel_size=3"):
+        model.make_mesh(3, expert_parallel_size=2, devices=jax.devices() * 3)
+    assert model.make_mesh(4, 2, jax.devices() * 8, expert_parallel_size=2).shape == {"data": 2, "expert": 2,
+                                                                                         "model": 2}
     config = _config(num_heads=9, num_kv_heads=3)
     with pytest.raises(ValueError, match=r"valid sizes: \[1, 3, 9\]"):
         model.forward({}, config, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
@@ -90,10 +117,10 @@ from tests.model import golden
 def shard_shape(a):
     return a.addressable_shards[0].data.shape
 
-def check_forward(config, params, tokens, tp, what):
+def check_forward(config, params, tokens, tp, what, ep=1):
     positions = jnp.tile(jnp.arange(tokens.shape[1]), (tokens.shape[0], 1))
     ref, _ = model.forward(params, config, tokens, positions, model.init_cache(config, tokens.shape[0], 64))
-    mesh = model.make_mesh(tp)
+    mesh = model.make_mesh(tp, expert_parallel_size=ep)
     sharded_config, sharded = model.shard_params(params, config, mesh)
     cache = model.init_cache(sharded_config, tokens.shape[0], 64, mesh=mesh)
     out, cache = model.forward(sharded, sharded_config, tokens, positions, cache, mesh=mesh)
@@ -104,7 +131,7 @@ def check_forward(config, params, tokens, tp, what):
     assert len(k.sharding.device_set) == tp and shard_shape(k)[2] == heads, (what, tp, k.sharding)
     wq = sharded["layers"][0]["wq"]
     assert shard_shape(wq) == (config.hidden_size, config.num_heads * config.head_dim // tp), (what, shard_shape(wq))
-    say(f"{what} tp={tp}: logits relative error {err:.1e}, KV heads per device {heads}")
+    say(f"{what} tp={tp} ep={ep}: logits relative error {err:.1e}, KV heads per device {heads}")
     return sharded
 
 # the default model (SmolLM2-135M) at tp = 3: logits, shards, then greedy through LLM
@@ -131,6 +158,14 @@ logprobs = jax.nn.log_softmax(logits[0, len(ids) - 1:-1], axis=-1)
 got = [lp[t] for t, lp in zip(split[1].outputs[0].token_ids, split[1].outputs[0].logprobs)]
 assert np.max(np.abs(np.asarray(got) - np.take_along_axis(logprobs, jnp.asarray(split[1].outputs[0].token_ids)[:, None], 1)[:, 0])) < 1e-4
 say("default LLM tp=3 x dp=2 greedy equals transformers and one device:", [r.outputs[0].token_ids for r in split])
+# dp = 2 alone: two single-device engines answer as the tp = 3 ranks did
+alone = LLM(max_model_len=256, data_parallel_size=2).generate(
+    prompts, SamplingParams(temperature=0, max_tokens=len(want), ignore_eos=True, logprobs=1))
+for a, b in zip(alone, split):
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    got = [[lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in (a, b)]
+    assert np.max(np.abs(np.subtract(*got))) < 1e-4
+say("default LLM dp=2 equals tp=3 x dp=2")
 
 # a tiny Qwen3 (4 query, 2 KV heads, q/k norms) at tp = 2 and 4 (KV heads repeated)
 config, params = model.load(os.path.join(golden.FIXTURES, "tiny_qwen3"))
@@ -138,26 +173,35 @@ tokens = jnp.asarray(golden.tiny_tokens())
 for tp in (2, 4):
     check_forward(config, params, tokens, tp, "tiny_qwen3")
 
-# mixtures of experts: experts split whole across the devices (expert parallelism, tokens
-# exchanged by all_to_all), attention sinks and biases split by head; greedy through LLM as
-# transformers decoded it (the fixtures)
+# mixtures of experts over the ("expert", "model") grid: each expert split 4 ways (ep = 1) and
+# experts split whole (ep = 4, tokens exchanged by all_to_all), attention sinks and biases
+# split by head; greedy through LLM as transformers decoded it (the fixtures)
 from model import moe
 for name in ("tiny_qwen3_moe", "tiny_gpt_oss"):
     path = os.path.join(golden.FIXTURES, name)
     config, params = model.load(path)
-    sharded = check_forward(config, params, tokens, 4, name)
     layer = config.moe_layers[0]
-    assert shard_shape(sharded["layers"][layer]["experts_down"])[0] == config.num_experts // 4
-    hidden = model.transformer.embed(params, tokens, config)
-    load = moe.expert_load(params["layers"][layer], config, hidden)
-    assert int(load.sum()) == tokens.size * config.num_experts_per_tok
-    say(f"{name} router load over {config.num_experts} experts:", load.tolist())
+    hidden = config.moe_intermediate_size or config.intermediate_size
+    for ep in (1, 4):
+        sharded = check_forward(config, params, tokens, 4, name, ep)
+        assert shard_shape(sharded["layers"][layer]["experts_down"])[:2] == (config.num_experts // ep, hidden // (4 // ep))
+    x = model.transformer.embed(params, tokens, config).reshape(-1, config.hidden_size)[:13]  # 13: not a multiple of ep
+    ref = moe.moe(params["layers"][layer], config, x)
+    mesh = model.make_mesh(4, expert_parallel_size=2)  # 2 groups of 2 experts, each split 2 ways
+    placed = model.shard_params(params, config, mesh)[1]["layers"][layer]
+    for exchange in moe.EXCHANGES:  # "ragged" runs a reference of ragged_all_to_all on CPU
+        out = jax.jit(lambda p, x: moe.moe(p, config, x, mesh, exchange))(placed, x)
+        assert float(jnp.max(jnp.abs(out - ref))) < 1e-5 * float(jnp.max(jnp.abs(ref))), exchange
+    load = moe.expert_load(params["layers"][layer], config, x)
+    assert int(load.sum()) == x.shape[0] * config.num_experts_per_tok
+    say(f"{name}: ep=2 x 2 equals the dense MoE by both exchanges; router load over {config.num_experts} experts:",
+        load.tolist())
 ref = np.load(os.path.join(path, "logits.npz"))
-llm = LLM.from_loaded(config, params, tok, max_model_len=64, tensor_parallel_size=2)
+llm = LLM.from_loaded(config, params, tok, max_model_len=64, tensor_parallel_size=2, expert_parallel_size=2)
 out = llm.generate({"prompt_token_ids": ref["tokens"][0, :golden.GREEDY_PROMPT].tolist()},
                    SamplingParams(temperature=0, max_tokens=len(ref["greedy"]), ignore_eos=True))
 assert out[0].outputs[0].token_ids == ref["greedy"].tolist()
-say("tiny gpt-oss LLM tp=2 (expert parallel) greedy equals transformers")
+say("tiny gpt-oss LLM tp=2 ep=2 (expert parallel) greedy equals transformers")
 
 prompts = ["The capital of France is", "Write a haiku about the sea.", "Name three colors.", "Count to five."]
 
@@ -229,6 +273,7 @@ def test_llm_checks_its_parallel_sizes(default_tokenizer):
     for kw, message in ((dict(tensor_parallel_size=0), "tensor_parallel_size"),
                         (dict(data_parallel_size="2"), "data_parallel_size"),
                         (dict(tensor_parallel_size=3), r"valid sizes: \[1, 2, 4, 8\]"),
+                        (dict(expert_parallel_size=2), "needs a mixture-of-experts model"),
                         (dict(tensor_parallel_size=2), "needs 2 devices"),  # this process has one
                         (dict(tensor_parallel_size=1, data_parallel_size=2), "needs 2 devices")):
         with pytest.raises(ValueError, match=message):

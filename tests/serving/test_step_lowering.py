@@ -111,7 +111,7 @@ def test_a_lora_step_runs_every_projection_through_the_lora_kernel(tiny):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "nvfp4"])
 def test_a_tensor_parallel_step_runs_the_kernels_inside_shard_map(tiny, kv_cache_dtype):
-    """A mixed step over a 2-way "model" mesh of TPU devices: weights and pages carry their
+    """A mixed step over a 2-way tensor-parallel mesh of TPU devices: weights and pages carry their
     shardings, and each layer's attention kernel runs inside a shard_map (a manual
     computation over the heads), which XLA cannot partition otherwise."""
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -119,7 +119,7 @@ def test_a_tensor_parallel_step_runs_the_kernels_inside_shard_map(tiny, kv_cache
     from model.sharding import AXES, kv_spec, param_specs
 
     config, params = tiny
-    mesh = jax.sharding.AbstractMesh((1, 2), AXES, abstract_device=abstract_tpu_mesh().abstract_device)
+    mesh = jax.sharding.AbstractMesh((1, 1, 2), AXES, abstract_device=abstract_tpu_mesh().abstract_device)
     fn, (params_spec, pool_spec, batch_spec) = _step_specs(config, params, kv_cache_dtype, lens=(9, 1))
     placed = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))
     specs = [jax.tree.map(placed, params_spec, param_specs(params, config, 2)),
@@ -132,4 +132,37 @@ def test_a_tensor_parallel_step_runs_the_kernels_inside_shard_map(tiny, kv_cache
     assert exported.nr_devices == 2
     assert kernel_calls(mlir, "tpu_custom_call") == LAYERS
     assert mlir.count("sdy.manual_computation") == LAYERS  # one shard_map per attention layer
-    assert '#sdy.sharding<@mesh, [{}, {"model"}]>' in mlir  # the column-split projections
+    assert '#sdy.sharding<@mesh, [{}, {"expert", "model"}]>' in mlir  # the column-split projections
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_expert_parallel_moe_exchanges_tokens_by_ragged_all_to_all(platform):
+    """On TPU and GPU a MoE layer over 2 expert groups of 2 devices sends its tokens to
+    their experts and back with jax.lax.ragged_all_to_all (three: rows, their experts, the
+    outputs), each within the devices of one "model" index, and sums the hidden-unit
+    parts with one all-reduce; no padded all_to_all."""
+    import os
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from model import moe
+    from model.sharding import AXES, param_specs
+    from tests.model import golden
+
+    config, params = model.load(os.path.join(golden.FIXTURES, "tiny_qwen3_moe"))
+    layer = params["layers"][config.moe_layers[0]]
+    device = (abstract_tpu_mesh().abstract_device if platform == "tpu" else
+              jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
+    mesh = jax.sharding.AbstractMesh((1, 2, 2), AXES, abstract_device=device)
+    specs = param_specs({"layers": [layer]}, config, 4)["layers"][0]
+    args = [{n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, specs[n])) for n, a in layer.items()},
+            jax.ShapeDtypeStruct((16, config.hidden_size), jax.numpy.float32, sharding=NamedSharding(mesh, P()))]
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = export.export(jax.jit(lambda p, x: moe.moe(p, config, x, mesh)), platforms=[platform],
+                                 disabled_checks=[export.DisabledSafetyCheck.custom_call("ragged_all_to_all")])(*args)
+    mlir = exported.mlir_module()
+    assert exported.nr_devices == 4
+    calls = [line for line in mlir.splitlines() if "custom_call @ragged_all_to_all" in line]
+    assert len(calls) == 3
+    assert all("replica_groups = dense<[[0, 2], [1, 3]]>" in line for line in calls)  # over "expert"
+    assert "stablehlo.all_to_all" not in mlir and mlir.count("stablehlo.all_reduce") == 1
