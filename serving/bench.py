@@ -11,7 +11,7 @@
     python -m serving.bench serve      [--rates 2 8 inf] [--num-prompts 32] [--model default]
     python -m serving.bench structured [--batch-sizes 1 8] [--max-tokens 160]
     python -m serving.bench lora       [--adapters 1 4] [--batch 16] [--rank 16]
-    python -m serving.bench sharding   [--tp 1 3] [--dp 1 2] [--batch 4] [--new-tokens 16]
+    python -m serving.bench sharding   [--tp 1 3] [--dp 1 2] [--ep 1] [--batch 4] [--new-tokens 16]
 
 decode / offline: greedy generation throughput on the default model (generated tokens
 per second, prefill included, after a warm-up run that compiles), against
@@ -522,14 +522,21 @@ def _shard_bytes(tree) -> int:
 def _expected_bytes(config, tp: int, num_pages: int, page_size: int, itemsize: int) -> tuple[int, int]:
     """(weight, KV pool) bytes one device should hold at tensor parallel size tp, from the
     architecture alone (Megatron split: heads and MLP columns / rows 1/tp each, the vocabulary
-    1/tp when tp divides it, KV heads repeated up to tp, norms replicated); biases, MoE and
-    sinks are not counted (the bench's models have none)."""
+    1/tp when tp divides it, KV heads repeated up to tp, norms replicated; a MoE layer's E
+    experts 1/tp whatever ep is, E / ep whole experts of 1 / (tp / ep) of their hidden units,
+    its router replicated); biases and sinks are not counted."""
     h, hd, kv = config.hidden_size, config.head_dim, max(config.num_kv_heads, tp)
-    per_layer = (2 * h * config.num_heads * hd + 2 * h * kv * hd + 3 * h * config.intermediate_size) // tp
-    per_layer += (4 if config.sandwich_norm else 2) * h + (2 * hd if config.qk_norm else 0)
+    attention = (2 * h * config.num_heads * hd + 2 * h * kv * hd) // tp
+    attention += (4 if config.sandwich_norm else 2) * h + (2 * hd if config.qk_norm else 0)
+    dense = 3 * h * config.intermediate_size // tp
+    experts = 0
+    if config.moe_layers:
+        width = config.moe_intermediate_size or config.intermediate_size
+        experts = 3 * h * width * (config.num_experts + config.num_shared_experts) // tp + h * config.num_experts
+    mlps = (config.num_layers - len(config.moe_layers)) * dense + len(config.moe_layers) * experts
     vocab = config.vocab_size // tp if config.vocab_size % tp == 0 else config.vocab_size
     tables = 1 if config.tie_word_embeddings else 2
-    weights = (config.num_layers * per_layer + tables * vocab * h + h) * itemsize
+    weights = (config.num_layers * attention + mlps + tables * vocab * h + h) * itemsize
     pool = config.num_layers * 2 * num_pages * page_size * (kv // tp) * hd * itemsize
     return weights, pool
 
@@ -539,43 +546,49 @@ def bench_sharding(args) -> None:
     cores: the times check that nothing is replicated by mistake, they are not speed)."""
     import jax
 
+    import model
     from serving.llm import LLM
 
-    prompts = [{"prompt_token_ids": [1 + (7 * i + j) % 1000 for j in range(args.prompt_len)]}
-               for i in range(args.batch)]
+    config, params = model.load(args.model, weights_dtype=args.weights_dtype)
+    try:
+        tok = model.load_tokenizer(args.model)
+    except ValueError:  # a checkpoint without a tokenizer (a test fixture): token ids only
+        tok = model.load_tokenizer("default")
+    prompts = [{"prompt_token_ids": [1 + (7 * i + j) % min(1000, config.vocab_size - 1)
+                                     for j in range(args.prompt_len)]} for i in range(args.batch)]
     sampling = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     rows, outputs = [], {}
-    for dp in args.dp:
-        for tp in args.tp:
-            llm = LLM(args.model, max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=args.batch,
-                      enable_prefix_caching=False, num_kv_blocks=args.kv_blocks, tensor_parallel_size=tp,
-                      data_parallel_size=dp, weights_dtype=args.weights_dtype)
-            start = time.perf_counter()
-            llm.generate(prompts, sampling)
-            first = time.perf_counter() - start
-            start = time.perf_counter()
-            out = llm.generate(prompts, sampling)
-            second = time.perf_counter() - start
-            outputs[tp, dp] = [o.outputs[0].token_ids for o in out]
-            runner = llm.runner  # rank 0's; every rank holds the same
-            itemsize = jax.tree.leaves(runner.params)[0].dtype.itemsize
-            weights, pool = _shard_bytes(runner.params), _shard_bytes(runner.pool)
-            want_w, want_p = _expected_bytes(llm.config, tp, runner.num_pages, runner.page_size, itemsize)
-            rows.append((tp, dp, first - second, args.batch * args.new_tokens / second, weights, want_w, pool,
-                         want_p))
-            del llm, runner
-    base = rows[0][3]
+    layouts = [(tp, dp, ep) for dp in args.dp for tp in args.tp for ep in args.ep if tp % ep == 0]
+    for tp, dp, ep in layouts:
+        llm = LLM.from_loaded(config, params, tok, max_model_len=args.prompt_len + args.new_tokens,
+                              max_num_seqs=args.batch, enable_prefix_caching=False, num_kv_blocks=args.kv_blocks,
+                              tensor_parallel_size=tp, data_parallel_size=dp, expert_parallel_size=ep,
+                              weights_dtype=args.weights_dtype)
+        start = time.perf_counter()
+        llm.generate(prompts, sampling)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        out = llm.generate(prompts, sampling)
+        second = time.perf_counter() - start
+        outputs[tp, dp, ep] = [o.outputs[0].token_ids for o in out]
+        runner = llm.runner  # rank 0's; every rank holds the same
+        itemsize = jax.tree.leaves(runner.params)[0].dtype.itemsize
+        weights, pool = _shard_bytes(runner.params), _shard_bytes(runner.pool)
+        want_w, want_p = _expected_bytes(llm.config, tp, runner.num_pages, runner.page_size, itemsize)
+        rows.append((tp, dp, ep, first - second, args.batch * args.new_tokens / second, weights, want_w,
+                     pool, want_p))
+        del llm, runner
+    base = rows[0][4]
     print(f"\nsharding: {args.model}, batch {args.batch} x {args.prompt_len} prompt tokens, "
           f"{args.new_tokens} new tokens (greedy, prefill included), {len(jax.devices())} x {_device()}; "
           "compile = first run - second run; per-device bytes on device 0 against the arithmetic")
-    print("| tp | dp | compile s | tok/s | vs first | weights MB / device | expected | KV pool MB / device "
+    print("| tp | dp | ep | compile s | tok/s | vs first | weights MB / device | expected | KV pool MB / device "
           "| expected | greedy = first |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
-    first_layout = (args.tp[0], args.dp[0])
-    for tp, dp, compile_s, tok_s, weights, want_w, pool, want_p in rows:
-        same = "yes" if outputs[tp, dp] == outputs[first_layout] else "NO"
-        print(f"| {tp} | {dp} | {compile_s:.1f} | {tok_s:.1f} | {tok_s / base:.2f}x | {weights / 1e6:.1f} | "
-              f"{want_w / 1e6:.1f} | {pool / 1e6:.1f} | {want_p / 1e6:.1f} | {same} |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
+    for tp, dp, ep, compile_s, tok_s, weights, want_w, pool, want_p in rows:
+        same = "yes" if outputs[tp, dp, ep] == outputs[layouts[0]] else "NO"
+        print(f"| {tp} | {dp} | {ep} | {compile_s:.1f} | {tok_s:.1f} | {tok_s / base:.2f}x | {weights / 1e6:.3f} | "
+              f"{want_w / 1e6:.3f} | {pool / 1e6:.3f} | {want_p / 1e6:.3f} | {same} |")
 
 
 def bench_lora(args) -> None:
@@ -1039,6 +1052,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="model.load's weights_dtype (float32 or bfloat16: packed weights are not sharded)")
     sh.add_argument("--tp", type=int, nargs="+", default=[1, 3], help="tensor parallel sizes")
     sh.add_argument("--dp", type=int, nargs="+", default=[1], help="data parallel sizes (each --tp with each)")
+    sh.add_argument("--ep", type=int, nargs="+", default=[1],
+                    help="expert parallel sizes for a MoE model (each with each --tp it divides)")
     sh.add_argument("--batch", type=int, default=4)
     sh.add_argument("--prompt-len", type=int, default=64)
     sh.add_argument("--new-tokens", type=int, default=16)
