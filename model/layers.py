@@ -124,7 +124,7 @@ def _ragged_xla(options: AttentionOptions, *args):
     out, _, k_pages, v_pages = ragged_paged_attention_xla(
         *args, sm_scale=options.sm_scale, sliding_window=options.sliding_window,
         kv_format=fmt, max_q_len=options.max_q_len, max_chunks=options.max_chunks,
-        variant=resolve_variant(None, options.soft_cap))
+        variant=resolve_variant(None, options.soft_cap), differentiable=True)
     return out, k_pages, v_pages
 
 

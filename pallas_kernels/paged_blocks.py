@@ -37,8 +37,14 @@ PAGES_PER_BLOCK = 8
 
 
 def attend_tiles(q, k_pages, v_pages, block_tables, tile_seq, tile_tokens, tile_live, q_pos, seq,
-                 sinks=None, tree=None, *, sm_scale, sliding_window, variant, kv_format=None):
+                 sinks=None, tree=None, *, sm_scale, sliding_window, variant, kv_format=None,
+                 live_blocks_only=False):
     """(out [T, Hq, D] f32, lse [T, Hq]) of query tokens grouped into tiles.
+
+    live_blocks_only: walk only the blocks holding positions some live query sees (a loop
+    with a traced trip count), so a step costs what its sequences hold however wide the
+    block tables are; not reverse-differentiable, so gradients take the default (every
+    block of the table, masked).
 
     q: [T, Hq, D]; tile_seq: int32 [nt] each tile's sequence (any row of block_tables
     for a spare tile); tile_tokens: int32 [nt, bq] the query tokens of each tile;
@@ -100,7 +106,12 @@ def attend_tiles(q, k_pages, v_pages, block_tables, tile_seq, tile_tokens, tile_
     init = (jnp.full((num_tiles, num_q_heads, block_q), -jnp.inf),
             jnp.zeros((num_tiles, num_q_heads, block_q)),
             [jnp.zeros((num_tiles, num_kv_heads, group, block_q, head_dim // parts))] * parts)
-    (m, l, acc), _ = lax.scan(body, init, (jnp.arange(num_blocks, dtype=jnp.int32), blocks))
+    if live_blocks_only:  # positions [0, reach) are all any live query can see
+        reach = jnp.max(jnp.where(tile_live.reshape(-1), q_pos[tok], -1)) + 1
+        count = jnp.clip(-(-reach // span), 0, num_blocks)
+        m, l, acc = lax.fori_loop(0, count, lambda i, carry: body(carry, (i, blocks[i]))[0], init)
+    else:
+        (m, l, acc), _ = lax.scan(body, init, (jnp.arange(num_blocks, dtype=jnp.int32), blocks))
     seen = l > 0
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)  # [nt, Hq, bq]
     acc = kv_formats.merge_parts(jnp.stack(acc)).reshape(num_tiles, num_q_heads, block_q, head_dim)

@@ -201,6 +201,8 @@ class EngineCore:
             self.runner.add_lora(lora_request)  # reads and checks the adapter
             lora_id = lora_request.lora_int_id
         prompt = tuple(prompt_ids)
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} samples are more sequences than max_num_seqs={self.config.max_num_seqs}")
         if not 0 < len(prompt) < self.max_model_len:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit max_model_len={self.max_model_len} "
                              "with room to generate")

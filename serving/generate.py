@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--speculative-config", default=None,
                         help="JSON, as LLM(speculative_config=...): EAGLE-3 speculative decoding")
+    parser.add_argument("--precompile", action="store_true",
+                        help="compile every step shape at start-up (LLM(precompile=True)): no compile stalls later")
     parser.add_argument("--compile-cache-dir", default=None,
                         help=f"where compiled steps persist ('off' disables; default ${compile_cache.ENV} "
                              "or ~/.cache/kvfold/jax)")
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=1,
                   speculative_config=speculative, weights_dtype=args.weights_dtype,
                   tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-                  expert_parallel_size=args.expert_parallel_size)
+                  expert_parallel_size=args.expert_parallel_size, precompile=args.precompile)
         tok = llm.get_tokenizer()
         if not args.raw and not tok.chat_template:
             raise ValueError(f"{args.model} has no chat template (a base model such as gemma3-270m): "

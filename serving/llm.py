@@ -56,7 +56,7 @@ from model import compile_cache
 from serving import scheduler as sched
 from serving.draft_tree import TreeSpec
 from serving.data_parallel import DataParallelEngine
-from serving.engine import PREEMPTION_MODES, RECOMPUTE, EngineCore
+from serving.engine import PREEMPTION_MODES, RECOMPUTE, SWAP, EngineCore
 from serving.multihost import BroadcastRunner
 from serving.params import (CompletionOutput, LoRARequest, RequestOutput, SamplingParams, check_bool, check_int,
                             check_text)
@@ -81,7 +81,8 @@ class LLM:
                  speculative_config: dict | None = None, jump_forward: bool = True,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, weights_dtype: str | None = None,
-                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, expert_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, expert_parallel_size: int = 1,
+                 precompile: bool = False):
         import model as model_lib
 
         config, params = model_lib.load(model, dtype, weights_dtype)
@@ -90,7 +91,7 @@ class LLM:
                     kv_cache_dtype, scheduling_policy, capacity_policy, chunking_policy,
                     preemption_mode, seed, dtype, speculative_config, jump_forward, enable_lora,
                     max_loras, max_lora_rank, max_cpu_loras, weights_dtype, tensor_parallel_size,
-                    data_parallel_size, expert_parallel_size)
+                    data_parallel_size, expert_parallel_size, precompile)
 
     @classmethod
     def from_loaded(cls, config: model.ModelConfig, params: dict, tokenizer: model.Tokenizer,
@@ -112,7 +113,7 @@ class LLM:
                max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_dtype,
                scheduling_policy, capacity_policy, chunking_policy, preemption_mode, seed, dtype,
                speculative_config, jump_forward, enable_lora, max_loras, max_lora_rank, max_cpu_loras,
-               weights_dtype, tensor_parallel_size, data_parallel_size, expert_parallel_size):
+               weights_dtype, tensor_parallel_size, data_parallel_size, expert_parallel_size, precompile):
         # Every argument is checked here, before anything is built.
         if weights_dtype is not None and weights_dtype not in WEIGHTS_DTYPES:
             raise ValueError(f"unknown weights_dtype {weights_dtype!r}; allowed: {', '.join(WEIGHTS_DTYPES)}")
@@ -154,6 +155,8 @@ class LLM:
         if multihost and (dp > 1 or preemption_mode != RECOMPUTE):
             raise ValueError("across hosts, data_parallel_size must be 1 and preemption_mode 'recompute'")
         draft = _drafter(speculative_config, config, dtype)
+        if check_bool("precompile", precompile) and (draft is not None or multihost):
+            raise ValueError("precompile does not cover speculative decoding or several hosts yet")
         lora = None
         if check_bool("enable_lora", enable_lora):
             if draft is not None:
@@ -217,6 +220,9 @@ class LLM:
                               vocab_size=config.vocab_size)
                    for rank, runner in enumerate(self.runners)]
         self.engine = engines[0] if dp == 1 else DataParallelEngine(engines)
+        if precompile:  # every step shape now, so serving never stops to compile
+            for runner in self.runners:
+                runner.precompile(max_num_batched_tokens, swap=preemption_mode == SWAP)
         self._ids = itertools.count()
         self._lock = threading.RLock()  # one engine step (or request change) at a time
 

@@ -4,11 +4,15 @@ A step's rows — prefill chunks and decode rows alike — are packed back to ba
 `StepBatch` (flat tokens and positions, cu_q_lens, kv_lens, block tables, sampling
 arrays) and run by one jitted call, `_step`, through `model.forward_packed`, whose
 attention layers are pallas_kernels.ragged_paged_attention. Tokens, rows and the longest
-row are padded to power-of-two buckets so a warm engine never recompiles. The block
-tables a step gets are cut to the bucketed largest live page count of its rows
-(`table_width`), so attention reads, and a step costs, what the sequences hold rather
-than max_model_len. The KV pool (one page pool per layer) lives here and is donated to
-every call.
+row are padded to buckets so a warm engine never recompiles, and there are few of them
+(`ModelRunner.buckets`, what `LLM(precompile=True)` compiles at start-up): a decode-only
+step has one shape per power-of-two row count; a step with prefill chunks one per
+power-of-two token count, times whether it holds one chunk or several, its rows always
+padded to max_num_seqs. Block tables are always max_model_len wide: attention walks
+only the blocks of pages its queries can see (pallas_kernels/paged_blocks.py; the
+kernels stop at each sequence's kv_len), so a step costs what the sequences hold rather
+than max_model_len without a shape per context length. The KV pool (one page pool per
+layer) lives here and is donated to every call.
 
 The pool is a dict of named KV groups: "target" (the model's layers) and, with an
 EAGLE-3 draft (speculative decoding), "draft" (its one layer), addressed by the same
@@ -27,10 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import model
@@ -107,23 +113,8 @@ def bucket(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
-# Block tables handed to a step are at least this many positions wide: shorter contexts
-# cost the same (weights dominate), and fewer width buckets mean fewer compilations.
-MIN_TABLE_POSITIONS = 256
-
-
-def live_pages(row: Row, page_size: int, lookahead: int = 0) -> int:
-    """Pages holding the positions a row's step reads or writes: [0, start + its tokens
-    + lookahead). With speculation the lookahead (TreeSpec.lookahead, what the engine
-    allocates) covers the tree a verify row scores (slots start + i) and the draft's
-    next tree, grown in slots past the root after up to `depth` accepted tokens."""
-    return -(-(row.start + len(row.tokens) + lookahead) // page_size)
-
-
-def table_width(live: list[int], max_pages: int, minimum: int) -> int:
-    """The step's block-table width: the largest live page count rounded up to a power of
-    two (at least `minimum`), capped at max_pages."""
-    return min(max_pages, bucket(max(live, default=1), minimum))
+# The fewest tokens a step with a prefill chunk is padded to.
+MIN_CHUNK_TOKENS = 16
 
 
 @functools.partial(jax.jit, static_argnames=("config", "page_size", "want_logprobs",
@@ -302,6 +293,18 @@ def _write_pages(pool, pages, data):
     return jax.tree.map(lambda a, d: a.at[pages].set(d), pool, data)
 
 
+@jax.jit
+def _read_pages(pool, pages):
+    return jax.tree.map(lambda a: a[pages], pool)
+
+
+def _padded(ids) -> np.ndarray:
+    """Page ids as int32, padded to a power of two by repeating the first (a page copied or
+    written twice gets the same value twice), so copies and swaps compile once per bucket."""
+    ids = list(ids)
+    return np.asarray(ids + ids[:1] * (bucket(len(ids)) - len(ids)), np.int32)
+
+
 class ModelRunner:
     """Owns params and the KV page pool; executes rows."""
 
@@ -319,7 +322,6 @@ class ModelRunner:
         self.config, self.params, self.draft, self.lora, self.mesh = config, params, draft, lora, mesh
         self.page_size, self.num_pages = page_size, num_pages
         self.max_pages_per_seq, self.max_num_seqs = max_pages_per_seq, max_num_seqs
-        self.min_table_width = -(-MIN_TABLE_POSITIONS // page_size)
         self.mask_words = -(-config.vocab_size // 32)
         self.pool = {"target": model.init_kv_pool(config, num_pages, page_size, dtype, kv_cache_dtype,
                                                   mesh=mesh)}
@@ -391,14 +393,10 @@ class ModelRunner:
         return [jnp.asarray(a) for a in (ids, counts, seen, bias, penalties)]
 
     def _tables(self, rows: list[Row], b: int) -> jax.Array:
-        """Block tables [b, width] cut to the pages this step can see, so attention reads
-        (and its cost follows) the live context rather than max_model_len."""
-        ahead = self.draft.spec.lookahead if self.draft is not None else 0
-        width = table_width([live_pages(r, self.page_size, ahead) for r in rows],
-                            self.max_pages_per_seq, self.min_table_width)
-        tables = np.zeros((b, width), np.int32)
+        """Block tables [b, max_pages_per_seq] (attention reads only the live pages)."""
+        tables = np.zeros((b, self.max_pages_per_seq), np.int32)
         for i, r in enumerate(rows):
-            n = min(width, len(r.block_table))
+            n = min(self.max_pages_per_seq, len(r.block_table))
             tables[i, :n] = r.block_table[:n]
         return jnp.asarray(tables)
 
@@ -431,13 +429,10 @@ class ModelRunner:
         self.lora.add(request)
 
     def step_batch(self, rows: list[Row], lora_slot: dict[int, int] | None = None) -> StepBatch:
-        """Pack rows (none with a tree) into a StepBatch: tokens to a power of two (at least
-        16 when any row is a chunk), rows to a power of two, tables to the live width.
+        """Pack rows (none with a tree) into a StepBatch of the shape `shape` gives them.
         lora_slot: device slot of each LoRA adapter id the rows use."""
         lens = [len(r.tokens) for r in rows]
-        decode_only = max(lens) == 1
-        n = bucket(sum(lens), minimum=1 if decode_only else 16)
-        s = bucket(len(rows))
+        n, s, max_q_len, max_chunks = self.shape(lens)
         tokens, positions = np.zeros(n, np.int32), np.full(n, -1, np.int32)
         cu_q_lens, kv_lens = np.zeros(s + 1, np.int32), np.zeros(s, np.int32)
         for i, r in enumerate(rows):
@@ -457,8 +452,66 @@ class ModelRunner:
                          jnp.asarray(kv_lens), self._tables(rows, s),
                          jnp.asarray(np.maximum(cu_q_lens[1:] - 1, 0)), seeds, counters, temperature,
                          top_k, top_p, min_p, jnp.asarray(targets), *self._mask_arrays(rows, s),
-                         *self._adjust_arrays(rows, s), jnp.asarray(lora_slots), max_q_len=bucket(max(lens)),
-                         max_chunks=bucket(chunks) if (chunks := sum(n > 1 for n in lens)) else 0)
+                         *self._adjust_arrays(rows, s), jnp.asarray(lora_slots), max_q_len=max_q_len,
+                         max_chunks=max_chunks)
+
+    def shape(self, lens: list[int]) -> tuple[int, int, int, int]:
+        """(tokens N, rows S, max_q_len, max_chunks) of a packed step whose rows bring
+        `lens` new tokens each. Decode-only: N = S = rows to a power of two, max_q_len 1.
+        With a chunk: N = tokens to a power of two (at least MIN_CHUNK_TOKENS), S = max_num_seqs
+        to a power of two, max_q_len = N (a bound: the XLA path tiles chunks 16 tokens at a
+        time whatever it is), max_chunks 1 or S. So the shapes are few (`buckets`), at the
+        price of spare rows (sampled for nothing) and spare chunk tiles in some steps."""
+        if max(lens) == 1:
+            s = bucket(len(lens))
+            return s, s, 1, 0
+        n = bucket(sum(lens), MIN_CHUNK_TOKENS)
+        s = bucket(max(len(lens), self.max_num_seqs))
+        return n, s, n, 1 if sum(k > 1 for k in lens) == 1 else s
+
+    def buckets(self, max_num_batched_tokens: int) -> dict[tuple[int, int, int, int], list[int]]:
+        """Every (N, S, max_q_len, max_chunks) `shape` gives a step of at most max_num_seqs
+        rows and max_num_batched_tokens tokens, each with the row lengths of one such step."""
+        decode = {self.shape([1] * k): [1] * k for k in range(1, self.max_num_seqs + 1)}
+        chunked = {}
+        for n in range(MIN_CHUNK_TOKENS.bit_length() - 1,
+                       max(bucket(max_num_batched_tokens), MIN_CHUNK_TOKENS).bit_length()):
+            lens = [1 << n]
+            chunked[self.shape(lens)] = lens  # one chunk
+            if self.max_num_seqs > 1:
+                chunked[self.shape([2, lens[0] - 2])] = [2, lens[0] - 2]  # several chunks
+        return {**dict(sorted(decode.items())), **dict(sorted(chunked.items()))}
+
+    def precompile(self, max_num_batched_tokens: int, swap: bool = False,
+                   progress: bool = True) -> list[tuple[tuple, float]]:
+        """Compile (and run once, on rows that write nothing) every step shape this runner
+        can meet (`buckets`), then the page copies of copy-on-write for up to max_num_seqs
+        pairs and, with swap, the page reads and writes of swapping for up to every page;
+        returns each step bucket with its seconds. Steps asking for logprobs, prompt
+        logprobs or penalties are variants compiled on first use."""
+        if self.draft is not None:
+            raise ValueError("precompile does not cover speculative decoding yet")
+        times = []
+        shapes = self.buckets(max_num_batched_tokens)
+        bar = tqdm.tqdm(shapes.items(), desc="compiling steps", unit="shape", disable=not progress)
+        for (n, s, max_q_len, max_chunks), lens in bar:
+            batch = self.step_batch([Row(tuple([0] * k), 0, (0,), sample=True) for k in lens], {})
+            empty = dataclasses.replace(  # every token padding: nothing written, nothing read
+                batch, positions=jnp.full_like(batch.positions, -1), cu_q_lens=jnp.zeros_like(batch.cu_q_lens),
+                kv_lens=jnp.zeros_like(batch.kv_lens))
+            start = time.perf_counter()
+            next_tokens, _, _, self.pool = _step(self.params, self.config, self.page_size, self.pool, empty,
+                                                 False, False, self.lora.stacks if self.lora else None, self.mesh)
+            jax.block_until_ready(next_tokens)
+            times.append(((n, s, max_q_len, max_chunks), time.perf_counter() - start))
+            if progress:
+                kind = "decode" if max_q_len == 1 else "one chunk" if max_chunks == 1 else "several chunks"
+                bar.write(f"  step of {n} tokens, {s} rows, {kind}: {times[-1][1]:.1f} s")
+        for k in range(bucket(self.max_num_seqs).bit_length()):  # pairs (0 -> 0): a no-op copy
+            self.copy_pages([(0, 0)] * (1 << k))
+        for k in range(bucket(self.num_pages).bit_length() if swap else 0):
+            self.write_pages([0] * (1 << k), self.read_pages([0] * (1 << k)))
+        return times
 
     def _run_packed(self, rows: list[Row]) -> list[RowResult | None]:
         if not rows:
@@ -516,17 +569,19 @@ class ModelRunner:
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: page src -> page dst in every layer."""
         if pairs:
-            src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*pairs))
+            src, dst = (jnp.asarray(_padded(x)) for x in zip(*pairs))
             self.pool = _copy_pages(self.pool, src, dst)
 
     def read_pages(self, pages: list[int]):
         """Host copy of `pages` in every layer (swap out)."""
-        idx = np.asarray(pages, np.int32)
-        return jax.tree.map(lambda a: np.asarray(a[idx]), self.pool)
+        data = _read_pages(self.pool, jnp.asarray(_padded(pages)))
+        return jax.tree.map(lambda a: np.asarray(a)[:len(pages)], data)
 
     def write_pages(self, pages: list[int], data) -> None:
         """Put host data back into `pages` (swap in)."""
-        self.pool = _write_pages(self.pool, jnp.asarray(pages, jnp.int32), data)
+        pad = bucket(len(pages)) - len(pages)
+        data = jax.tree.map(lambda d: np.concatenate([d, np.repeat(d[:1], pad, axis=0)]), data)
+        self.pool = _write_pages(self.pool, jnp.asarray(_padded(pages)), data)
 
     def num_compilations(self) -> int:
         return _step._cache_size() + _spec_step._cache_size()

@@ -13,8 +13,9 @@ Execution of Structured Language Model Programs", NeurIPS 2024):
   speculative decoding every sequence also holds `num_lookahead_slots` KV slots past
   its step's tokens (the draft tree's), and a decode row costs `tokens_per_decode`
   tokens of the budget (the tree's nodes, all scored by the target).
-- micro-batch: at most max_num_seqs sequences and max_num_batched_tokens tokens a
-  step; decode rows (1 token) first, then prefill chunks, first-come-first-served
+- micro-batch: at most max_num_seqs sequences (a request of n samples counts n from its
+  admission) and max_num_batched_tokens tokens a step; decode rows (1 token) first,
+  then prefill chunks, first-come-first-served
   (chunks rounded down to chunk_unit_size) or equal-progress (round-robin units).
 - order of the waiting queue: FCFS, or longest-prefix-match first (falls back to
   FCFS past 128 waiting), deferring a request that would share >= 32 uncached tokens
@@ -256,8 +257,8 @@ def schedule(state: SchedulerState, config: SchedulerConfig, kv: KVView,
     admitted: list[Seq] = []
     if not preempted and not (config.capacity_policy == STATIC_BATCH and active):
         for seq in _order_waiting(state.waiting, config.order, cached):
-            if len(active) >= config.max_num_seqs:
-                break
+            if sum(1 + s.num_forks for s in active) + 1 + seq.num_forks > config.max_num_seqs:
+                break  # its future forks count too: n samples are n sequences (as vLLM counts them)
             if seq.seq_id in blocked:
                 continue
             if seq.lora_id and config.max_loras:

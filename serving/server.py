@@ -343,6 +343,8 @@ def _parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--process-id", type=int, default=0, help="this host's rank: 0 serves HTTP")
     parser.add_argument("--coordinator-address", default=None,
                         help="HOST:PORT of process 0's coordinator (default: from the cluster, e.g. a TPU pod)")
+    parser.add_argument("--precompile", action="store_true",
+                        help="compile every step shape at start-up (LLM(precompile=True)): no compile stalls later")
     parser.add_argument("--compile-cache-dir", default=None,
                         help="where compiled steps persist ('off' disables; default $KVFOLD_COMPILE_CACHE "
                              "or ~/.cache/kvfold/jax)")
@@ -386,7 +388,8 @@ def build(args: argparse.Namespace) -> FastAPI:
               seed=args.seed, dtype=dtype, speculative_config=speculative, enable_lora=args.enable_lora,
               max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
               weights_dtype=args.weights_dtype, tensor_parallel_size=args.tensor_parallel_size,
-              data_parallel_size=args.data_parallel_size, expert_parallel_size=args.expert_parallel_size)
+              data_parallel_size=args.data_parallel_size, expert_parallel_size=args.expert_parallel_size,
+              precompile=args.precompile)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return create_app(llm, args.served_model_name or args.model, api_key, args.max_waiting_requests,
                       args.max_waiting_tokens, args.max_request_body_bytes, lora_modules)

@@ -47,11 +47,14 @@ def ragged_paged_attention_xla(
     kv_format=None,
     max_q_len=None,
     max_chunks=None,
+    differentiable=False,
 ):
     """Same contract as ragged_paged_attention_ref. Without max_q_len (no bound on a
     sequence's query tokens) or for variants without softmax (no running normaliser to
     carry), the dense reference runs instead. max_chunks: static bound on the sequences
-    with more than one query token (None: any)."""
+    with more than one query token (None: any). The block walk stops after the last block
+    a query sees (its cost follows the live context, not the table width) unless
+    differentiable, which walks every block so reverse-mode autodiff works."""
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, variant=variant,
               kv_format=kv_format, max_q_len=max_q_len)
     if max_q_len is None or not variant.uses_softmax:
@@ -63,7 +66,7 @@ def ragged_paged_attention_xla(
     k_pages, v_pages = write_new_kv(k_pages, v_pages, k, v, block_tables, seq, q_pos, kv_format)
     attend = functools.partial(_attend_tiles, q, k_pages, v_pages, block_tables, cu_q_lens, seq,
                                q_pos, sinks, tree, sm_scale=sm_scale, sliding_window=sliding_window,
-                               variant=variant, kv_format=kv_format)
+                               variant=variant, kv_format=kv_format, live_blocks_only=not differentiable)
     if max_q_len == 1:  # decode only: one query per tile
         return (*attend(cu_q_lens, 1, num_tokens), k_pages, v_pages)
     # Rows of one token get tiles of one; chunks get tiles of block_q (at most max_chunks rows)
@@ -81,7 +84,7 @@ def ragged_paged_attention_xla(
 
 
 def _attend_tiles(q, k_pages, v_pages, block_tables, cu_q_lens, seq, q_pos, sinks, tree, tile_cu,
-                  block_q, num_tiles, *, sm_scale, sliding_window, variant, kv_format):
+                  block_q, num_tiles, *, sm_scale, sliding_window, variant, kv_format, live_blocks_only):
     """Attention of the query tokens of the sequences that tile_cu (cu_q_lens with the
     other sequences' lengths set to 0) keeps, in at most num_tiles tiles of block_q tokens
     of one sequence; (out, lse) over all tokens, 0 / -inf for tokens it does not keep."""
@@ -95,5 +98,5 @@ def _attend_tiles(q, k_pages, v_pages, block_tables, cu_q_lens, seq, q_pos, sink
     tok = jnp.minimum(cu_q_lens[s_of][:, None] + tile_start[:, None] + rows, num_tokens - 1)
     out, lse = attend_tiles(q, k_pages, v_pages, block_tables, s_of, tok, live, q_pos, seq, sinks, tree,
                             sm_scale=sm_scale, sliding_window=sliding_window, variant=variant,
-                            kv_format=kv_format)
+                            kv_format=kv_format, live_blocks_only=live_blocks_only)
     return out.astype(q.dtype), lse

@@ -276,6 +276,31 @@ def test_blocked_xla_path_matches_the_reference(max_q_len, max_chunks, window, w
     _assert_pages(got[2], got[3], args)
 
 
+def test_blocked_xla_path_walks_only_the_blocks_its_queries_see():
+    """A block table 40 pages wide whose entries past the first block of 8 pages (64
+    positions; the longest sequence holds 17) name a page of NaNs: the serving path never
+    reads it (outputs and pages as the dense reference's over the 3-page tables), while
+    the differentiable walk over every block does (0 * NaN), so the stop is what keeps it out."""
+    from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
+
+    args, _ = _mixed_batch(7, max_pages=3)
+    q, k, v, k_pages, v_pages, table, cu, kv_lens = args
+    nan = lambda pages: jnp.concatenate([jnp.full_like(pages[:1], jnp.nan), pages])  # page 0: NaN
+    wide = np.zeros((table.shape[0], 40), np.int32)  # past the first block: the NaN page
+    wide[:, :3] = np.asarray(table) + 1
+    wide[:, 3:8] = 10**6  # inside the first block: garbage, clamped to a finite page and masked
+    wide_args = (q, k, v, nan(k_pages), nan(v_pages), jnp.asarray(wide), cu, kv_lens)
+    want = _ref(*args)
+    got = ragged_paged_attention(*wide_args, max_q_len=8, max_chunks=2)
+    for g, w in zip(got[:2], want[:2]):
+        assert_close(g, w)
+    for g, w in zip(got[2:], want[2:]):
+        np.testing.assert_array_equal(np.asarray(g)[1:], np.asarray(w))
+    every_block = ragged_paged_attention_xla(*wide_args, sm_scale=q.shape[-1] ** -0.5, max_q_len=8, max_chunks=2,
+                                             differentiable=True)
+    assert np.isnan(np.asarray(every_block[0])).any()
+
+
 def _tree_batch(seed, page_size=PAGE_SIZE, root=9, decode_len=20):
     """Sequence 0 verifies a branching 6-node tree rooted at position `root` (slots 9..14
     by default); sequence 1 is a plain 5-token chunk; sequence 2 a decode row at

@@ -55,16 +55,41 @@ def test_greedy_identical_alone_batched_preempted_and_after_prefix_hit(make_llm)
     assert ids(again) == alone
 
 
-def test_warm_engine_never_recompiles(make_llm):
-    """Steps are bucketed by packed tokens, rows, longest row and table width: once a
-    workload's buckets have been seen, other prompts that fall in them compile nothing."""
-    llm = make_llm()
-    llm.generate(prompts(3, length=17, seed=1), GREEDY)
-    llm.generate(prompts(2, length=17, seed=4), GREEDY)
-    warm = llm.runner.num_compilations()
-    llm.generate(prompts(3, length=18, seed=2), GREEDY)  # same buckets, different content
-    llm.generate(prompts(2, length=19, seed=3), GREEDY)
-    assert llm.runner.num_compilations() == warm
+def test_precompiled_engine_compiles_nothing_while_serving(make_llm):
+    """LLM(precompile=True) compiles every step shape at start-up (ModelRunner.buckets)
+    and the page copies and swaps: a mixed workload after it — chunked prefill, decode,
+    swap preemption, prefix hits, n > 1 (forks, copy-on-write), greedy and sampled, every
+    sequence count — compiles nothing at all (counted by jax's compile events). A request
+    of more samples than max_num_seqs is refused (it could never run)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def counting():
+        events = []
+        listener = lambda name, secs, **kw: events.append(name) if name.endswith("backend_compile_duration") else None
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            yield events
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+
+    with counting() as startup:
+        llm = make_llm(precompile=True, num_kv_blocks=9, preemption_mode="swap")
+    assert len(startup) >= len(llm.runner.buckets(64)) == 9
+    rng = np.random.default_rng(0)
+    ps = [{"prompt_token_ids": rng.integers(3, 49152, n).tolist()} for n in (5, 20, 70, 33)]
+    hit = {"prompt_token_ids": ps[2]["prompt_token_ids"][:40] + [7, 8]}
+    with counting() as serving:
+        greedy = llm.generate(ps, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        assert llm.engine.num_preemptions > 0  # 9 pages of 16 tokens do not hold all four
+        llm.generate(ps[2], GREEDY)
+        sampled = llm.generate([hit, ps[0]], SamplingParams(temperature=0.8, n=3, max_tokens=10, seed=1,
+                                                            ignore_eos=True))
+    assert serving == []
+    assert sampled[0].num_cached_tokens == 32 and all(len(o.outputs) == 3 for o in sampled)
+    assert ids(greedy)[1][:12] == ids(make_llm(enable_prefix_caching=False).generate(ps[1], GREEDY))[0]
+    with pytest.raises(ValueError, match="n=5 samples are more sequences than max_num_seqs=4"):
+        llm.generate(ps[0], SamplingParams(n=5))
 
 
 def test_update_weights_follows_the_new_weights_without_recompiling(make_llm, tiny_model,
@@ -102,30 +127,25 @@ def test_update_weights_follows_the_new_weights_without_recompiling(make_llm, ti
     assert llm.runner.params["embed"].dtype == jnp.float32
 
 
-def test_step_block_tables_follow_the_live_context(make_llm):
-    """A step's block tables are cut to the bucketed live page count, not max_model_len,
-    and the cut changes no token: full tables, the default cut and a one-page minimum agree."""
+def test_step_shapes_are_few_and_tables_full_width(make_llm):
+    """A step's shape depends on its rows' token counts only through a few buckets
+    (ModelRunner.shape): decode-only steps by row count, steps with chunks by token
+    count and one-or-several chunks, rows padded to max_num_seqs; block tables are always
+    max_model_len wide (attention stops at the live pages, tests/pallas_kernels)."""
     from serving.engine import Row
-    from serving.runner import live_pages
 
-    outputs = []
-    for min_width in (32, None, 1):  # 32 pages = max_model_len 512: no cut
-        llm = make_llm(max_model_len=512)
-        if min_width is not None:
-            llm.runner.min_table_width = min_width
-        outputs.append(ids(llm.generate(prompts(3, length=20, seed=4), GREEDY)))
-    assert outputs[0] == outputs[1] == outputs[2]
-    runner = llm.runner  # min width 1
+    runner = make_llm(max_model_len=512).runner  # max_num_seqs 4, max_num_batched_tokens 64
+    assert runner.shape([1]) == (1, 1, 1, 0) and runner.shape([1, 1, 1]) == (4, 4, 1, 0)
+    assert runner.shape([20]) == (32, 4, 32, 1) and runner.shape([3]) == (16, 4, 16, 1)
+    assert runner.shape([20, 1, 1]) == (32, 4, 32, 1) and runner.shape([20, 9, 1]) == (32, 4, 32, 4)
+    assert list(runner.buckets(64)) == [(1, 1, 1, 0), (2, 2, 1, 0), (4, 4, 1, 0), (16, 4, 16, 1), (16, 4, 16, 4),
+                                        (32, 4, 32, 1), (32, 4, 32, 4), (64, 4, 64, 1), (64, 4, 64, 4)]
+    for shape, lens in runner.buckets(64).items():
+        assert runner.shape(lens) == shape and sum(lens) <= 64 and len(lens) <= 4
     table = list(range(100, 132))
-    rows = [Row([1] * 20, 0, table, sample=True), Row([1], 40, table, sample=True),
-            Row([1], 7, table[:1], sample=True)]
-    tables = np.asarray(runner._tables(rows, 4))
-    assert tables.shape == (4, 4)  # position 40 is on page 3: 3 live pages -> bucket 4
-    assert tables[:2].tolist() == [table[:4]] * 2 and tables[2].tolist() == [100, 0, 0, 0]
-    # speculation: the target's tree and the draft's next one sit in the lookahead slots
-    assert live_pages(Row([1], 40, table, sample=True), 16, lookahead=29) == 5  # slots ..69
-    runner.min_table_width = 16
-    assert np.asarray(runner._tables(rows, 4)).shape == (4, 16)
+    rows = [Row([1] * 20, 0, table, sample=True), Row([1], 40, table[:3], sample=True)]
+    tables = np.asarray(runner.step_batch(rows).block_tables)
+    assert tables.shape == (4, 32) and tables[0].tolist() == table and tables[1, :4].tolist() == [100, 101, 102, 0]
 
 
 def test_abort_frees_pages_immediately(make_llm):

@@ -75,19 +75,19 @@ def test_greedy_speculation_equals_plain_greedy(make_llm, spec_llm):
     spec_llm.engine.kv.check()  # every page of the rejected branches came back
 
 
-def test_speculation_over_block_tables_cut_to_the_live_pages(make_llm):
-    """With one-page table buckets, verify rows (whose tree slots reach past the sequence's
-    last token), KV compaction, the draft's catch-up and its tree growth (in slots past the
-    root) read cut tables: output still lossless, and every draft tree equal to the one
-    grown over full-width tables."""
+def test_speculation_reads_the_same_pages_through_wide_tables(make_llm):
+    """Attention walks a block table only as far as its queries see, and verify rows
+    reach past the sequence's last token (tree slots), as do KV compaction, the draft's
+    catch-up and its tree growth: over tables 2.5x wider (max_model_len 256 against 96, in
+    4-token pages: 9 blocks of 8 pages against 4), the output is still lossless and every
+    draft tree equals the one grown over the narrow tables."""
     rng = np.random.default_rng(1)
     requests = [{"prompt_token_ids": rng.integers(0, VOCAB, n).tolist()} for n in (14, 30)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in make_llm(speculative=False).generate(requests, params)]
     trees = []
-    for min_width in (1, 64):  # 64 pages: never cut
-        spec = make_llm()
-        spec.runner.min_table_width = min_width
+    for max_model_len in (96, 256):
+        spec = make_llm(max_model_len=max_model_len, block_size=4, num_kv_blocks=48)
         grown, execute = [], spec.runner.execute
 
         def recording(rows, execute=execute, grown=grown):
