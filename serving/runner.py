@@ -484,11 +484,11 @@ class ModelRunner:
 
     def precompile(self, max_num_batched_tokens: int, swap: bool = False,
                    progress: bool = True) -> list[tuple[tuple, float]]:
-        """Compile (and run once, on rows that write nothing) every step shape this runner
-        can meet (`buckets`), then the page copies of copy-on-write for up to max_num_seqs
-        pairs and, with swap, the page reads and writes of swapping for up to every page;
-        returns each step bucket with its seconds. Steps asking for logprobs, prompt
-        logprobs or penalties are variants compiled on first use."""
+        """Compile every step shape this runner can meet (`buckets`, ahead of time: nothing
+        runs), then the page copies of copy-on-write for up to max_num_seqs pairs and, with
+        swap, the page reads and writes of swapping for up to every page; returns each step
+        bucket with its seconds. Steps asking for logprobs, prompt logprobs or penalties
+        are variants compiled on first use."""
         if self.draft is not None:
             raise ValueError("precompile does not cover speculative decoding yet")
         times = []
@@ -496,13 +496,9 @@ class ModelRunner:
         bar = tqdm.tqdm(shapes.items(), desc="compiling steps", unit="shape", disable=not progress)
         for (n, s, max_q_len, max_chunks), lens in bar:
             batch = self.step_batch([Row(tuple([0] * k), 0, (0,), sample=True) for k in lens], {})
-            empty = dataclasses.replace(  # every token padding: nothing written, nothing read
-                batch, positions=jnp.full_like(batch.positions, -1), cu_q_lens=jnp.zeros_like(batch.cu_q_lens),
-                kv_lens=jnp.zeros_like(batch.kv_lens))
-            start = time.perf_counter()
-            next_tokens, _, _, self.pool = _step(self.params, self.config, self.page_size, self.pool, empty,
-                                                 False, False, self.lora.stacks if self.lora else None, self.mesh)
-            jax.block_until_ready(next_tokens)
+            start = time.perf_counter()  # compiled ahead of time: the first real call reuses it
+            _step.lower(self.params, self.config, self.page_size, self.pool, batch, False, False,
+                        self.lora.stacks if self.lora else None, self.mesh).compile()
             times.append(((n, s, max_q_len, max_chunks), time.perf_counter() - start))
             if progress:
                 kind = "decode" if max_q_len == 1 else "one chunk" if max_chunks == 1 else "several chunks"
