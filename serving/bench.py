@@ -224,7 +224,7 @@ def _decode_rate(llm, prompt: list[int], batch: int, new_tokens: int) -> float:
     """Decode tokens/s of `batch` copies of `prompt` (prefill excluded).
 
     One request first fills the prefix cache with the prompt (one prefill, not `batch`);
-    a warm-up batch then compiles the decode steps at every table width the run crosses;
+    a warm-up batch then compiles the decode steps the run meets;
     the timed batch starts from the cached prefix and is timed from its first token on.
     """
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
