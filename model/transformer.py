@@ -45,7 +45,8 @@ from model.layers import attention_block, mlp, rms_norm
 from model.lora import linear, projection_shapes
 from model.moe import init_params as moe_params, moe
 from model.rope import rope_tables
-from model.sharding import AXES, EXPERT, check_expert_parallel, check_tensor_parallel, kv_shardings, tensor_parallel_size
+from model.sharding import (AXES, EXPERT, check_expert_parallel, check_tensor_parallel, kv_shardings,
+                            tensor_parallel_size)
 from quant.packed import PackedWeight
 from pallas_kernels.validate import check_block_tables
 

@@ -3,8 +3,9 @@ the same model, every weight's split, and, on 8 simulated CPU devices (a subproc
 XLA_FLAGS must be set before jax starts), sharded logits and greedy output equal one device:
 the default model at tp = 3 (its 9 query and 3 KV heads), tp = 3 x dp = 2 and dp = 2, a tiny
 Qwen3 at tp = 2 and 4, Qwen3-MoE and gpt-oss over 4 devices with each expert split 4 ways and
-with whole experts per device (expert parallelism, both token exchanges), an 8-head model at tp = 8 (KV heads repeated) and at dp = 2, with the weights
-and the pool really split, and requests routed to the rank holding their prefix."""
+with whole experts per device (expert parallelism, both token exchanges), an 8-head model at
+tp = 8 (KV heads repeated) and at dp = 2, with the weights and the pool really split, and
+requests routed to the rank holding their prefix."""
 
 import dataclasses
 import os
@@ -184,7 +185,8 @@ for name in ("tiny_qwen3_moe", "tiny_gpt_oss"):
     hidden = config.moe_intermediate_size or config.intermediate_size
     for ep in (1, 4):
         sharded = check_forward(config, params, tokens, 4, name, ep)
-        assert shard_shape(sharded["layers"][layer]["experts_down"])[:2] == (config.num_experts // ep, hidden // (4 // ep))
+        down = sharded["layers"][layer]["experts_down"]
+        assert shard_shape(down)[:2] == (config.num_experts // ep, hidden // (4 // ep))
     x = model.transformer.embed(params, tokens, config).reshape(-1, config.hidden_size)[:13]  # 13: not a multiple of ep
     ref = moe.moe(params["layers"][layer], config, x)
     mesh = model.make_mesh(4, expert_parallel_size=2)  # 2 groups of 2 experts, each split 2 ways

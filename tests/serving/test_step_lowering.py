@@ -155,7 +155,8 @@ def test_expert_parallel_moe_exchanges_tokens_by_ragged_all_to_all(platform):
               jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu"))
     mesh = jax.sharding.AbstractMesh((1, 2, 2), AXES, abstract_device=device)
     specs = param_specs({"layers": [layer]}, config, 4)["layers"][0]
-    args = [{n: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, specs[n])) for n, a in layer.items()},
+    placed = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s))
+    args = [{n: placed(a, specs[n]) for n, a in layer.items()},
             jax.ShapeDtypeStruct((16, config.hidden_size), jax.numpy.float32, sharding=NamedSharding(mesh, P()))]
     with jax.sharding.use_abstract_mesh(mesh):
         exported = export.export(jax.jit(lambda p, x: moe.moe(p, config, x, mesh)), platforms=[platform],
