@@ -32,11 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import ATTENTION, ModelConfig, RopeScaling
-from model.context import TokenTree
+from model.context import RaggedLayout, TokenTree
 from model.kv_cache import KVCache
 from model.layers import attention_block, mlp, rms_norm
 from model.rope import apply_rope, rope_tables
-from model.transformer import forward_context, head_weight, init_cache
+from model.transformer import forward_context, head_weight, init_cache, packed_context
 from quant.packed import PackedWeight
 from quant import linear
 
@@ -198,17 +198,22 @@ def init_draft_cache(config: Eagle3Config, batch_size: int, max_len: int, dtype=
 
 
 def draft_apply(params: dict, config: Eagle3Config, hidden: jnp.ndarray, tokens: jnp.ndarray,
-                positions: jnp.ndarray, cache: KVCache, tree: TokenTree | None = None
-                ) -> tuple[jnp.ndarray, jnp.ndarray, KVCache]:
+                positions: jnp.ndarray, cache: KVCache, tree: TokenTree | None = None,
+                layout: RaggedLayout | None = None) -> tuple[jnp.ndarray, jnp.ndarray, KVCache]:
     """`draft_forward` unjitted, for callers that fuse it into a larger step (serving).
 
     tree: the rows are draft-tree nodes (model/context.py TokenTree): `positions` are their
     KV slots and the tree gives their RoPE positions and which nodes each one sees.
+    layout: the tokens are packed as a serving step packs them (hidden [N, H], tokens and
+    positions [N]; model/context.py RaggedLayout, as `model.forward_packed` reads it).
     """
     x = layer_input(params, config, hidden, tokens)
-    ctx = forward_context(config.target, positions, cache, tree)
+    if layout is None:
+        ctx = forward_context(config.target, positions, cache, tree)
+    else:
+        ctx, x = packed_context(config.target, positions, cache, layout), x[None]
     attn, layer_cache = attention_block(params["layer"], config.target, x, cache.layers[0], ctx, None)
-    out = layer_output(params, config, hidden, attn)
+    out = layer_output(params, config, hidden, attn if layout is None else attn[0])
     return (draft_logits(params, config, out), out,
             KVCache([layer_cache], cache.block_tables, cache.page_size))
 

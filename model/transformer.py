@@ -292,12 +292,18 @@ def forward_packed(params: dict, config: ModelConfig, tokens: jnp.ndarray, posit
     if any(isinstance(layer, KVPages) and isinstance(get_format(layer.kv_cache_dtype), KiviCodec)
            for layer in cache.layers):
         raise ValueError("packed steps cannot use KIVI pages (their newest page is kept per batch row)")
-    ctx = ForwardContext(positions=positions[None], rope=rope_tables(config, positions[None]),
-                         block_tables=cache.block_tables, slots=None, page_size=cache.page_size,
-                         layout=layout, rope_local=_rope_local(config, positions[None]), mesh=mesh)
     hidden, layers, captured = _run_layers(params, config, embed(params, tokens, config)[None], cache.layers,
-                                           ctx, capture_layers)
+                                           packed_context(config, positions, cache, layout, mesh), capture_layers)
     return hidden[0], KVCache(layers, cache.block_tables, cache.page_size), tuple(c[0] for c in captured)
+
+
+def packed_context(config: ModelConfig, positions: jnp.ndarray, cache: KVCache, layout: RaggedLayout,
+                   mesh=None) -> ForwardContext:
+    """The context of a packed step (forward_packed): positions [N] are RoPE positions,
+    every token's KV slot and visibility come from `layout`; layers see one row [1, N]."""
+    return ForwardContext(positions=positions[None], rope=rope_tables(config, positions[None]),
+                          block_tables=cache.block_tables, slots=None, page_size=cache.page_size,
+                          layout=layout, rope_local=_rope_local(config, positions[None]), mesh=mesh)
 
 
 def embed(params: dict, tokens: jnp.ndarray, config: ModelConfig) -> jnp.ndarray:

@@ -155,8 +155,8 @@ class LLM:
         if multihost and (dp > 1 or preemption_mode != RECOMPUTE):
             raise ValueError("across hosts, data_parallel_size must be 1 and preemption_mode 'recompute'")
         draft = _drafter(speculative_config, config, dtype)
-        if check_bool("precompile", precompile) and (draft is not None or multihost):
-            raise ValueError("precompile does not cover speculative decoding or several hosts yet")
+        if check_bool("precompile", precompile) and multihost:
+            raise ValueError("precompile does not cover several hosts yet")
         lora = None
         if check_bool("enable_lora", enable_lora):
             if draft is not None:

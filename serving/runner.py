@@ -18,13 +18,14 @@ The pool is a dict of named KV groups: "target" (the model's layers) and, with a
 EAGLE-3 draft (speculative decoding), "draft" (its one layer), addressed by the same
 block tables, so prefix caching, copy-on-write and swapping carry the draft's KV along.
 With a draft every chunk also runs the draft over its positions and grows a draft tree
-from its last one; a sequence that has a tree is
-verified instead of decoded: the target scores the whole tree in one pass, the
-accepted nodes' KV moves into place, the draft catches up on them and grows the
-next tree (EAGLE-3; serving/speculative.py). A speculative step is one call too
-(`_spec_step`), whose prefill, decode and verify parts are still separate [rows, tokens]
-blocks (not packed), each through the same ragged attention (verify rows and the draft's
-tree growth pass their trees as ancestor bits).
+from its last one; a sequence that has a tree is verified instead of decoded: the target
+scores the whole tree in one pass, the accepted nodes' KV moves into place, the draft
+catches up on them and grows the next tree (EAGLE-3; serving/speculative.py). A
+speculative step is the same packed StepBatch plus a TreeBatch: a verify row owns its
+tree's n nodes as packed tokens (ancestor bits given as data, inside the kernel), and
+one call, `_spec_step`, runs the target over every row, the draft over the same packed
+tokens and the tree growth; its shapes are as few (a step without chunks has S * n
+tokens), so `LLM(precompile=True)` covers speculative engines too.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +45,8 @@ import model
 from model import eagle3
 from model import lora as model_lora
 from model.kv_cache import KVCache
-from model.transformer import forward_hidden, lm_head
+from model.transformer import lm_head
+from pallas_kernels.tree_mask import TreeMask, pack_mask
 from serving.draft_tree import DraftTree, TreeSpec
 from serving.engine import Row, RowResult
 from serving.lora import LoRAManager
@@ -63,11 +66,27 @@ class Drafter:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["start", "parents", "scores", "node_masks", "next_known"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class TreeBatch:
+    """What speculative decoding adds to a StepBatch. A verify row owns n packed tokens,
+    its draft tree's nodes in order (node 0, the root, first), at KV slots start ..
+    start + n - 1 (StepBatch.positions holds those slots; node j is rotated to position
+    start + depth(j) and sees its ancestors only, from the parents, inside the kernel)."""
+
+    start: jax.Array  # int32 [S]: each verify row's root slot, -1 for rows without a tree
+    parents: jax.Array  # int32 [S, n]: each node's parent (-1 for the root)
+    scores: jax.Array  # float32 [S, n]: the draft's path scores (sampled verification reads them)
+    node_masks: jax.Array  # int32 [S, n, ceil(V / 32)]: structured outputs' mask after each node's path
+    next_known: jax.Array  # int32 [S]: the prompt token after a chunk that does not sample (-1: sampled)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["tokens", "positions", "cu_q_lens", "kv_lens", "block_tables",
                                 "logits_indices", "seeds", "counters", "temperature", "top_k",
                                 "top_p", "min_p", "targets", "token_masks", "constrained",
                                 "adjust_ids", "adjust_counts", "adjust_seen", "adjust_bias",
-                                "penalties", "lora_slots"],
+                                "penalties", "lora_slots", "tree"],
                    meta_fields=["max_q_len", "max_chunks"])
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
@@ -75,6 +94,7 @@ class StepBatch:
 
     N is the bucketed token count, S the bucketed row count; rows past the real ones
     have no tokens (q_len 0, kv_len 0) and tokens past cu_q_lens[-1] are padding.
+    `shape` gives (N, S, max_q_len, max_chunks).
     """
 
     tokens: jax.Array  # int32 [N]: every row's new tokens, row after row
@@ -102,11 +122,22 @@ class StepBatch:
     lora_slots: jax.Array  # int32 [N]: each token's LoRA adapter slot (-1: the base model)
     max_q_len: int  # static: bucketed longest row (1 for a decode-only step)
     max_chunks: int  # static: bucketed count of rows with more than one token (0 if none)
+    tree: TreeBatch | None = None  # speculative decoding's verify rows and draft inputs
 
     @property
     def layout(self) -> model.RaggedLayout:
         return model.RaggedLayout(self.cu_q_lens, self.kv_lens, None, None, None, self.max_q_len,
                                   self.max_chunks)
+
+
+class StepShape(typing.NamedTuple):
+    """What a step compiles for (ModelRunner.shape): tokens N, rows S and the static
+    max_q_len and max_chunks."""
+
+    tokens: int
+    rows: int
+    max_q_len: int
+    max_chunks: int
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -177,110 +208,88 @@ def _logprob_entry(extra, *index) -> tuple[float, dict[int, float]]:
     return float(chosen[index]), {int(k): float(v) for k, v in zip(top_ids[index], top_vals[index])}
 
 
-def _draft_and_grow(draft: Drafter, pool, block_tables, page_size, features, tokens, positions,
-                    root_row, root_tokens):
-    """Run the draft over rows (row at position p reads target feature p and token p + 1,
-    writing its K/V into the pool's draft layer), then grow a tree from row root_row [B]
-    whose root token is root_tokens [B]. Returns (tree, draft layers)."""
-    rows = jnp.arange(tokens.shape[0])
-    logits, hidden, cache = eagle3.draft_apply(draft.params, draft.config, features, tokens, positions,
-                                               KVCache(pool["draft"], block_tables, page_size))
+@functools.partial(jax.jit, static_argnames=("config", "page_size", "draft_config", "spec",
+                                             "want_logprobs", "want_prompt_logprobs"),
+                   donate_argnames=("pool",))
+def _spec_step(params, config, page_size, draft_params, draft_config, spec, pool, batch: StepBatch,
+               want_logprobs, want_prompt_logprobs):
+    """One speculative engine step over a packed StepBatch with a TreeBatch: prefill
+    chunks, decode rows and verify rows (a draft tree's n nodes each) in one target pass.
+
+    Chunk and decode rows sample after their last token, as `_step`; verify rows score
+    their trees (ancestor bits, inside the attention kernel), accept a path and move its
+    K/V into place. One draft pass over the same packed tokens then catches the draft up
+    (a token at position p reads target feature p and the token at p + 1: a chunk's own
+    next token, then the sample; a verify row's root and accepted nodes, then the bonus,
+    at offsets 0 .. accepted), and a tree grows from each row's last real token. A verify
+    row's draft offsets past the accepted ones write K/V past the sequence's end, where
+    nothing reads before it is rewritten (like rejected branches).
+    Returns (sampled [S], logprob extras, prompt logprob extras, (accepted [S, depth],
+    count [S], bonus [S], their logprob extras [S, depth + 1]), next trees, pool)."""
+    draft, tb = Drafter(draft_config, draft_params, spec), batch.tree
+    num_tokens, s = batch.tokens.shape[0], batch.kv_lens.shape[0]
+    rows = jnp.arange(s)
+    verify = tb.start >= 0
+    # node j of verify row s is packed token cu_q_lens[s] + j (num_tokens: not a node)
+    node_index = jnp.minimum(batch.cu_q_lens[:-1, None] + jnp.arange(spec.num_tokens), num_tokens - 1)
+    scatter_to = jnp.where(verify[:, None], node_index, num_tokens)
+    depth, ancestors = tree_masks(tb.parents)
+    bits = jnp.zeros((num_tokens, -(-spec.num_tokens // 32)), jnp.int32).at[scatter_to].set(
+        pack_mask(ancestors), mode="drop")
+    rope_positions = batch.positions.at[scatter_to].set(tb.start[:, None] + depth, mode="drop")
+    tree = TreeMask(jnp.where(verify, tb.start, batch.kv_lens), bits)
+    layout = dataclasses.replace(batch.layout, tree=tree)
+    hidden, cache, captured = model.forward_packed(
+        params, config, batch.tokens, rope_positions, KVCache(pool["target"], batch.block_tables, page_size),
+        layout, draft.config.target_layer_ids)
+    features = eagle3.fuse_features(draft.params, jnp.concatenate(captured, -1))
+    layers = cache.layers
+
+    logits = lm_head(params, config, hidden[batch.logits_indices])
+    keys = row_keys(batch.seeds, batch.counters)
+    sampled = sample(apply_token_masks(logits, batch.token_masks, batch.constrained), keys,
+                     batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+    extra = _logprobs(logits, sampled) if want_logprobs else ()
+    prompt_extra = (_logprobs(lm_head(params, config, hidden), jnp.maximum(batch.targets, 0))
+                    if want_prompt_logprobs else ())
+    # the draft reads, at each packed token, the token that follows it
+    row_of = jnp.clip(jnp.searchsorted(batch.cu_q_lens, jnp.arange(num_tokens), side="right") - 1, 0, s - 1)
+    last = jnp.arange(num_tokens) == batch.cu_q_lens[row_of + 1] - 1
+    following = jnp.where(tb.next_known >= 0, tb.next_known, sampled)
+    draft_tokens = jnp.where(last, following[row_of], jnp.roll(batch.tokens, -1))
+    # verify rows score their trees (every step does, even without any: S * n logits rows
+    # for nothing then, the price of one shape per bucket instead of two)
+    node_tokens = batch.tokens[node_index]
+    node_logits = lm_head(params, config, hidden[node_index])
+    # one mask row per tree node: the grammar's state after the path to it
+    probs = processed_probs(apply_token_masks(node_logits, tb.node_masks, batch.constrained),
+                            batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+    path, count, bonus = verify_trees(probs, node_tokens, tb.parents, tb.scores, keys, spec)
+    layers = compact_kv(layers, batch.block_tables, page_size, tb.start, path, count)
+    # the draft catches up on the root and the accepted nodes, then reads the bonus
+    steps = jnp.arange(spec.depth + 1)[None]
+    nodes = jnp.concatenate([jnp.zeros((s, 1), jnp.int32), path], axis=1)
+    accepted = node_tokens[rows[:, None], path]
+    catch_up = jnp.where(steps < count[:, None], jnp.pad(accepted, ((0, 0), (0, 1))), bonus[:, None])
+    to = scatter_to[:, :spec.depth + 1]
+    draft_tokens = draft_tokens.at[to].set(catch_up, mode="drop")
+    features = features.at[to].set(features[node_index[rows[:, None], nodes]], mode="drop")
+    root_index = jnp.where(verify, batch.cu_q_lens[:-1] + count, batch.logits_indices)
+    root_tokens = jnp.where(verify, bonus, sampled)
+    verified = (accepted, count, bonus,
+                _logprobs(node_logits[rows[:, None], nodes], catch_up) if want_logprobs else ())
+    draft_layout = dataclasses.replace(batch.layout, tree=None)
+    dlogits, dhidden, dcache = eagle3.draft_apply(draft.params, draft.config, features, draft_tokens,
+                                                  batch.positions, KVCache(pool["draft"], batch.block_tables,
+                                                                           page_size), layout=draft_layout)
+
+    live = batch.cu_q_lens[1:] > batch.cu_q_lens[:-1]
 
     def draft_step(dc, hidden, tokens, slots, tree):
         return eagle3.draft_apply(draft.params, draft.config, hidden, tokens, slots, dc, tree)
-    tree, cache = grow_trees(draft_step, cache, logits[rows, root_row], hidden[rows, root_row],
-                             root_tokens, positions[rows, root_row], draft.params["d2t"], draft.spec)
-    return tree, cache.layers
-
-
-def _target(params, config, draft: Drafter, pool, block_tables, page_size, tokens, positions,
-            tree=None):
-    """Target forward over the pool's target layers: (hidden, fused draft features, layers)."""
-    cache = KVCache(pool["target"], block_tables, page_size)
-    hidden, cache, captured = forward_hidden(params, config, tokens, positions, cache,
-                                             draft.config.target_layer_ids, tree)
-    return hidden, eagle3.fuse_features(draft.params, jnp.concatenate(captured, -1)), cache.layers
-
-
-def _chunk_part(params, config, page_size, draft: Drafter, pool, block_tables, tokens, positions,
-                last_index, next_known, seeds, counters, temperature, top_k, top_p, min_p,
-                token_masks, constrained, want_logprobs, want_prompt_logprobs):
-    """A chunk (prefill or plain decode) plus the draft over its positions and a new tree.
-
-    The draft's row at position p reads token p + 1: the chunk's next token, then at the
-    chunk's last position `next_known` (a prompt token) or, where it is -1, the sample.
-    """
-    hidden, features, layers = _target(params, config, draft, pool, block_tables, page_size,
-                                       tokens, positions)
-    rows = jnp.arange(tokens.shape[0])
-    logits = lm_head(params, config, hidden[rows, last_index])
-    sampled = sample(apply_token_masks(logits, token_masks, constrained), row_keys(seeds, counters),
-                     temperature, top_k, top_p, min_p)
-    following = jnp.where(next_known >= 0, next_known, sampled)
-    draft_tokens = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1).at[rows, last_index].set(following)
-    tree, draft_layers = _draft_and_grow(draft, pool, block_tables, page_size, features, draft_tokens,
-                                         positions, last_index, sampled)
-    extra = _logprobs(logits, sampled) if want_logprobs else ()
-    # prompt logprobs score draft_tokens (the next token at each position); the engine
-    # keeps only those that are prompt tokens
-    prompt_extra = (_logprobs(lm_head(params, config, hidden), draft_tokens)
-                    if want_prompt_logprobs else ())
-    return sampled, extra, prompt_extra, tree, {"target": layers, "draft": draft_layers}
-
-
-def _verify_part(params, config, page_size, draft: Drafter, pool, block_tables, tree_tokens,
-                 tree_parents, tree_scores, start, seeds, counters, temperature, top_k, top_p, min_p,
-                 token_masks, constrained, want_logprobs):
-    """Score each row's draft tree (root at position `start`, -1 for padding rows), accept
-    a path, move its KV into place, catch the draft up and grow the next tree."""
-    spec = draft.spec
-    b, n = tree_tokens.shape
-    rows = jnp.arange(b)[:, None]
-    depth, ancestors = tree_masks(tree_parents)
-    live = start[:, None] >= 0
-    tree = model.TokenTree(start[:, None] + depth, start, ancestors)
-    positions = jnp.where(live, start[:, None] + jnp.arange(n), -1)
-    hidden, features, layers = _target(params, config, draft, pool, block_tables, page_size,
-                                       tree_tokens, positions, tree)
-    logits = lm_head(params, config, hidden)
-    # one mask row per tree node: the grammar's state after the path to it
-    probs = processed_probs(apply_token_masks(logits, token_masks, constrained), temperature, top_k, top_p,
-                            min_p)
-    path, count, bonus = verify_trees(probs, tree_tokens, tree_parents, tree_scores,
-                                      row_keys(seeds, counters), spec)
-    layers = compact_kv(layers, block_tables, page_size, start, path, count)
-    # The draft catches up on the root and the accepted nodes (row i reads token i + 1).
-    steps = jnp.arange(spec.depth + 1)[None]
-    nodes = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), path], axis=1)
-    accepted = tree_tokens[rows, path]
-    # emitted tokens: the accepted drafts, then the bonus (row i of the draft reads token i + 1)
-    draft_tokens = jnp.where(steps < count[:, None], jnp.pad(accepted, ((0, 0), (0, 1))), bonus[:, None])
-    draft_positions = jnp.where(live & (steps <= count[:, None]), start[:, None] + steps, -1)
-    new_tree, draft_layers = _draft_and_grow(draft, pool, block_tables, page_size, features[rows, nodes],
-                                             draft_tokens, draft_positions, count, bonus)
-    extra = _logprobs(logits[rows, nodes], draft_tokens) if want_logprobs else ()
-    return accepted, count, bonus, extra, new_tree, {"target": layers, "draft": draft_layers}
-
-
-@functools.partial(jax.jit, static_argnames=("config", "page_size", "draft_config", "spec",
-                                             "want_logprobs", "prompt_logprobs_parts"),
-                   donate_argnames=("pool",))
-def _spec_step(params, config, page_size, draft_params, draft_config, spec, pool, parts,
-               want_logprobs, prompt_logprobs_parts):
-    """One speculative engine step, one device call: parts maps "prefill", "decode" and
-    "verify" (each present only when the step has such rows) to their padded inputs;
-    the parts named in prompt_logprobs_parts also score their prompt tokens. Returns ({part: results without the pool}, pool)."""
-    draft = Drafter(draft_config, draft_params, spec)
-    results = {}
-    for name in ("prefill", "decode", "verify"):
-        if name in parts:
-            if name == "verify":  # a verify row holds no prompt tokens
-                *results[name], pool = _verify_part(params, config, page_size, draft, pool, *parts[name],
-                                                    want_logprobs)
-            else:
-                *results[name], pool = _chunk_part(params, config, page_size, draft, pool, *parts[name],
-                                                   want_logprobs, name in prompt_logprobs_parts)
-    return results, pool
+    next_trees, dcache = grow_trees(draft_step, dcache, dlogits[root_index], dhidden[root_index], root_tokens,
+                                    jnp.where(live, batch.positions[root_index], -1), draft.params["d2t"], spec)
+    return sampled, extra, prompt_extra, verified, next_trees, {"target": layers, "draft": dcache.layers}
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
@@ -330,29 +339,23 @@ class ModelRunner:
                                                     kv_cache_dtype)
 
     def execute(self, rows: list[Row]) -> list[RowResult | None]:
-        """Compute every row; returns a result for rows with `sample`, else None."""
-        results: list[RowResult | None] = [None] * len(rows)
+        """Compute every row in one packed call; returns a result for rows with `sample`
+        (and for prompt chunks that carry prompt logprobs), else None."""
         if not rows:
-            return results
-        if self.draft is None:  # one packed call for every row
-            return self._run_packed(rows)
-        groups = {"prefill": [i for i, r in enumerate(rows) if r.tree is None and len(r.tokens) > 1],
-                  "decode": [i for i, r in enumerate(rows) if r.tree is None and len(r.tokens) == 1],
-                  "verify": [i for i, r in enumerate(rows) if r.tree is not None]}
-        groups = {name: [rows[i] for i in idx] for name, idx in groups.items() if idx}
-        parts = {name: (self._verify_inputs(g) if name == "verify" else self._chunk_inputs(g))
-                 for name, g in groups.items()}
-        want_logprobs = any(_wants_logprobs(r) for r in rows)
-        prompt_parts = tuple(name for name, g in groups.items() if any(_prompt_targets(r) for r in g))
-        out, self.pool = _spec_step(self.params, self.config, self.page_size, self.draft.params,
-                                    self.draft.config, self.draft.spec, self.pool, parts, want_logprobs,
-                                    prompt_parts)
-        by_row = {}
-        for name, group in groups.items():
-            done = self._verify_results if name == "verify" else self._chunk_results
-            for r, res in zip(group, done(group, [jax.tree.map(np.asarray, x) for x in out[name]])):
-                by_row[id(r)] = res
-        return [by_row[id(r)] for r in rows]
+            return []
+        want_logprobs = any(_wants_logprobs(r) and r.sample for r in rows)
+        want_prompt_logprobs = any(_prompt_targets(r) for r in rows)
+        if self.draft is not None:
+            batch = self.step_batch(rows)
+            *out, self.pool = _spec_step(self.params, self.config, self.page_size, self.draft.params,
+                                         self.draft.config, self.draft.spec, self.pool, batch, want_logprobs,
+                                         want_prompt_logprobs)
+        else:
+            lora_slot = self.lora.slots_for({r.lora for r in rows if r.lora}) if self.lora else None
+            batch = self.step_batch(rows, lora_slot)
+            *out, self.pool = _step(self.params, self.config, self.page_size, self.pool, batch, want_logprobs,
+                                    want_prompt_logprobs, self.lora.stacks if self.lora else None, self.mesh)
+        return self._results(rows, np.asarray(batch.cu_q_lens)[:-1], *jax.tree.map(np.asarray, out))
 
     def _sampling_arrays(self, rows: list[Row], b: int) -> list[jax.Array]:
         """seeds, counters, temperature, top_k, top_p, min_p for `rows` padded to b."""
@@ -365,13 +368,15 @@ class ModelRunner:
             temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
         return [jnp.asarray(a) for a in (seeds, counters, temp, top_k, top_p, min_p)]
 
-    def _mask_arrays(self, rows: list[Row], b: int, per_row: tuple[int, ...] = ()) -> list[jax.Array]:
-        """token_masks int32 [b, *per_row, words] and constrained bool [b] for `rows`
-        padded to b (structured outputs; all zero when no row is constrained)."""
+    def _mask_arrays(self, rows: list[Row], b: int, trees: bool = False) -> list[jax.Array]:
+        """token_masks int32 [b, words] and constrained bool [b] for `rows` padded to b
+        (structured outputs; all zero when no row is constrained); with trees, the verify
+        rows' masks per node [b, n, words] (TreeBatch.node_masks) instead."""
+        per_row = (self.draft.spec.num_tokens,) if trees else ()
         masks = np.zeros((b, *per_row, self.mask_words), np.int32)
         constrained = np.zeros(b, bool)
         for i, r in enumerate(rows):
-            if r.token_mask is not None:
+            if r.token_mask is not None and (r.tree is not None) == trees:
                 masks[i], constrained[i] = r.token_mask, True
         return [jnp.asarray(masks), jnp.asarray(constrained)]
 
@@ -400,167 +405,153 @@ class ModelRunner:
             tables[i, :n] = r.block_table[:n]
         return jnp.asarray(tables)
 
-    def _verify_inputs(self, rows: list[Row]) -> tuple:
-        b, n = bucket(len(rows)), self.draft.spec.num_tokens
-        trees = [np.zeros((b, n), dt) for dt in (np.int32, np.int32, np.float32)]
-        trees[1][:] = np.arange(n) - 1  # padding rows: a chain, never used
-        start = np.full(b, -1, np.int32)
-        for i, r in enumerate(rows):
-            trees[0][i], trees[1][i], trees[2][i] = r.tree.tokens, r.tree.parents, r.tree.scores
-            start[i] = r.start
-        return (self._tables(rows, b), *map(jnp.asarray, trees), jnp.asarray(start),
-                *self._sampling_arrays(rows, b), *self._mask_arrays(rows, b, (n,)))
-
-    def _verify_results(self, rows: list[Row], out) -> list[RowResult]:
-        accepted, count, bonus, extra, tree = out
-        results = []
-        for i, r in enumerate(rows):
-            entries = None
-            if _wants_logprobs(r):
-                entries = tuple(_logprob_entry(extra, i, j) for j in range(count[i] + 1))
-            results.append(RowResult((*accepted[i, :count[i]].tolist(), int(bonus[i])), entries,
-                                     _draft_tree(tree, i)))
-        return results
-
     def add_lora(self, request: LoRARequest) -> None:
         """Read and check a LoRA adapter (ValueError: no LoRA in this runner, a bad adapter)."""
         if self.lora is None:
             raise ValueError("a LoRA request needs an engine with LoRA enabled (LLM(enable_lora=True))")
         self.lora.add(request)
 
+    def _q_len(self, row: Row) -> int:
+        """The packed tokens a row owns: its new tokens, or its draft tree's nodes."""
+        return len(row.tokens) if row.tree is None else self.draft.spec.num_tokens
+
     def step_batch(self, rows: list[Row], lora_slot: dict[int, int] | None = None) -> StepBatch:
-        """Pack rows (none with a tree) into a StepBatch of the shape `shape` gives them.
-        lora_slot: device slot of each LoRA adapter id the rows use."""
-        lens = [len(r.tokens) for r in rows]
-        n, s, max_q_len, max_chunks = self.shape(lens)
+        """Pack rows into a StepBatch of the shape `shape` gives them (with a draft, a
+        TreeBatch too). lora_slot: device slot of each LoRA adapter id the rows use."""
+        lens = [self._q_len(r) for r in rows]
+        n, s, max_q_len, max_chunks = self.shape(lens, sum(r.tree is not None for r in rows))
         tokens, positions = np.zeros(n, np.int32), np.full(n, -1, np.int32)
         cu_q_lens, kv_lens = np.zeros(s + 1, np.int32), np.zeros(s, np.int32)
-        for i, r in enumerate(rows):
-            start, end = cu_q_lens[i], cu_q_lens[i] + len(r.tokens)
-            tokens[start:end] = r.tokens
-            positions[start:end] = np.arange(r.start, r.start + len(r.tokens))
-            kv_lens[i] = r.start + len(r.tokens)
-            cu_q_lens[i + 1:] = end
         targets, lora_slots = np.full(n, -1, np.int32), np.full(n, -1, np.int32)
-        for i, r in enumerate(rows):
-            following = _prompt_targets(r)
-            targets[cu_q_lens[i]:cu_q_lens[i] + len(following)] = following
+        for i, (r, q_len) in enumerate(zip(rows, lens)):
+            start, end = cu_q_lens[i], cu_q_lens[i] + q_len
+            tokens[start:end] = r.tokens if r.tree is None else r.tree.tokens
+            positions[start:end] = np.arange(r.start, r.start + q_len)  # a tree's nodes: their slots
+            kv_lens[i] = r.start + q_len
+            cu_q_lens[i + 1:] = end
+            if r.tree is None:
+                following = _prompt_targets(r)
+                targets[start:start + len(following)] = following
             if r.lora:
-                lora_slots[cu_q_lens[i]:cu_q_lens[i + 1]] = lora_slot[r.lora]
+                lora_slots[start:end] = lora_slot[r.lora]
+        tree = None
+        if self.draft is not None:
+            width = self.draft.spec.num_tokens
+            start, next_known = np.full(s, -1, np.int32), np.full(s, -1, np.int32)
+            parents, scores = np.tile(np.arange(width, dtype=np.int32) - 1, (s, 1)), np.zeros((s, width), np.float32)
+            for i, r in enumerate(rows):
+                if r.tree is not None:
+                    start[i], parents[i], scores[i] = r.start, r.tree.parents, r.tree.scores
+                elif not r.sample and r.next_token is not None:
+                    next_known[i] = r.next_token
+            node_masks, _ = self._mask_arrays(rows, s, trees=True)
+            tree = TreeBatch(jnp.asarray(start), jnp.asarray(parents), jnp.asarray(scores), node_masks,
+                             jnp.asarray(next_known))
         seeds, counters, temperature, top_k, top_p, min_p = self._sampling_arrays(rows, s)
+        token_masks, _ = self._mask_arrays(rows, s)
+        constrained = jnp.asarray([r.token_mask is not None for r in rows] + [False] * (s - len(rows)))
         return StepBatch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(cu_q_lens),
                          jnp.asarray(kv_lens), self._tables(rows, s),
                          jnp.asarray(np.maximum(cu_q_lens[1:] - 1, 0)), seeds, counters, temperature,
-                         top_k, top_p, min_p, jnp.asarray(targets), *self._mask_arrays(rows, s),
+                         top_k, top_p, min_p, jnp.asarray(targets), token_masks, constrained,
                          *self._adjust_arrays(rows, s), jnp.asarray(lora_slots), max_q_len=max_q_len,
-                         max_chunks=max_chunks)
+                         max_chunks=max_chunks, tree=tree)
 
-    def shape(self, lens: list[int]) -> tuple[int, int, int, int]:
-        """(tokens N, rows S, max_q_len, max_chunks) of a packed step whose rows bring
-        `lens` new tokens each. Decode-only: N = S = rows to a power of two, max_q_len 1.
-        With a chunk: N = tokens to a power of two (at least MIN_CHUNK_TOKENS), S = max_num_seqs
-        to a power of two, max_q_len = N (a bound: the XLA path tiles chunks 16 tokens at a
-        time whatever it is), max_chunks 1 or S. So the shapes are few (`buckets`), at the
-        price of spare rows (sampled for nothing) and spare chunk tiles in some steps."""
-        if max(lens) == 1:
+    def shape(self, lens: list[int], trees: int = 0) -> StepShape:
+        """The StepShape of a packed step whose rows own `lens` tokens each (a verify row:
+        its tree's n nodes), `trees` of them verify rows.
+
+        Without chunks (rows of one token, or verify rows): S = rows to a power of two and
+        N = S (S * n with a draft). With a chunk: N = tokens to a power of two (at least
+        MIN_CHUNK_TOKENS), S = max_num_seqs to a power of two, max_q_len = N (a bound: the
+        XLA path tiles chunks 16 tokens at a time whatever it is), max_chunks 1 or S. So
+        the shapes are few (`buckets`), at the price of spare rows (sampled for nothing)
+        and spare chunk tiles in some steps."""
+        chunks = sum(k > 1 for k in lens) - trees
+        if chunks == 0:
             s = bucket(len(lens))
-            return s, s, 1, 0
+            if self.draft is None:
+                return StepShape(s, s, 1, 0)
+            return StepShape(s * self.draft.spec.num_tokens, s, self.draft.spec.num_tokens, s)
         n = bucket(sum(lens), MIN_CHUNK_TOKENS)
         s = bucket(max(len(lens), self.max_num_seqs))
-        return n, s, n, 1 if sum(k > 1 for k in lens) == 1 else s
+        return StepShape(n, s, n, 1 if chunks + trees == 1 else s)
 
-    def buckets(self, max_num_batched_tokens: int) -> dict[tuple[int, int, int, int], list[int]]:
-        """Every (N, S, max_q_len, max_chunks) `shape` gives a step of at most max_num_seqs
-        rows and max_num_batched_tokens tokens, each with the row lengths of one such step."""
-        decode = {self.shape([1] * k): [1] * k for k in range(1, self.max_num_seqs + 1)}
+    def buckets(self, max_num_batched_tokens: int) -> dict[StepShape, tuple[list[int], int]]:
+        """Every StepShape `shape` gives a step of at most max_num_seqs rows and
+        max_num_batched_tokens tokens, each with the (lens, trees) of one such step (its
+        first `trees` rows verify rows)."""
+        width = 1 if self.draft is None else self.draft.spec.num_tokens
+        rows = {self.shape([width] * k, k if width > 1 else 0): ([width] * k, k if width > 1 else 0)
+                for k in range(1, self.max_num_seqs + 1)}
         chunked = {}
         for n in range(MIN_CHUNK_TOKENS.bit_length() - 1,
                        max(bucket(max_num_batched_tokens), MIN_CHUNK_TOKENS).bit_length()):
-            lens = [1 << n]
-            chunked[self.shape(lens)] = lens  # one chunk
+            examples = [([1 << n], 0)]  # one chunk
             if self.max_num_seqs > 1:
-                chunked[self.shape([2, lens[0] - 2])] = [2, lens[0] - 2]  # several chunks
-        return {**dict(sorted(decode.items())), **dict(sorted(chunked.items()))}
+                examples.append(([2, (1 << n) - 2], 0))  # several chunks (or a chunk and verify rows)
+            chunked.update((self.shape(*e), e) for e in examples)
+        return {**dict(sorted(rows.items())), **dict(sorted(chunked.items()))}
 
     def precompile(self, max_num_batched_tokens: int, swap: bool = False,
-                   progress: bool = True) -> list[tuple[tuple, float]]:
+                   progress: bool = True) -> list[tuple[StepShape, float]]:
         """Compile every step shape this runner can meet (`buckets`, ahead of time: nothing
         runs), then the page copies of copy-on-write for up to max_num_seqs pairs and, with
         swap, the page reads and writes of swapping for up to every page; returns each step
         bucket with its seconds. Steps asking for logprobs, prompt logprobs or penalties
         are variants compiled on first use."""
-        if self.draft is not None:
-            raise ValueError("precompile does not cover speculative decoding yet")
         times = []
         shapes = self.buckets(max_num_batched_tokens)
         bar = tqdm.tqdm(shapes.items(), desc="compiling steps", unit="shape", disable=not progress)
-        for (n, s, max_q_len, max_chunks), lens in bar:
-            batch = self.step_batch([Row(tuple([0] * k), 0, (0,), sample=True) for k in lens], {})
+        for shape, (lens, trees) in bar:
+            tree = None if self.draft is None else DraftTree(
+                np.zeros(self.draft.spec.num_tokens, np.int32), np.arange(self.draft.spec.num_tokens) - 1,
+                np.zeros(self.draft.spec.num_tokens, np.float32))
+            batch = self.step_batch([Row(tuple([0] * (1 if i < trees else k)), 0, (0,), sample=True,
+                                         tree=tree if i < trees else None) for i, k in enumerate(lens)], {})
             start = time.perf_counter()  # compiled ahead of time: the first real call reuses it
-            _step.lower(self.params, self.config, self.page_size, self.pool, batch, False, False,
-                        self.lora.stacks if self.lora else None, self.mesh).compile()
-            times.append(((n, s, max_q_len, max_chunks), time.perf_counter() - start))
+            if self.draft is None:
+                _step.lower(self.params, self.config, self.page_size, self.pool, batch, False, False,
+                            self.lora.stacks if self.lora else None, self.mesh).compile()
+            else:
+                _spec_step.lower(self.params, self.config, self.page_size, self.draft.params, self.draft.config,
+                                 self.draft.spec, self.pool, batch, False, False).compile()
+            times.append((shape, time.perf_counter() - start))
             if progress:
-                kind = "decode" if max_q_len == 1 else "one chunk" if max_chunks == 1 else "several chunks"
-                bar.write(f"  step of {n} tokens, {s} rows, {kind}: {times[-1][1]:.1f} s")
+                kind = ("verify" if trees else "decode" if shape.max_q_len == 1
+                        else "one chunk" if shape.max_chunks == 1 else "several chunks")
+                bar.write(f"  step of {shape.tokens} tokens, {shape.rows} rows, {kind}: {times[-1][1]:.1f} s")
         for k in range(bucket(self.max_num_seqs).bit_length()):  # pairs (0 -> 0): a no-op copy
             self.copy_pages([(0, 0)] * (1 << k))
         for k in range(bucket(self.num_pages).bit_length() if swap else 0):
             self.write_pages([0] * (1 << k), self.read_pages([0] * (1 << k)))
         return times
 
-    def _run_packed(self, rows: list[Row]) -> list[RowResult | None]:
-        if not rows:
-            return []
-        want_logprobs = any(_wants_logprobs(r) and r.sample for r in rows)
-        lora_slot = self.lora.slots_for({r.lora for r in rows if r.lora}) if self.lora else None
-        batch = self.step_batch(rows, lora_slot)
-        next_tokens, extra, prompt_extra, self.pool = _step(
-            self.params, self.config, self.page_size, self.pool, batch, want_logprobs,
-            any(_prompt_targets(r) for r in rows), self.lora.stacks if self.lora else None, self.mesh)
-        starts = np.asarray(batch.cu_q_lens)[:-1]
-        return self._results(rows, np.asarray(next_tokens), [np.asarray(e) for e in extra],
-                             prompt_extra=[np.asarray(e) for e in prompt_extra],
-                             prompt_index=lambda i, j: (starts[i] + j,))
-
-    def _results(self, rows: list[Row], next_tokens, extra, tree=None, prompt_extra=(),
-                 prompt_index=None) -> list[RowResult | None]:
+    def _results(self, rows: list[Row], starts, sampled, extra, prompt_extra, verified=None,
+                 trees=None) -> list[RowResult | None]:
         """Row results: sampled rows always; a prompt chunk only when it carries prompt
-        logprobs (prompt_index(i, j): where row i's token j is in prompt_extra)."""
+        logprobs (row i's token j is packed token starts[i] + j). A verify row emits its
+        accepted drafts and the bonus token (verified, from `_spec_step`); with a draft
+        every sampled row also carries its next tree."""
         out: list[RowResult | None] = []
         for i, r in enumerate(rows):
+            tree = _draft_tree(trees, i) if trees is not None else None
+            if r.tree is not None:
+                accepted, count, bonus, node_extra = verified
+                entries = None
+                if _wants_logprobs(r):
+                    entries = tuple(_logprob_entry(node_extra, i, j) for j in range(count[i] + 1))
+                out.append(RowResult((*accepted[i, :count[i]].tolist(), int(bonus[i])), entries, tree))
+                continue
             prompt = None
             if prompt_extra and (targets := _prompt_targets(r)):
-                prompt = tuple(_logprob_entry(prompt_extra, *prompt_index(i, j)) for j in range(len(targets)))
+                prompt = tuple(_logprob_entry(prompt_extra, starts[i] + j) for j in range(len(targets)))
             if not r.sample:
                 out.append(None if prompt is None else RowResult((), prompt_logprobs=prompt))
                 continue
             entries = (_logprob_entry(extra, i),) if _wants_logprobs(r) and extra else None
-            out.append(RowResult((int(next_tokens[i]),), entries, _draft_tree(tree, i) if tree else None,
-                                 prompt))
+            out.append(RowResult((int(sampled[i]),), entries, tree, prompt))
         return out
-
-    def _chunk_inputs(self, rows: list[Row]) -> tuple:
-        """Prefill chunks or decode rows of a speculative runner as [b, t] arrays."""
-        b = bucket(len(rows))
-        t = bucket(max(len(r.tokens) for r in rows), minimum=1 if all(len(r.tokens) == 1 for r in rows) else 16)
-        tokens = np.zeros((b, t), np.int32)
-        positions = np.full((b, t), -1, np.int32)
-        last = np.zeros(b, np.int32)
-        next_known = np.full(b, -1, np.int32)
-        for i, r in enumerate(rows):
-            n = len(r.tokens)
-            tokens[i, :n] = r.tokens
-            positions[i, :n] = np.arange(r.start, r.start + n)
-            last[i] = n - 1
-            if not r.sample and r.next_token is not None:
-                next_known[i] = r.next_token
-        return (self._tables(rows, b), jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(last),
-                jnp.asarray(next_known), *self._sampling_arrays(rows, b), *self._mask_arrays(rows, b))
-
-    def _chunk_results(self, rows: list[Row], out) -> list[RowResult | None]:
-        next_tokens, extra, prompt_extra, tree = out
-        return self._results(rows, next_tokens, extra, tree, prompt_extra, lambda i, j: (i, j))
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: page src -> page dst in every layer."""

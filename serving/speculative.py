@@ -69,23 +69,25 @@ def grow_trees(draft_step: Callable, cache, root_logits: jax.Array, root_hidden:
     frontier = jnp.broadcast_to(jnp.arange(1, k + 1), (b, k))
     anc = jnp.broadcast_to(jnp.eye(m, dtype=bool), (b, m, m)).at[:, 1:k + 1, 0].set(True)
     hidden = jnp.broadcast_to(root_hidden[:, None], (b, k, root_hidden.shape[-1]))
-    for level in range(1, spec.depth):
-        tree = TokenTree(jnp.broadcast_to(root_positions[:, None] + level, (b, k)).astype(jnp.int32),
+
+    def level(depth, carry):  # one loop body however deep the tree: it compiles once
+        tokens, parents, all_scores, anc, hidden, frontier, cache = carry
+        tree = TokenTree(jnp.broadcast_to(root_positions[:, None] + depth, (b, k)).astype(jnp.int32),
                          (root_positions + 1).astype(jnp.int32), anc[rows, frontier][:, :, 1:])
         slots = jnp.where(root_positions[:, None] >= 0, root_positions[:, None] + frontier, -1)
-        logits, hidden, cache = draft_step(cache, hidden, tokens[rows, frontier],
-                                           slots.astype(jnp.int32), tree)
+        logits, hidden, cache = draft_step(cache, hidden, tokens[rows, frontier], slots.astype(jnp.int32), tree)
         child_scores, child_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B, K, K]
         cand = (all_scores[rows, frontier][:, :, None] + child_scores).reshape(b, k * k)
         best, pick = jax.lax.top_k(cand, k)
         parent = frontier[rows, pick // k]
-        new = 1 + level * k + jnp.arange(k)
+        new = 1 + depth * k + jnp.arange(k)
         tokens = tokens.at[:, new].set(to_target(child_ids.reshape(b, k * k)[rows, pick]))
         parents = parents.at[:, new].set(parent)
         all_scores = all_scores.at[:, new].set(best)
         anc = anc.at[rows, new[None]].set(anc[rows, parent] | (jnp.arange(m) == new[:, None])[None])
-        hidden = hidden[rows, pick // k]
-        frontier = jnp.broadcast_to(new, (b, k))
+        return tokens, parents, all_scores, anc, hidden[rows, pick // k], jnp.broadcast_to(new, (b, k)), cache
+    tokens, parents, all_scores, anc, hidden, frontier, cache = jax.lax.fori_loop(
+        1, spec.depth, level, (tokens, parents, all_scores, anc, hidden, frontier, cache))
     # Keep the root and the best num_tokens - 1 nodes, renumbered in their grown order
     # (a child never outscores its parent, and top_k prefers the lower index on ties).
     _, best = jax.lax.top_k(all_scores[:, 1:], spec.num_tokens - 1)
@@ -110,16 +112,16 @@ def verify_trees(probs: jax.Array, tokens: jax.Array, parents: jax.Array, scores
             node, done, path, count, residual = carry
             child_scores, children = jax.lax.top_k(jnp.where(parents == node, scores, -jnp.inf),
                                                    min(spec.top_k, tokens.shape[0]))
-            p = probs[node]
-            accepted = jnp.int32(-1)
-            for j in range(children.shape[0]):
+
+            def child(j, carry):  # try the children best first; a rejected one leaves p
+                accepted, p = carry
                 tok = tokens[children[j]]
                 total = p.sum()
                 u = jax.random.uniform(jax.random.fold_in(key, 1 + d * spec.top_k + j))
                 trying = jnp.isfinite(child_scores[j]) & (accepted < 0)
                 take = trying & (total > 0) & (u * total < p[tok])
-                accepted = jnp.where(take, children[j], accepted)
-                p = p.at[tok].set(jnp.where(trying & ~take, 0.0, p[tok]))
+                return jnp.where(take, children[j], accepted), p.at[tok].set(jnp.where(trying & ~take, 0.0, p[tok]))
+            accepted, p = jax.lax.fori_loop(0, children.shape[0], child, (jnp.int32(-1), probs[node]))
             moves = ~done & (accepted >= 0)
             residual = jnp.where(done, residual, p)  # at the first failure: what is left
             return (jnp.where(moves, accepted, node), done | ~moves,

@@ -61,17 +61,7 @@ def test_precompiled_engine_compiles_nothing_while_serving(make_llm):
     swap preemption, prefix hits, n > 1 (forks, copy-on-write), greedy and sampled, every
     sequence count — compiles nothing at all (counted by jax's compile events). A request
     of more samples than max_num_seqs is refused (it could never run)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def counting():
-        events = []
-        listener = lambda name, secs, **kw: events.append(name) if name.endswith("backend_compile_duration") else None
-        jax.monitoring.register_event_duration_secs_listener(listener)
-        try:
-            yield events
-        finally:
-            jax.monitoring.unregister_event_duration_listener(listener)
+    from tests.compiles import counting
 
     with counting() as startup:
         llm = make_llm(precompile=True, num_kv_blocks=9, preemption_mode="swap")
@@ -140,8 +130,8 @@ def test_step_shapes_are_few_and_tables_full_width(make_llm):
     assert runner.shape([20, 1, 1]) == (32, 4, 32, 1) and runner.shape([20, 9, 1]) == (32, 4, 32, 4)
     assert list(runner.buckets(64)) == [(1, 1, 1, 0), (2, 2, 1, 0), (4, 4, 1, 0), (16, 4, 16, 1), (16, 4, 16, 4),
                                         (32, 4, 32, 1), (32, 4, 32, 4), (64, 4, 64, 1), (64, 4, 64, 4)]
-    for shape, lens in runner.buckets(64).items():
-        assert runner.shape(lens) == shape and sum(lens) <= 64 and len(lens) <= 4
+    for shape, (lens, trees) in runner.buckets(64).items():
+        assert runner.shape(lens) == shape and trees == 0 and sum(lens) <= 64 and len(lens) <= 4
     table = list(range(100, 132))
     rows = [Row([1] * 20, 0, table, sample=True), Row([1], 40, table[:3], sample=True)]
     tables = np.asarray(runner.step_batch(rows).block_tables)

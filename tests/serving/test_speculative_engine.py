@@ -16,6 +16,7 @@ import model
 from model import eagle3
 from model.config import ModelConfig
 from serving import LLM, SamplingParams
+from tests.compiles import counting
 
 VOCAB = 8
 
@@ -43,7 +44,7 @@ def make_llm(target, draft_dir, default_tokenizer):
     def make(speculative=True, **kw):
         # 12 pages: too few for every sequence at once, so sequences get preempted (and every
         # test shares one pool shape: one compile of each step per batch bucket)
-        kw = {"max_model_len": 96, "max_num_seqs": 4, "max_num_batched_tokens": 128, "num_kv_blocks": 12,
+        kw = {"max_model_len": 96, "max_num_seqs": 4, "max_num_batched_tokens": 64, "num_kv_blocks": 12,
               **kw}
         if speculative:
             kw["speculative_config"] = {"method": "eagle3", "model": draft_dir,
@@ -54,17 +55,45 @@ def make_llm(target, draft_dir, default_tokenizer):
 
 @pytest.fixture(scope="module")
 def spec_llm(make_llm):
-    return make_llm()
+    with counting() as startup:
+        llm = make_llm(precompile=True)
+    assert len(startup) >= len(llm.runner.buckets(64))
+    return llm
+
+
+def test_step_shapes_with_verify_rows(spec_llm):
+    """A speculative step packs verify rows (a tree's 13 nodes each) with chunks and
+    decode rows: a step without chunks has one shape per power-of-two row count; a step
+    with chunks one per token bucket, times one-or-several multi-token rows, its rows
+    padded to max_num_seqs (4)."""
+    runner = spec_llm.runner
+    assert runner.shape([13], 1) == (13, 1, 13, 1) and runner.shape([13, 1, 13], 2) == (52, 4, 13, 4)
+    assert runner.shape([1]) == (13, 1, 13, 1)  # a decode row without a tree (after a fork)
+    assert runner.shape([13, 1], 1) == (26, 2, 13, 2)
+    assert runner.shape([9, 13], 1) == runner.shape([19, 2]) == (32, 4, 32, 4) and runner.shape([20]) == (32, 4, 32, 1)
+    buckets = runner.buckets(64)
+    assert list(buckets) == [(13, 1, 13, 1), (26, 2, 13, 2), (52, 4, 13, 4), (16, 4, 16, 1), (16, 4, 16, 4),
+                             (32, 4, 32, 1), (32, 4, 32, 4), (64, 4, 64, 1), (64, 4, 64, 4)]
+    for shape, (lens, trees) in buckets.items():
+        assert runner.shape(lens, trees) == shape and sum(lens) <= 64 and len(lens) <= 4
 
 
 def test_greedy_speculation_equals_plain_greedy(make_llm, spec_llm):
+    """Speculative greedy output equals plain greedy output, through batched prefill,
+    recompute preemption and a prefix hit; the precompiled engine compiles nothing while
+    serving them, nor a sampled request with n = 2 (forks)."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, VOCAB, 7 + 5 * i).tolist() for i in range(4)]
     prompts.append(prompts[3][:20] + [1, 2, 3])  # a prefix-cache hit: cached target and draft KV
     requests = [{"prompt_token_ids": p} for p in prompts]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 17, 30, 25, 30)]
     plain = [o.outputs[0].token_ids for o in make_llm(speculative=False).generate(requests, params)]
-    got = spec_llm.generate(requests[:4], params[:4]) + spec_llm.generate(requests[4], params[4])
+    with counting() as serving:
+        got = spec_llm.generate(requests[:4], params[:4]) + spec_llm.generate(requests[4], params[4])
+        twins = spec_llm.generate(requests[0], SamplingParams(n=2, temperature=0.8, max_tokens=12, seed=0,
+                                                              ignore_eos=True))
+    assert serving == []
+    assert [len(o.token_ids) for o in twins[0].outputs] == [12, 12]
     assert [o.outputs[0].token_ids for o in got] == plain
     assert [len(t) for t in plain] == [30, 17, 30, 25, 30]  # max_tokens cuts a multi-token step
     assert got[4].num_cached_tokens == 16

@@ -62,9 +62,10 @@ def test_mixed_prefill_and_decode_step_calls_the_kernels_in_every_layer(tiny, kv
 
 
 def test_speculative_step_runs_every_attention_of_target_and_draft_on_the_kernels(tiny):
-    """One speculative step with a decode row and a verify row: the target's layers, the
-    draft's pass over the accepted tokens and each level of tree growth all call the
-    ragged kernel (trees as ancestor bits), for both parts, in one jitted call."""
+    """One speculative step with a decode row and a verify row packed together: the
+    target's layers (the tree as ancestor bits), the draft's pass over the same packed
+    tokens and tree growth (a loop over levels) all call the ragged kernel, in one
+    jitted call."""
     import dataclasses
 
     import numpy as np
@@ -78,19 +79,20 @@ def test_speculative_step_runs_every_attention_of_target_and_draft_on_the_kernel
     draft_config = eagle3.Eagle3Config(config, config.vocab_size, eagle3.feature_layers(4), "tiny")
     draft_params = eagle3.init_draft_params(draft_config, params, np.arange(config.vocab_size),
                                             jax.random.key(1))
-    spec_ = TreeSpec(depth=2, top_k=2, num_tokens=4)
+    spec_ = TreeSpec(depth=3, top_k=2, num_tokens=4)
     runner = ModelRunner(config, params, num_pages=16, page_size=PAGE_SIZE, max_pages_per_seq=8,
                          max_num_seqs=4, draft=Drafter(draft_config, draft_params, spec_))
     tree = DraftTree(np.array([3, 4, 5, 6]), np.array([-1, 0, 0, 1]), np.zeros(4, np.float32))
     verify = Row(tokens=[3], start=5, block_table=[0, 1], sample=True, tree=tree)
     decode = Row(tokens=[3], start=7, block_table=[2, 3], sample=True)
-    parts = {"decode": runner._chunk_inputs([decode]), "verify": runner._verify_inputs([verify])}
-    fn = lambda params, draft_params, pool, parts: _spec_step(
-        params, config, PAGE_SIZE, draft_params, draft_config, spec_, pool, parts, False, ())
-    specs = [jax.tree.map(spec, x) for x in (params, draft_params, runner.pool, parts)]
-    per_part = 4 + 1 + (spec_.depth - 1)  # target, draft over the chunk, tree levels
-    assert kernel_calls(export_tpu(fn, *specs), "tpu_custom_call") == 2 * per_part
-    assert kernel_calls(export_cuda(fn, *specs), TRITON_CALL) == 2 * per_part
+    batch = runner.step_batch([decode, verify])
+    assert batch.tokens.shape == (2 * spec_.num_tokens,) and batch.tree.start.tolist() == [-1, 5]
+    fn = lambda params, draft_params, pool, batch: _spec_step(
+        params, config, PAGE_SIZE, draft_params, draft_config, spec_, pool, batch, False, False)
+    specs = [jax.tree.map(spec, x) for x in (params, draft_params, runner.pool, batch)]
+    calls = 4 + 1 + 1  # target, draft over the packed tokens, the tree-growth loop's body
+    assert kernel_calls(export_tpu(fn, *specs), "tpu_custom_call") == calls
+    assert kernel_calls(export_cuda(fn, *specs), TRITON_CALL) == calls
 
 
 def test_a_lora_step_runs_every_projection_through_the_lora_kernel(tiny):
