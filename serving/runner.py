@@ -279,15 +279,16 @@ def _spec_step(params, config, page_size, draft_params, draft_config, spec, pool
     verified = (accepted, count, bonus,
                 _logprobs(node_logits[rows[:, None], nodes], catch_up) if want_logprobs else ())
     draft_layout = dataclasses.replace(batch.layout, tree=None)
-    dlogits, dhidden, dcache = eagle3.draft_apply(draft.params, draft.config, features, draft_tokens,
-                                                  batch.positions, KVCache(pool["draft"], batch.block_tables,
-                                                                           page_size), layout=draft_layout)
+    _, dhidden, dcache = eagle3.draft_apply(draft.params, draft.config, features, draft_tokens, batch.positions,
+                                            KVCache(pool["draft"], batch.block_tables, page_size), layout=draft_layout)
 
     live = batch.cu_q_lens[1:] > batch.cu_q_lens[:-1]
 
     def draft_step(dc, hidden, tokens, slots, tree):
         return eagle3.draft_apply(draft.params, draft.config, hidden, tokens, slots, dc, tree)
-    next_trees, dcache = grow_trees(draft_step, dcache, dlogits[root_index], dhidden[root_index], root_tokens,
+    # draft logits at the roots only (the pass's logits at every token go unused: XLA drops them)
+    root_logits = eagle3.draft_logits(draft.params, draft.config, dhidden[root_index])
+    next_trees, dcache = grow_trees(draft_step, dcache, root_logits, dhidden[root_index], root_tokens,
                                     jnp.where(live, batch.positions[root_index], -1), draft.params["d2t"], spec)
     return sampled, extra, prompt_extra, verified, next_trees, {"target": layers, "draft": dcache.layers}
 

@@ -4,8 +4,6 @@ the device slots without recompiling, the prefix cache keys on the adapter, and 
 adapters or arguments are clear errors. Adapters: PEFT fixtures of tiny_llama
 (tests/model/golden.py)."""
 
-import os
-
 import numpy as np
 import pytest
 
