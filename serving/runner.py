@@ -369,17 +369,16 @@ class ModelRunner:
             temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
         return [jnp.asarray(a) for a in (seeds, counters, temp, top_k, top_p, min_p)]
 
-    def _mask_arrays(self, rows: list[Row], b: int, trees: bool = False) -> list[jax.Array]:
-        """token_masks int32 [b, words] and constrained bool [b] for `rows` padded to b
-        (structured outputs; all zero when no row is constrained); with trees, the verify
-        rows' masks per node [b, n, words] (TreeBatch.node_masks) instead."""
+    def _mask_arrays(self, rows: list[Row], b: int, trees: bool = False) -> jax.Array:
+        """token_masks int32 [b, words] for `rows` padded to b (structured outputs; zero for
+        unconstrained rows); with trees, the verify rows' masks per node [b, n, words]
+        (TreeBatch.node_masks) instead."""
         per_row = (self.draft.spec.num_tokens,) if trees else ()
         masks = np.zeros((b, *per_row, self.mask_words), np.int32)
-        constrained = np.zeros(b, bool)
         for i, r in enumerate(rows):
             if r.token_mask is not None and (r.tree is not None) == trees:
-                masks[i], constrained[i] = r.token_mask, True
-        return [jnp.asarray(masks), jnp.asarray(constrained)]
+                masks[i] = r.token_mask
+        return jnp.asarray(masks)
 
     def _adjust_arrays(self, rows: list[Row], b: int) -> list[jax.Array]:
         """adjust_ids, adjust_counts, adjust_seen, adjust_bias [b, K] and penalties [b, 3]
@@ -445,11 +444,11 @@ class ModelRunner:
                     start[i], parents[i], scores[i] = r.start, r.tree.parents, r.tree.scores
                 elif not r.sample and r.next_token is not None:
                     next_known[i] = r.next_token
-            node_masks, _ = self._mask_arrays(rows, s, trees=True)
+            node_masks = self._mask_arrays(rows, s, trees=True)
             tree = TreeBatch(jnp.asarray(start), jnp.asarray(parents), jnp.asarray(scores), node_masks,
                              jnp.asarray(next_known))
         seeds, counters, temperature, top_k, top_p, min_p = self._sampling_arrays(rows, s)
-        token_masks, _ = self._mask_arrays(rows, s)
+        token_masks = self._mask_arrays(rows, s)
         constrained = jnp.asarray([r.token_mask is not None for r in rows] + [False] * (s - len(rows)))
         return StepBatch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(cu_q_lens),
                          jnp.asarray(kv_lens), self._tables(rows, s),
