@@ -58,6 +58,7 @@ class EngineStats:
     kv_used_pages: int = 0  # pages neither free nor evictable (the prefix cache's idle pages are free)
     kv_total_pages: int = 1
     num_preemptions: int = 0
+    cache_hits_by_tier: tuple[tuple[str, int], ...] = ()  # (tier, prompt tokens served), since start
 
 
 @dataclasses.dataclass
@@ -295,7 +296,7 @@ class AsyncLLM:
             return len({s.seq_id.rsplit("#", 1)[0] for s in seqs})
         total = engine.kv.pool.num_pages
         return EngineStats(requests(state.running), requests(state.waiting), total - engine.kv.num_available,
-                           total, engine.num_preemptions)
+                           total, engine.num_preemptions, tuple(sorted(engine.kv.hits.items())))
 
     def _shut(self, error: EngineDead) -> None:
         """Fail every stream and pending add, and free their requests."""

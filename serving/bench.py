@@ -2,7 +2,8 @@
 
     python -m serving.bench decode     [--batch-sizes 1 16] [--new-tokens 64] [--weights-dtype float32 gguf w8a8]
     python -m serving.bench offline    [--num-prompts 16] [--new-tokens 64]
-    python -m serving.bench trace PATH [--num-requests 1500] [--plot FILE.png]
+    python -m serving.bench trace PATH [--num-requests 1500] [--tiers] [--plot FILE.png]
+    python -m serving.bench tiers PATH [--num-requests 48] [--kv-blocks 96] [--host-pages 64]
     python -m serving.bench context    [--batch 16] [--contexts 256 1024 4096] [--plot FILE.png]
     python -m serving.bench kv-dtypes  [--batch 16] [--context 2048]
     python -m serving.bench scheduler  [--running 256 1024]
@@ -21,7 +22,13 @@ int8, w8a8, int4, fp8, q8_0, ...) with its resident weight bytes, and llama.cpp 
 on the same GGUF when llama-cpp-python is installed. Every subcommand that loads a model
 takes --weights-dtype.
 trace: replays a Mooncake-format trace through the scheduler and radix cache in the
-simulator with a cost model fitted from this engine's measured steps.
+simulator with a cost model fitted from this engine's measured steps; --tiers adds
+replays over host and disk tiers, each page moved costing what this engine measured.
+tiers: replays the first requests of a Mooncake-format trace on the real engine, a few
+at a time in arrival order, with a device pool too small for the trace's prefixes:
+prompt tokens served by tier, seconds spent copying between tiers, and wall time for
+the device alone, with a host tier, with a small host tier over a disk tier (in a
+temporary directory), and with a pool large enough for every prefix (the optimum).
 context: decode tokens/s (prefill excluded) as the live context grows at the default
 max_model_len, and one context under max_model_len 512 against the default: a step
 reads the pages the sequences hold, so the two should match.
@@ -731,10 +738,74 @@ def _plot_trace(path: str, title: str, results: list[tuple[str, int, object]]) -
     print(f"plot: {path}")
 
 
+def bench_tiers(args) -> None:
+    import tempfile
+
+    from serving.llm import LLM
+    from serving.params import SamplingParams
+
+    requests, optimum = load_trace(args.path, args.num_requests, args.block_tokens, args.max_model_len - 64,
+                                   args.output_scale)
+    prompts = [{"prompt_token_ids": list(r.prompt)} for r in requests]
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    total = sum(len(r.prompt) for r in requests)
+    print(f"tiers: {len(requests)} requests of {args.path} in arrival order, {args.concurrency} at a time; "
+          f"prompts scaled to {args.block_tokens} tokens per 512-token block (mean {total / len(requests):.0f}), "
+          f"outputs x{args.output_scale}; device pool {args.kv_blocks} pages of 16 tokens; "
+          f"unbounded-cache hit-rate optimum {optimum:.3f}; {_device()}")
+    print("| cache | prompt tokens hit | device | host | disk | tier copies (pages, s) | wall s | "
+          "tokens/s | identical |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|:-:|")
+    reference = None
+    with tempfile.TemporaryDirectory() as tmp:
+        page_bytes, warmed = None, set()
+        setups = [("device only", dict(num_kv_blocks=args.kv_blocks)),
+                  ("device + host (2x device)", dict(num_kv_blocks=args.kv_blocks, enable_hierarchical_cache=True,
+                                         hicache_write_policy=args.write_policy)),
+                  ("device + small host + disk", dict(num_kv_blocks=args.kv_blocks, enable_hierarchical_cache=True,
+                                                      hicache_write_policy=args.write_policy,
+                                                      disk_cache_dir=tmp)),
+                  ("unbounded device", dict(num_kv_blocks=args.kv_blocks * 16))]
+        for name, kw in setups:
+            if "disk_cache_dir" in kw:
+                kw["host_cache_bytes"] = args.host_pages * page_bytes
+            llm = LLM(args.model, weights_dtype=_weights(args), max_model_len=args.max_model_len,
+                      max_num_seqs=args.concurrency, max_num_batched_tokens=512, **kw)
+            if llm.engine.tiers is not None and page_bytes is None:
+                page_bytes = llm.engine.tiers.codec.page_nbytes  # sizes for the next setups
+            def replay(llm):
+                outs = []
+                for i in range(0, len(prompts), args.concurrency):
+                    outs += llm.generate(prompts[i:i + args.concurrency], params[i:i + args.concurrency])
+                return outs
+
+            if kw["num_kv_blocks"] not in warmed:  # an unmeasured replay compiles every step shape it uses
+                warmed.add(kw["num_kv_blocks"])
+                replay(llm)
+                llm.engine.kv.flush_prefix_cache()
+                llm.engine.kv.hits.clear()
+            start = time.perf_counter()
+            outs = replay(llm)
+            wall = time.perf_counter() - start
+            got = [o.outputs[0].token_ids for o in outs]
+            reference = got if reference is None else reference
+            hits, tiers = llm.engine.kv.hits, llm.engine.tiers
+            generated = sum(len(g) for g in got)
+            copies = f"{tiers.pages_moved}, {tiers.copy_s:.2f}" if tiers is not None else "-"
+            print(f"| {name} | {sum(o.num_cached_tokens for o in outs) / total:.3f} | "
+                  f"{hits['device'] / total:.3f} | {hits['host'] / total:.3f} | {hits['disk'] / total:.3f} | "
+                  f"{copies} | {wall:.1f} | {(total + generated) / wall:.0f} | "
+                  f"{'yes' if got == reference else 'NO'} |")
+            del llm
+
+
 def bench_trace(args) -> None:
     from serving.llm import LLM
-    from serving.simulator import (decode_layout, fit_cost_model, measure_engine_steps, prefill_layout,
-                                   simulate)
+    import tempfile
+
+    from serving.kv_tiers import TierConfig
+    from serving.simulator import (decode_layout, fit_cost_model, measure_engine_steps, measure_tier_cost,
+                                   prefill_layout, simulate)
 
     if not os.path.exists(args.path):
         raise SystemExit(f"trace {args.path} does not exist")
@@ -767,6 +838,14 @@ def bench_trace(args) -> None:
         p = cost.decode_time(contexts)
         print(f"| decode {len(contexts)} x context {contexts[0]} | {t * 1e3:.1f} | {p * 1e3:.1f} | "
               f"{p / t - 1:+.1%} |")
+    tier_cost = None
+    if args.tiers:
+        with tempfile.TemporaryDirectory() as tmp:
+            tier_cost = measure_tier_cost(llm, tmp)
+        print(f"tier copies on {_device()}, per {llm.runner.page_size}-token page of this model: host -> device "
+              f"{tier_cost.load_host_s * 1e3:.3f} ms, disk -> device {tier_cost.load_disk_s * 1e3:.3f} ms "
+              f"(files just written: the OS page cache serves them), device -> host "
+              f"{tier_cost.copy_down_s * 1e3:.3f} ms")
     requests, optimum = load_trace(args.path, args.num_requests, args.block_tokens,
                                    args.max_model_len - 64, args.output_scale)
     # Stretch arrivals so the offered load is `load` of what one engine can serve.
@@ -782,18 +861,31 @@ def bench_trace(args) -> None:
           f"x{args.output_scale} (mean {np.mean([r.output_len for r in requests]):.0f}); arrivals "
           f"stretched x{stretch:.1f} for offered load {args.load:.0%}; SLOs: TTFT <= {args.ttft_slo} s, "
           f"TPOT <= {args.tpot_slo} s; unbounded-cache hit-rate optimum {optimum:.3f}")
-    print("| order | KV pages | hit rate | of optimum | TTFT p50/p90/p99 (s) | TPOT p50/p90/p99 (s) "
-          "| out tok/s | req/s | goodput req/s | preemptions |")
-    print("|---|---:|---:|---:|---|---|---:|---:|---:|---:|")
+    print("| order | KV pages | hit rate | of optimum | by tier: device / host / disk | I/O share | "
+          "TTFT p50/p90/p99 (s) | TPOT p50/p90/p99 (s) | out tok/s | req/s | goodput req/s | preemptions |")
+    print("|---|---:|---:|---:|---|---:|---|---|---:|---:|---:|---:|")
     for pages in args.cache_pages:
-        for order in (sched.FCFS, sched.LPM):
+        # without tiers under each policy; with --tiers, longest-prefix-first over a host tier
+        # twice the pool (SGLang's default), then over a quarter of that and an unbounded disk
+        setups = [(order, None) for order in (sched.FCFS, sched.LPM)]
+        if args.tiers:
+            setups += [(sched.LPM, ("host 2x", 2 * pages, None)), (sched.LPM, ("host x/2 + disk", pages // 2, 1 << 40))]
+        for order, tier in setups:
             config = sched.SchedulerConfig(page_size=16, max_num_seqs=32, max_num_batched_tokens=1024,
                                            order=order)
-            res = simulate(requests, config, pages, args.max_model_len, cost)
-            results.append((order, pages, res))
+            with tempfile.TemporaryDirectory() as tmp:
+                tiers = None if tier is None else TierConfig(
+                    host_cache_bytes=8 * tier[1], disk_cache_dir=tmp if tier[2] else None,
+                    disk_cache_bytes=tier[2] or TierConfig.disk_cache_bytes, write_policy=args.write_policy)
+                res = simulate(requests, config, pages, args.max_model_len, cost, tiers=tiers,
+                               tier_cost=tier_cost if tier else None)
+            label = order if tier is None else f"{order} + {tier[0]}"
+            results.append((label, pages, res))
             hit = res.cached_tokens / res.prompt_tokens
+            by_tier = " / ".join(f"{res.hits.get(t, 0) / res.prompt_tokens:.3f}" for t in ("device", "host", "disk"))
             ok = (res.ttft_s <= args.ttft_slo) & (res.request_tpot_s <= args.tpot_slo)
-            print(f"| {order} | {pages} | {hit:.3f} | {hit / optimum if optimum else 0:.2f} | "
+            print(f"| {label} | {pages} | {hit:.3f} | {hit / optimum if optimum else 0:.2f} | {by_tier} | "
+                  f"{res.io_s / res.makespan_s:.1%} | "
                   f"{_pct(res.ttft_s, 50):.2f} / {_pct(res.ttft_s, 90):.2f} / {_pct(res.ttft_s, 99):.2f} | "
                   f"{_pct(res.tpot_s, 50):.3f} / {_pct(res.tpot_s, 90):.3f} / {_pct(res.tpot_s, 99):.3f} | "
                   f"{res.output_tokens / res.makespan_s:.1f} | {len(res.ttft_s) / res.makespan_s:.3f} | "
@@ -997,6 +1089,24 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--ttft-slo", type=float, default=30.0)
     t.add_argument("--tpot-slo", type=float, default=1.0)
     t.add_argument("--plot", metavar="FILE.png", help="also draw TTFT / TPOT percentiles per policy")
+    t.add_argument("--tiers", action="store_true",
+                   help="also replay with host and disk tiers under the prefix cache (tier copies measured here)")
+    t.add_argument("--write-policy", default="write_through_selective", choices=["write_through",
+                   "write_through_selective", "write_back"], help="the tiers' write policy")
+    ti = sub.add_parser("tiers")
+    ti.add_argument("path")
+    ti.add_argument("--model", default="default")
+    ti.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
+    ti.add_argument("--num-requests", type=int, default=48)
+    ti.add_argument("--block-tokens", type=int, default=16, help="tokens per 512-token trace block")
+    ti.add_argument("--output-scale", type=float, default=1 / 32)
+    ti.add_argument("--max-model-len", type=int, default=1024)
+    ti.add_argument("--concurrency", type=int, default=4, help="requests generated together, in arrival order")
+    ti.add_argument("--kv-blocks", type=int, default=96, help="device KV pages (16 tokens each)")
+    ti.add_argument("--host-pages", type=int, default=64,
+                    help="host tier pages over the disk tier (the host-only setup gets its default, 2x the pool)")
+    ti.add_argument("--write-policy", default="write_through", choices=["write_through",
+                    "write_through_selective", "write_back"])
     c = sub.add_parser("context")
     c.add_argument("--model", default="default")
     c.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
@@ -1074,6 +1184,12 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "trace":
         _check_plot(parser, args.plot)
         bench_trace(args)
+    elif args.command == "tiers":
+        if min(args.num_requests, args.concurrency, args.kv_blocks, args.host_pages, args.block_tokens) <= 0:
+            parser.error("--num-requests, --concurrency, --kv-blocks, --host-pages and --block-tokens must be > 0")
+        if not os.path.exists(args.path):
+            parser.error(f"trace {args.path} does not exist")
+        bench_tiers(args)
     elif args.command in ("context", "kv-dtypes"):
         contexts = args.contexts if args.command == "context" else [args.context]
         if args.batch <= 0 or args.new_tokens < 2 or any(c <= args.new_tokens for c in contexts):

@@ -16,6 +16,7 @@ layers above need no other change. Host-side only: no jax here.
 
 from __future__ import annotations
 
+import collections
 import collections.abc
 import concurrent.futures
 from typing import Sequence
@@ -77,6 +78,10 @@ class _KVTotals:
     @property
     def num_available(self) -> int:
         return sum(kv.num_available for kv in self._kvs)
+
+    @property
+    def hits(self) -> collections.Counter:
+        return sum((kv.hits for kv in self._kvs), collections.Counter())
 
     def flush_prefix_cache(self, namespace: int | None = None) -> int:
         return sum(kv.flush_prefix_cache(namespace) for kv in self._kvs)

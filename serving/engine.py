@@ -28,6 +28,7 @@ import numpy as np
 from serving import scheduler as sched
 from serving.draft_tree import DraftTree
 from serving.kv_manager import KVManager, pages_for
+from serving.kv_tiers import PageCodec, TierConfig, Tiers
 from serving.output import Decode, OutputProcessor, SeqOutput
 from serving.params import SEED_BITS, LoRARequest, SamplingParams, adjusts_logits
 from serving.structured import GrammarCompiler, advance
@@ -84,7 +85,8 @@ class Runner(Protocol):
 
     def execute(self, rows: list[Row]) -> list[RowResult | None]: ...
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None: ...
-    def read_pages(self, pages: list[int]): ...
+    # host copy of pages; wait=False: a function that waits for it (the copy is dispatched)
+    def read_pages(self, pages: list[int], wait: bool = True): ...
     def write_pages(self, pages: list[int], data) -> None: ...
     # with LoRA (sched_config.max_loras > 0): read and check an adapter (ValueError if bad)
     def add_lora(self, request: LoRARequest) -> None: ...
@@ -159,7 +161,7 @@ class EngineCore:
                  preemption_mode: str = RECOMPUTE, seed: int = 0, clock=time.monotonic,
                  decode: Decode | None = None, grammars: GrammarCompiler | None = None,
                  jump_forward: bool = True, encode: Callable[[str], list[int]] | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, tiers: TierConfig | None = None, fingerprint: bytes = b""):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if not sched_config.enable_chunked_prefill and sched_config.max_num_batched_tokens < max_model_len:
@@ -173,7 +175,12 @@ class EngineCore:
         # penalties and biases: bad_words are tokenized with `encode`, logit_bias ids checked
         # against vocab_size (None: the engine has no tokenizer / vocabulary to check with)
         self.encode, self.vocab_size = encode, vocab_size
-        self.kv = KVManager(num_pages, sched_config.page_size, enable_prefix_caching)
+        # host / disk tiers under the prefix cache: pages move as rows of the runner's page data
+        self.tiers = None
+        if tiers is not None:
+            codec = PageCodec(runner.read_pages([0]))
+            self.tiers = Tiers(tiers, codec, codec.page_nbytes * num_pages, fingerprint)
+        self.kv = KVManager(num_pages, sched_config.page_size, enable_prefix_caching, self.tiers)
         self.output = OutputProcessor(eos_token_id, max_model_len, decode)
         self.max_model_len = max_model_len
         self.preemption_mode, self.seed, self.clock = preemption_mode, seed, clock
@@ -372,6 +379,7 @@ class EngineCore:
                             next_token=None if last else self.tokens(sid, end, end + 1)[0],
                             tree=tree, token_mask=mask, adjust=self._adjustments(seq) if last else None,
                             lora=s.lora_id))
+        self._move_tiered_pages()  # before the copies and the step write the pool
         self.runner.copy_pages(copies)
         results = self.runner.execute(rows) if rows else []
         taken: dict[str, int] = {}
@@ -403,7 +411,30 @@ class EngineCore:
         for sid in taken:
             if self.seqs[sid].finished:
                 self._release_seq(self.seqs[sid])
+        if self.tiers is not None:
+            self._move_tiered_pages()  # what this step cached is copied down now, not at the next step
+            self.tiers.end_step()
         return {self.seqs[sid].request_id for sid in taken}
+
+    def _move_tiered_pages(self) -> None:
+        """Run the KV manager's queued tier copies: device pages down to the tiers, then
+        tier pages into their new device pages. Called before anything else writes the
+        pool, so a page copied down still holds what it held when it was queued."""
+        offloads, loads = self.kv.take_offloads(), self.kv.take_loads()
+        if not offloads and not loads:
+            return
+        if offloads:
+            self.tiers.settle()  # the last copies down land first (timed there)
+        start = time.perf_counter()
+        if offloads:  # dispatched now, stored in the host tier by the next call (or a lookup)
+            keys, pages = zip(*offloads)
+            fetch = self.runner.read_pages(list(pages), wait=False)
+            self.tiers.copy_down(list(keys), lambda: self.tiers.codec.pack(fetch()))
+        if loads:
+            pages, rows = zip(*loads)
+            self.runner.write_pages(list(pages), self.tiers.codec.unpack(np.stack(rows)))
+        self.tiers.copy_s += time.perf_counter() - start
+        self.tiers.pages_moved += len(offloads) + len(loads)
 
     def _follow_grammar(self, seq: SeqState, tokens: Sequence[int], prompt_len: int) -> int:
         """Feed the matcher the sequence's new tokens; end the sequence once the grammar is
@@ -464,11 +495,12 @@ class EngineCore:
         if seq.swapped is not None:
             self.kv.admit(s.seq_id, (), use_cache=False, namespace=s.lora_id)
             self.kv.ensure(s.seq_id, s.num_computed_tokens)
+            self._move_tiered_pages()  # ensure may have evicted pages queued to be copied down
             self.runner.write_pages(self.kv.tables[s.seq_id], seq.swapped)
             seq.swapped = None
             return
         hit = self.kv.admit(s.seq_id, self.tokens(s.seq_id), use_cache=self._reads_cache(s.seq_id),
-                            namespace=s.lora_id)
+                            namespace=s.lora_id, limit=s.num_computed_tokens)
         assert hit == s.num_computed_tokens, (hit, s.num_computed_tokens)
         req = self.requests[seq.request_id]
         if seq.index == 0 and not req.forked:

@@ -4,13 +4,17 @@ The KV manager makes every page decision: how many pages tokens take (`pages_for
 one place that rounds), which pages a step may write without a copy (what the
 scheduler is shown), the copies a step needs (`prepare`), sharing on fork and release.
 Host-side bookkeeping only (numpy and Python lists, on purpose); the engine moves
-the bytes on device when this says so (page copies for copy-on-write, swaps).
+the bytes on device when this says so (page copies for copy-on-write, swaps, and with
+host / disk tiers the pages it queues in `offloads` and `loads`).
 """
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
+from serving.kv_tiers import SELECTIVE_HITS, WRITE_BACK, WRITE_THROUGH, WRITE_THROUGH_SELECTIVE, Tiers, chain
 from serving.radix_cache import NoFreePages, PagePool, RadixCache
 
 
@@ -20,10 +24,27 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 class KVManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    """tiers: host (and disk) tiers under the prefix cache, or None. They hold the base
+    model's pages (namespace 0) only: a LoRA adapter's id names different weights in
+    another process, so its K/V must not outlive the device tree."""
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 tiers: Tiers | None = None):
+        if tiers is not None and not enable_prefix_caching:
+            raise ValueError("the hierarchical cache extends the prefix cache: enable_prefix_caching must be on")
         self.page_size = page_size
         self.pool = PagePool(num_pages)
-        self.radix = RadixCache(self.pool, page_size) if enable_prefix_caching else None
+        self.radix = None
+        if enable_prefix_caching:
+            self.radix = RadixCache(self.pool, page_size, tiers.fingerprint if tiers is not None else b"")
+        self.tiers = tiers
+        # Queued for the engine, which runs them before anything writes the pool:
+        # (key, device page) to copy down to the tiers, then (device page, host row) to load.
+        self.offloads: list[tuple[bytes, int]] = []
+        self.loads: list[tuple[int, np.ndarray]] = []
+        self.hits: collections.Counter = collections.Counter()  # prompt tokens served, by tier
+        if tiers is not None:
+            self.radix.on_evict = self._evicted
         self.tables: dict[str, list[int]] = {}
         self._locks: dict[str, object] = {}  # seq_id -> radix node it keeps locked
         self._namespaces: dict[str, int] = {}  # seq_id -> its prefix-cache namespace (LoRA id)
@@ -63,7 +84,19 @@ class KVManager:
             return 0
         if namespace is not None:
             return self.radix.drop_namespace(namespace)
-        return self.radix.evict(self.radix.evictable_pages)
+        hook, self.radix.on_evict = self.radix.on_evict, None  # stale pages are not copied down
+        try:
+            return self.radix.evict(self.radix.evictable_pages)
+        finally:
+            self.radix.on_evict = hook
+
+    def reseed(self, fingerprint: bytes) -> None:
+        """New weights: flush the prefix cache and key pages under the new model from now on."""
+        self.flush_prefix_cache()
+        if self.tiers is not None:
+            self.offloads.clear()
+            self.radix.reseed(fingerprint)
+            self.tiers.reseed(fingerprint)
 
     def _allocate(self, n: int) -> list[int]:
         if n > self.pool.num_free and self.radix is not None:
@@ -73,26 +106,100 @@ class KVManager:
     # -- prefix cache ----------------------------------------------------------
 
     def cached_prefix_len(self, tokens, namespace: int = 0) -> int:
-        """Tokens of `tokens` the cache could serve (page-aligned, leaving one to compute).
+        """Tokens of `tokens` the cache could serve (page-aligned, leaving one to compute):
+        from the device tree, then from the host and disk tiers (whose pages this stages
+        in host memory for the step: see `Tiers.stage`).
         namespace: whose KV (0: the base model; a LoRA adapter's id: computed under it)."""
         if self.radix is None or len(tokens) < 2:
             return 0
-        pages, _ = self.radix.match_prefix(tokens[:len(tokens) - 1], touch=False, namespace=namespace)
-        return len(pages) * self.page_size
+        pages, node = self.radix.match_prefix(tokens[:len(tokens) - 1], touch=False, namespace=namespace)
+        staged = self._staged(node, tokens[:len(tokens) - 1], len(pages), namespace)
+        return (len(pages) + len(staged)) * self.page_size
 
-    def admit(self, seq_id: str, tokens, use_cache: bool = True, namespace: int = 0) -> int:
-        """Start a block table for seq_id, reusing cached prefix pages of its namespace;
-        returns cached tokens."""
+    def _staged(self, node, tokens, first: int, namespace: int) -> list[bytes]:
+        """Keys of the pages of `tokens` from page `first` on (the device match ends at
+        `node`) that the tiers hold, as far as they run without a gap."""
+        keys = []
+        if self.tiers is None or namespace != 0:
+            return keys
+        key = node.hash
+        for i in range(first, len(tokens) // self.page_size):
+            (key,) = chain(key, tokens[i * self.page_size:(i + 1) * self.page_size], self.page_size)
+            if not self.tiers.stage(key):
+                break
+            keys.append(key)
+        return keys
+
+    def admit(self, seq_id: str, tokens, use_cache: bool = True, namespace: int = 0,
+              limit: int | None = None) -> int:
+        """Start a block table for seq_id, reusing cached prefix pages of its namespace, at
+        most `limit` tokens of them (what the scheduler counted on); returns cached tokens.
+        Pages from the tiers get new device pages, queued in `loads`."""
         assert seq_id not in self.tables
         pages, node = [], None
         if use_cache and self.radix is not None and len(tokens) >= 2:
-            pages, node = self.radix.match_prefix(tokens[:len(tokens) - 1], namespace=namespace)
+            end = len(tokens) - 1 if limit is None else min(len(tokens) - 1, limit)
+            pages, node = self.radix.match_prefix(tokens[:end], namespace=namespace)
             self.radix.lock(node)
             self.pool.incref(pages)
+            self.hits["device"] += len(pages) * self.page_size
+            self._count_hit(node)
+            staged = self._staged(node, tokens[:end], len(pages), namespace)
+            if staged:
+                new = self._allocate(len(staged))  # the match is locked: eviction spares it
+                for key, page in zip(staged, new):
+                    self.hits[self.tiers.host.origin[key]] += self.page_size
+                    self.tiers.host.origin[key] = "host"  # staged from disk once; in host memory now
+                    self.loads.append((page, self.tiers.host.get(key)))
+                pages = pages + new
+                leaf = self.radix.insert(tokens[:len(pages) * self.page_size], pages, namespace)
+                leaf.backed = True  # its pages are in the host tier
+                self.radix.lock(leaf)
+                self.radix.unlock(node)
+                node = leaf
         self.tables[seq_id] = list(pages)
         self._locks[seq_id] = node
         self._namespaces[seq_id] = namespace
         return len(pages) * self.page_size
+
+    # -- write policy: which device pages are copied down, and when ------------------
+
+    def _copy_down(self, node) -> None:
+        node.backed = True
+        self.offloads.extend(zip(node.page_keys(self.page_size), node.pages))
+
+    def _count_hit(self, node) -> None:
+        """An admission matched through `node` and its ancestors (write-through-selective
+        copies a node down at its SELECTIVE_HITS-th hit)."""
+        if self.tiers is None or node.parent is None or self.radix.namespace_of(node) != 0:
+            return
+        while node.parent is not None:
+            node.hits += 1
+            if self.tiers.policy == WRITE_THROUGH_SELECTIVE and node.hits >= SELECTIVE_HITS and not node.backed:
+                self._copy_down(node)
+            node = node.parent
+
+    def _cached(self, node) -> None:
+        """`node` and its ancestors were just cached (write-through copies them down)."""
+        if self.tiers is None or self.tiers.policy != WRITE_THROUGH or self.radix.namespace_of(node) != 0:
+            return
+        while node.parent is not None and not node.backed:
+            self._copy_down(node)
+            node = node.parent
+
+    def _evicted(self, leaf) -> None:
+        """The device tree evicts `leaf` (write-back copies it down now; otherwise what
+        was not copied down is dropped)."""
+        if self.tiers.policy == WRITE_BACK and not leaf.backed and self.radix.namespace_of(leaf) == 0:
+            self._copy_down(leaf)
+
+    def take_offloads(self) -> list[tuple[bytes, int]]:
+        out, self.offloads = self.offloads, []
+        return out
+
+    def take_loads(self) -> list[tuple[int, np.ndarray]]:
+        out, self.loads = self.loads, []
+        return out
 
     def cache_computed(self, seq_id: str, tokens, num_computed: int) -> None:
         """Offer the sequence's full computed pages to the prefix cache."""
@@ -103,6 +210,7 @@ class KVManager:
             return
         table = self.tables[seq_id]
         node = self.radix.insert(tokens[:full * self.page_size], table[:full], self._namespaces[seq_id])
+        self._cached(node)
         # Where these tokens were cached first, under other pages (the same K/V), the sequence
         # takes the cached pages and gives back its own copies, as SGLang does: a duplicate
         # would stay allocated, and the cached copy pinned under the sequence's newer pages.
@@ -189,6 +297,8 @@ class KVManager:
             for p in self.radix.cached_pages():
                 holders[p] += 1
             self.radix.check()
+        if self.tiers is not None:
+            self.tiers.check()
         assert holders == self.pool.ref_counts.tolist(), "refcount != holders"
         free = set(self.pool._free)
         assert len(free) == len(self.pool._free), "page on the free list twice"

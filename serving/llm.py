@@ -29,10 +29,19 @@ Many fine-tunes of one base (S-LoRA): PEFT adapters chosen per request, mixed in
 
     llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=16)
     out = llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "path/to/peft_dir"))
+
+Prefixes the device pool evicts kept in host memory and on disk (SGLang's HiCache), so
+they are loaded back, not recomputed; the disk tier outlives the engine
+(serving/kv_tiers.py):
+
+    llm = LLM(enable_hierarchical_cache=True, host_cache_bytes=2 << 30,
+              disk_cache_dir="/var/cache/kvfold", hicache_write_policy="write_through")
+    llm.engine.kv.hits                            # prompt tokens served, by tier
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import itertools
 import numbers
@@ -55,6 +64,7 @@ from model.sharding import check_expert_parallel, check_tensor_parallel
 from model import compile_cache
 from serving import scheduler as sched
 from serving.draft_tree import TreeSpec
+from serving.kv_tiers import TierConfig
 from serving.data_parallel import DataParallelEngine
 from serving.engine import PREEMPTION_MODES, RECOMPUTE, SWAP, EngineCore
 from serving.multihost import BroadcastRunner
@@ -82,7 +92,10 @@ class LLM:
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, weights_dtype: str | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, expert_parallel_size: int = 1,
-                 precompile: bool = False):
+                 precompile: bool = False, enable_hierarchical_cache: bool = False,
+                 host_cache_bytes: int | None = None, disk_cache_dir: str | None = None,
+                 disk_cache_bytes: int = TierConfig.disk_cache_bytes,
+                 hicache_write_policy: str = TierConfig.write_policy):
         import model as model_lib
 
         config, params = model_lib.load(model, dtype, weights_dtype)
@@ -91,7 +104,8 @@ class LLM:
                     kv_cache_dtype, scheduling_policy, capacity_policy, chunking_policy,
                     preemption_mode, seed, dtype, speculative_config, jump_forward, enable_lora,
                     max_loras, max_lora_rank, max_cpu_loras, weights_dtype, tensor_parallel_size,
-                    data_parallel_size, expert_parallel_size, precompile)
+                    data_parallel_size, expert_parallel_size, precompile, enable_hierarchical_cache,
+                    host_cache_bytes, disk_cache_dir, disk_cache_bytes, hicache_write_policy)
 
     @classmethod
     def from_loaded(cls, config: model.ModelConfig, params: dict, tokenizer: model.Tokenizer,
@@ -113,7 +127,9 @@ class LLM:
                max_num_seqs, max_num_batched_tokens, enable_prefix_caching, kv_cache_dtype,
                scheduling_policy, capacity_policy, chunking_policy, preemption_mode, seed, dtype,
                speculative_config, jump_forward, enable_lora, max_loras, max_lora_rank, max_cpu_loras,
-               weights_dtype, tensor_parallel_size, data_parallel_size, expert_parallel_size, precompile):
+               weights_dtype, tensor_parallel_size, data_parallel_size, expert_parallel_size, precompile,
+               enable_hierarchical_cache, host_cache_bytes, disk_cache_dir, disk_cache_bytes,
+               hicache_write_policy):
         # Every argument is checked here, before anything is built.
         if weights_dtype is not None and weights_dtype not in WEIGHTS_DTYPES:
             raise ValueError(f"unknown weights_dtype {weights_dtype!r}; allowed: {', '.join(WEIGHTS_DTYPES)}")
@@ -155,6 +171,17 @@ class LLM:
         if multihost and (dp > 1 or preemption_mode != RECOMPUTE):
             raise ValueError("across hosts, data_parallel_size must be 1 and preemption_mode 'recompute'")
         draft = _drafter(speculative_config, config, dtype)
+        tiers = None
+        if check_bool("enable_hierarchical_cache", enable_hierarchical_cache):
+            tiers = TierConfig(host_cache_bytes, disk_cache_dir, disk_cache_bytes, hicache_write_policy)
+            if not enable_prefix_caching:
+                raise ValueError("enable_hierarchical_cache extends the prefix cache: it needs "
+                                 "enable_prefix_caching=True")
+            if dp > 1 or multihost:
+                raise ValueError("the hierarchical cache serves one engine on one host yet: use it with "
+                                 "data_parallel_size=1")
+        elif (host_cache_bytes, disk_cache_dir) != (None, None):
+            raise ValueError("host_cache_bytes and disk_cache_dir need enable_hierarchical_cache=True")
         if check_bool("precompile", precompile) and multihost:
             raise ValueError("precompile does not cover several hosts yet")
         lora = None
@@ -217,7 +244,8 @@ class LLM:
                               decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
                               grammars=grammars, jump_forward=jump_forward,
                               encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False),
-                              vocab_size=config.vocab_size)
+                              vocab_size=config.vocab_size, tiers=tiers,
+                              fingerprint=b"" if tiers is None else self._fingerprint(runner))
                    for rank, runner in enumerate(self.runners)]
         self.engine = engines[0] if dp == 1 else DataParallelEngine(engines)
         if precompile:  # every step shape now, so serving never stops to compile
@@ -249,7 +277,24 @@ class LLM:
             for runner in self.runners:
                 runner.params = params if runner.mesh is None else \
                     model.shard_params(params, self.config, runner.mesh)[1]
-            self.engine.kv.flush_prefix_cache()
+            if getattr(self.engine, "tiers", None) is not None:
+                self.engine.kv.reseed(self._fingerprint(self.runner))  # the tiers' pages are the old model's
+            else:
+                self.engine.kv.flush_prefix_cache()
+
+    def _fingerprint(self, runner: ModelRunner) -> bytes:
+        """The identity of the K/V a runner computes, the root of the tiers' page keys: the
+        model config, the pool's page layout and a strided sample of every weight (the
+        draft's too: its K/V shares the pages), so another model never reads these pages."""
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(repr((self.config, runner.page_size, jax.tree.map(
+            lambda a: (a.shape, str(a.dtype)), runner.pool))).encode())
+        weights = [runner.params] + ([runner.draft.params] if runner.draft is not None else [])
+        for leaf in jax.tree.leaves(weights):
+            flat = jnp.ravel(leaf)
+            sample = np.asarray(flat[::max(1, flat.size // 4096)])
+            digest.update(repr((leaf.shape, str(leaf.dtype))).encode() + sample.tobytes())
+        return digest.digest()
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read and check an adapter now, so its first request does not wait for it (vLLM's
@@ -443,6 +488,8 @@ class LLM:
                     self._step(added)
                 bar.update(done - bar.n)
             with self._lock:
+                if getattr(self.engine, "tiers", None) is not None:
+                    self.engine.tiers.flush()  # what the batch cached is in host memory and on disk
                 return [self._output(rid, text) for rid, text in added]
         finally:
             self._forget(added)

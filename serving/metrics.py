@@ -88,6 +88,11 @@ class _EngineCollector:
                                 value=s.kv_used_pages / s.kv_total_pages)
         yield CounterMetricFamily("kvfold:num_preemptions", "Sequences preempted (recomputed or swapped)",
                                   value=s.num_preemptions)
+        by_tier = CounterMetricFamily("kvfold:prefix_cache_hits_by_tier", "Prompt tokens served from "
+                                      "each tier of the prefix cache (device, host, disk)", labels=["tier"])
+        for tier, tokens in s.cache_hits_by_tier:
+            by_tier.add_metric([tier], tokens)
+        yield by_tier
         queries, hits = self.metrics.prefix_totals
         yield GaugeMetricFamily("kvfold:prefix_cache_hit_rate", "Prompt tokens served from the prefix "
                                 "cache over prompt tokens, since start", value=hits / queries if queries else 0.0)

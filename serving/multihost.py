@@ -70,7 +70,7 @@ class BroadcastRunner:
     def copy_pages(self, pairs):
         return self._call("copy_pages", pairs)
 
-    def read_pages(self, pages):
+    def read_pages(self, pages, wait=True):
         raise ValueError("swap preemption is not supported across hosts: use preemption_mode='recompute'")
 
     def write_pages(self, pages, data):

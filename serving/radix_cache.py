@@ -4,6 +4,10 @@ A page's reference count is its number of holders: each sequence whose block tab
 lists it, plus one if the tree holds it. A page is free when nobody holds it. Tree
 nodes are locked by the sequences using them (lock_ref walks to the root); only
 unlocked leaves are evicted, least recently used first, when pages run out.
+
+Each node also keeps the prefix-chained key of its last page (serving/kv_tiers.py), so
+the pages below the device tree can be looked up in the host and disk tiers, and its
+hit count and whether its pages were copied down (`backed`) for the write policy.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import heapq
 import itertools
 
 import numpy as np
+
+from serving.kv_tiers import chain, root_hash
 
 
 class NoFreePages(RuntimeError):
@@ -53,20 +59,31 @@ class PagePool:
 
 
 class Node:
-    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "hash", "hits", "backed")
 
-    def __init__(self, key: tuple[int, ...], pages: list[int], parent: "Node | None"):
+    def __init__(self, key: tuple[int, ...], pages: list[int], parent: "Node | None", page_size: int = 1,
+                 start: bytes = b""):
         self.key, self.pages, self.parent = key, pages, parent
         self.children: dict[tuple[int, ...], Node] = {}
         self.lock_ref = 0
         self.last_access = 0
+        # the chained key of the node's last page (its parent's for an empty key: a root's
+        # is the namespace's root_hash)
+        self.hash = chain(parent.hash, key, page_size)[-1] if key else start
+        self.hits = 0  # admissions that matched through this node
+        self.backed = False  # its pages were copied to the host tier
+
+    def page_keys(self, page_size: int) -> list[bytes]:
+        """The chained keys of the node's pages."""
+        return chain(self.parent.hash, self.key, page_size)
 
 
 class RadixCache:
     """Prefix cache over full pages. Keys are token tuples, page-aligned."""
 
-    def __init__(self, pool: PagePool, page_size: int):
-        self.pool, self.page_size = pool, page_size
+    def __init__(self, pool: PagePool, page_size: int, fingerprint: bytes = b""):
+        self.pool, self.page_size, self.fingerprint = pool, page_size, fingerprint
+        self.on_evict = None  # called with each evicted leaf before its pages are released
         self.roots: dict[int, Node] = {}  # one tree per namespace (a LoRA adapter's KV differs)
         self.holds = np.zeros(pool.num_pages, bool)  # pages a node holds (one reference each)
         self.root = self._root(0)
@@ -77,7 +94,7 @@ class RadixCache:
     def _root(self, namespace: int) -> Node:
         root = self.roots.get(namespace)
         if root is None:
-            root = self.roots[namespace] = Node((), [], None)
+            root = self.roots[namespace] = Node((), [], None, start=root_hash(self.fingerprint, namespace))
             root.lock_ref = 1  # a root is never evicted
         return root
 
@@ -120,8 +137,9 @@ class RadixCache:
     def _split(self, child: Node, pages_kept: int) -> Node:
         """Cut `child` after `pages_kept` pages; returns the new upper node."""
         cut = pages_kept * self.page_size
-        upper = Node(child.key[:cut], child.pages[:pages_kept], child.parent)
+        upper = Node(child.key[:cut], child.pages[:pages_kept], child.parent, self.page_size)
         upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
+        upper.hits, upper.backed = child.hits, child.backed
         child.parent.children[self._child_key(child.key, 0)] = upper
         child.key, child.pages, child.parent = child.key[cut:], child.pages[pages_kept:], upper
         upper.children[self._child_key(child.key, 0)] = child
@@ -140,7 +158,7 @@ class RadixCache:
         depth = self._depth(node)
         if depth < len(tokens):
             new_pages = list(pages[depth // self.page_size:])
-            leaf = Node(tokens[depth:], new_pages, node)
+            leaf = Node(tokens[depth:], new_pages, node, self.page_size)
             leaf.last_access = next(self._clock)
             node.children[self._child_key(leaf.key, 0)] = leaf
             self.pool.incref(new_pages)
@@ -181,6 +199,18 @@ class RadixCache:
                 self.protected_pages -= len(node.pages)
             node = node.parent
 
+    def namespace_of(self, node: Node) -> int:
+        while node.parent is not None:
+            node = node.parent
+        return next(ns for ns, root in self.roots.items() if root is node)
+
+    def reseed(self, fingerprint: bytes) -> None:
+        """Key pages under another model's fingerprint (the tree must be empty: new weights)."""
+        assert not any(root.children for root in self.roots.values()), "reseeding a tree that holds pages"
+        self.fingerprint = fingerprint
+        for namespace, root in self.roots.items():
+            root.hash = root_hash(fingerprint, namespace)
+
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` pages from unlocked leaves (LRU first); returns freed."""
         heap = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
@@ -189,6 +219,8 @@ class RadixCache:
         while freed < num_pages and heap:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
+            if self.on_evict is not None:
+                self.on_evict(leaf)
             del parent.children[self._child_key(leaf.key, 0)]
             self.pool.decref(leaf.pages)
             self.holds[leaf.pages] = False
@@ -238,5 +270,6 @@ class RadixCache:
         assert not held.any() and self.holds.sum() == len(self.cached_pages()), "holds != the nodes' pages"
         for n in self._nodes():
             assert len(n.key) == len(n.pages) * self.page_size
+            assert n.hash == n.page_keys(self.page_size)[-1], "a node's key is not its prefix's chain"
             if n.lock_ref == 0:
                 assert all(c.lock_ref == 0 for c in n.children.values()), "locked child of unlocked node"

@@ -559,10 +559,17 @@ class ModelRunner:
             src, dst = (jnp.asarray(_padded(x)) for x in zip(*pairs))
             self.pool = _copy_pages(self.pool, src, dst)
 
-    def read_pages(self, pages: list[int]):
-        """Host copy of `pages` in every layer (swap out)."""
+    def read_pages(self, pages: list[int], wait: bool = True):
+        """Host copy of `pages` in every layer (swap out, tier copies); wait=False starts
+        the copy and returns a function that waits for it (later writes to the pool do
+        not change what it returns)."""
         data = _read_pages(self.pool, jnp.asarray(_padded(pages)))
-        return jax.tree.map(lambda a: np.asarray(a)[:len(pages)], data)
+        fetch = lambda: jax.tree.map(lambda a: np.asarray(a)[:len(pages)], data)
+        if wait:
+            return fetch()
+        for leaf in jax.tree.leaves(data):
+            leaf.copy_to_host_async()
+        return fetch
 
     def write_pages(self, pages: list[int], data) -> None:
         """Put host data back into `pages` (swap in)."""

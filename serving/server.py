@@ -33,6 +33,7 @@ from model import compile_cache
 from model.weights import WEIGHTS_DTYPES
 from serving import openai_protocol as protocol
 from serving.async_llm import AsyncLLM, EngineDead, Overloaded, Stream
+from serving.kv_tiers import WRITE_POLICIES, TierConfig
 from serving.metrics import ServerMetrics
 from serving.params import LoRARequest
 
@@ -316,6 +317,13 @@ def _parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="how the weights stay in memory: float32, bfloat16, gguf (a GGUF file's own "
                              "blocks), or a packed format (int8, w8a8, int4, fp8, q8_0, q4_0, q4_1)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--enable-hierarchical-cache", action="store_true",
+                        help="keep evicted prefixes in host memory (and on disk): LLM(enable_hierarchical_cache=True)")
+    parser.add_argument("--host-cache-bytes", type=int, default=None,
+                        help="host tier size (default: twice the device KV pool)")
+    parser.add_argument("--disk-cache-dir", default=None, help="disk tier directory (default: no disk tier)")
+    parser.add_argument("--disk-cache-bytes", type=int, default=TierConfig.disk_cache_bytes)
+    parser.add_argument("--hicache-write-policy", default=TierConfig.write_policy, choices=WRITE_POLICIES)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="shard the model over this many devices (LLM(tensor_parallel_size=...))")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
@@ -389,7 +397,9 @@ def build(args: argparse.Namespace) -> FastAPI:
               max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
               weights_dtype=args.weights_dtype, tensor_parallel_size=args.tensor_parallel_size,
               data_parallel_size=args.data_parallel_size, expert_parallel_size=args.expert_parallel_size,
-              precompile=args.precompile)
+              precompile=args.precompile, enable_hierarchical_cache=args.enable_hierarchical_cache,
+              host_cache_bytes=args.host_cache_bytes, disk_cache_dir=args.disk_cache_dir,
+              disk_cache_bytes=args.disk_cache_bytes, hicache_write_policy=args.hicache_write_policy)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return create_app(llm, args.served_model_name or args.model, api_key, args.max_waiting_requests,
                       args.max_waiting_tokens, args.max_request_body_bytes, lora_modules)

@@ -25,6 +25,7 @@ import numpy as np
 from serving import scheduler as sched
 from serving.engine import EngineCore, Row, RowResult
 from serving.kv_manager import pages_for
+from serving.kv_tiers import TierConfig
 from serving.params import SamplingParams
 
 
@@ -103,10 +104,17 @@ def fit_cost_model(prefill_samples: list[tuple[list[int], list[int], float]],
 
 
 class SimRunner:
-    """The runner contract without a model: deterministic tokens, predicted time."""
+    """The runner contract without a model: deterministic tokens, predicted time.
 
-    def __init__(self, cost: CostModel, vocab_size: int = 32000, avoid_token: int | None = None):
+    With page_size, it also keeps a stand-in KV pool where a position's "K/V" is its
+    token id (-1: never written), moved by copies, swaps and tier loads like real pages,
+    so tests can check that every page a sequence reads holds its own tokens."""
+
+    def __init__(self, cost: CostModel, vocab_size: int = 32000, avoid_token: int | None = None,
+                 page_size: int | None = None):
         self.cost, self.vocab, self.avoid = cost, vocab_size, avoid_token
+        self.page_size = page_size
+        self.pages: dict[int, np.ndarray] = {}  # the stand-in pool, page id -> token ids
         # The engine calls execute only when it scheduled rows: num_steps tells the
         # caller whether last_step_time belongs to the step it just ran.
         self.num_steps = 0
@@ -117,6 +125,10 @@ class SimRunner:
         self.last_step_time = self.cost.step_time(rows)
         out: list[RowResult | None] = []
         for r in rows:
+            if self.page_size is not None and r.tree is None:
+                for i, tok in enumerate(r.tokens):
+                    page, slot = divmod(r.start + i, self.page_size)
+                    self._page(r.block_table[page])[slot] = tok
             if not r.sample:
                 out.append(None)
                 continue
@@ -126,14 +138,41 @@ class SimRunner:
             out.append(RowResult((int(tok),)))
         return out
 
-    def copy_pages(self, pairs) -> None:
-        pass
+    def _page(self, page: int) -> np.ndarray:
+        if page not in self.pages:
+            self.pages[page] = np.full(self.page_size or 1, -1, np.int64)
+        return self.pages[page]
 
-    def read_pages(self, pages):
-        return list(pages)
+    def copy_pages(self, pairs) -> None:
+        for src, dst in pairs:
+            self.pages[dst] = self._page(src).copy()
+
+    def read_pages(self, pages, wait: bool = True):
+        """Host copy of pages: int64 [n, page_size] (the page ids themselves without a page size)."""
+        if self.page_size is None:
+            data = np.asarray(list(pages), np.int64)[:, None]
+        else:
+            data = np.stack([self._page(p).copy() for p in pages])
+        return data if wait else lambda: data
 
     def write_pages(self, pages, data) -> None:
-        pass
+        if self.page_size is not None:
+            for page, row in zip(pages, data):
+                self.pages[page] = np.array(row)
+
+    def kv_tokens(self, block_table, num_tokens: int) -> list[int]:
+        """The stand-in K/V of positions [0, num_tokens) through a block table."""
+        return [int(self._page(block_table[i // self.page_size])[i % self.page_size]) for i in range(num_tokens)]
+
+
+@dataclasses.dataclass(frozen=True)
+class TierCost:
+    """Seconds per page moved between the tiers, on the engine thread (measure_tier_cost):
+    host -> device, disk -> host, and device -> host (a copy down)."""
+
+    load_host_s: float
+    load_disk_s: float
+    copy_down_s: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,22 +196,34 @@ class SimResult:
     steps: int  # steps that ran rows (empty steps cost nothing and are not counted)
     # per request, aligned with ttft_s: its TPOT, 0 for a single output token (no gap)
     request_tpot_s: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    # with tiers: prompt tokens served by tier, and the seconds spent moving pages
+    hits: dict = dataclasses.field(default_factory=dict)
+    io_s: float = 0.0
 
 
 def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, num_pages: int,
              max_model_len: int, cost: CostModel, enable_prefix_caching: bool = True,
-             max_steps: int = 10_000_000) -> SimResult:
+             max_steps: int = 10_000_000, tiers: TierConfig | None = None,
+             tier_cost: TierCost | None = None) -> SimResult:
     """Replay `requests` through the engine core on simulated time.
+
+    With tiers (host_cache_bytes at 8 bytes a page: the simulator's pages are their ids),
+    each page a step moves between tiers adds tier_cost's time to the step, as the engine
+    moves them on its own thread between steps.
 
     Time advances by each step's predicted cost. A step that schedules nothing (an idle
     engine, or every request blocked) costs nothing; when it preempted nothing either,
     the engine cannot move until the next arrival, so time jumps there. max_steps bounds
     the engine steps taken, empty ones included. Raises RuntimeError if the engine is
     stuck with no arrival left to change that."""
+    if (tiers is None) != (tier_cost is None):
+        raise ValueError("simulating tiers needs both tiers and tier_cost")
     now = [0.0]
     runner = SimRunner(cost)
     engine = EngineCore(runner, sched_config, num_pages, max_model_len, eos_token_id=None,
-                        enable_prefix_caching=enable_prefix_caching, clock=lambda: now[0])
+                        enable_prefix_caching=enable_prefix_caching, clock=lambda: now[0], tiers=tiers,
+                        fingerprint=b"simulator")
+    io_s = 0.0
     pending = sorted(requests, key=lambda r: r.arrival_s)
     token_times: dict[str, list[float]] = {}
     arrivals: dict[str, float] = {}
@@ -189,8 +240,15 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
             token_times[rid] = []
             i += 1
         executed, preempted = runner.num_steps, engine.num_preemptions
+        before = (engine.kv.hits["host"], engine.kv.hits["disk"], engine.tiers.pages_moved if tiers else 0)
         progressed = engine.step()
         taken += 1
+        if tiers is not None:
+            host, disk = ((engine.kv.hits[t] - b) // sched_config.page_size for t, b in zip(("host", "disk"), before))
+            down = engine.tiers.pages_moved - before[2] - host - disk
+            step_io = host * tier_cost.load_host_s + disk * tier_cost.load_disk_s + down * tier_cost.copy_down_s
+            now[0] += step_io
+            io_s += step_io
         if runner.num_steps == executed:
             if engine.num_preemptions == preempted:  # nothing changed: wait for an arrival
                 if i == len(pending):
@@ -216,9 +274,46 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
         if len(times) > 1:
             tpot.append(gap)
             itl.extend(np.diff(times))
+    if engine.tiers is not None:
+        engine.tiers.flush()
     return SimResult(np.array(ttft), np.array(tpot), np.array(itl), np.array(e2e),
                      sum(len(t) for t in token_times.values()), sum(len(r.prompt) for r in requests),
-                     cached, now[0], engine.num_preemptions, runner.num_steps, np.array(request_tpot))
+                     cached, now[0], engine.num_preemptions, runner.num_steps, np.array(request_tpot),
+                     dict(engine.kv.hits), io_s)
+
+
+def measure_tier_cost(llm, directory: str, num_pages: int = 64, repeats: int = 3) -> TierCost:
+    """Seconds per page of the tier copies on `llm`'s runner (a serving.LLM): write_pages
+    (host -> device), read_pages (device -> host) and a disk tier's write and read of
+    pages of its size under `directory`, best of `repeats`."""
+    import jax
+
+    from serving.kv_tiers import DiskTier, PageCodec
+
+    runner = llm.runner
+    pages = list(range(min(num_pages, runner.num_pages)))
+    codec = PageCodec(runner.read_pages(pages[:1]))
+    disk = DiskTier(directory, 4 * len(pages) * (codec.page_nbytes + 64), codec.page_nbytes)
+    best = [float("inf")] * 3
+    for r in range(repeats + 1):  # the first round compiles
+        t = time.perf_counter()
+        rows = codec.pack(runner.read_pages(pages))
+        down = time.perf_counter() - t
+        t = time.perf_counter()
+        runner.write_pages(pages, codec.unpack(rows))
+        jax.block_until_ready(runner.pool)
+        up = time.perf_counter() - t
+        keys = [f"{r}-{p}".encode().ljust(16, b".")[:16] for p in pages]
+        for key, row in zip(keys, rows):
+            disk.put(key, row)
+        disk.flush()
+        t = time.perf_counter()
+        for key in keys:
+            assert disk.get(key) is not None
+        read = time.perf_counter() - t
+        if r:
+            best = [min(b, x / len(pages)) for b, x in zip(best, (up, read, down))]
+    return TierCost(best[0], best[0] + best[1], best[2])
 
 
 # -- measuring the real engine ---------------------------------------------------------

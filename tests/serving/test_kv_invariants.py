@@ -1,13 +1,20 @@
 """Property-based: after any random sequence of add / step / abort / finish / preempt /
 evict events, no page is leaked or freed twice, every refcount equals its holders, the
-radix tree's counters match its nodes, and with a bounded pool everything finishes."""
+radix tree's counters match its nodes, every page a running sequence reads holds its own
+tokens (the simulator's stand-in K/V), also with host and disk tiers under the prefix
+cache, and with a bounded pool everything finishes."""
+
+import tempfile
 
 import hypothesis.strategies as st
+import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from serving import scheduler as sched
 from serving.engine import RECOMPUTE, SWAP, EngineCore
 from serving.kv_manager import pages_for
+from serving.kv_tiers import WRITE_POLICIES, TierConfig
 from serving.params import SamplingParams
 from serving.simulator import CostModel, SimRunner
 
@@ -15,21 +22,33 @@ COST = CostModel((1e-3, 1e-5, 0.0), (1e-3, 1e-6, 1e-4))
 PAGE = 4
 
 prompts = st.lists(st.integers(0, 3), min_size=1, max_size=24)  # small alphabet: shared prefixes
-events = st.lists(st.one_of(
-    st.tuples(st.just("add"), prompts, st.integers(1, 12), st.integers(1, 3)),
-    st.tuples(st.just("step")),
-    st.tuples(st.just("abort"), st.integers(0, 30)),
-    st.tuples(st.just("finish"), st.integers(0, 30)),
-    st.tuples(st.just("evict"), st.integers(1, 8)),
-), min_size=1, max_size=60)
 
 
-def make_engine(policy, preemption, num_pages=24, prefix=True):
+def event_lists(prompts, min_size=1):
+    return st.lists(st.one_of(
+        st.tuples(st.just("add"), prompts, st.integers(1, 12), st.integers(1, 3)),
+        st.tuples(st.just("step")),
+        st.tuples(st.just("abort"), st.integers(0, 30)),
+        st.tuples(st.just("finish"), st.integers(0, 30)),
+        st.tuples(st.just("evict"), st.integers(1, 8)),
+    ), min_size=min_size, max_size=60)
+
+
+events = event_lists(prompts)
+# with tiers: a few long shared prefixes, so that pages are evicted and asked for again
+PREFIXES = tuple(np.random.default_rng(i).integers(0, 4, 12).tolist() for i in range(6))  # 18 pages: over 12
+LONG_PREFIXES = tuple(np.random.default_rng(i).integers(0, 4, 16).tolist() for i in range(10))  # 40 pages: over 32
+tier_events = event_lists(st.builds(lambda p, s: list(p) + s, st.sampled_from(LONG_PREFIXES),
+                                    st.lists(st.integers(0, 3), max_size=4)), min_size=30)
+
+
+def make_engine(policy, preemption, num_pages=24, prefix=True, tiers=None):
     config = sched.SchedulerConfig(page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=16,
                                    capacity_policy=policy, chunk_unit_size=4,
                                    order=sched.LPM if prefix else sched.FCFS)
-    return EngineCore(SimRunner(COST, vocab_size=4), config, num_pages, max_model_len=64,
-                      eos_token_id=None, enable_prefix_caching=prefix, preemption_mode=preemption)
+    return EngineCore(SimRunner(COST, vocab_size=4, page_size=PAGE), config, num_pages, max_model_len=64,
+                      eos_token_id=None, enable_prefix_caching=prefix, preemption_mode=preemption,
+                      tiers=tiers, fingerprint=b"sim")
 
 
 def check(engine):
@@ -42,13 +61,64 @@ def check(engine):
     for s in engine.state.running:  # a running sequence's pages hold its computed KV
         assert len(engine.kv.tables[s.seq_id]) >= pages_for(s.num_computed_tokens, PAGE)
         assert s.num_tokens == len(engine.tokens(s.seq_id)), "scheduler and engine disagree on tokens"
+        assert engine.runner.kv_tokens(engine.kv.tables[s.seq_id], s.num_computed_tokens) == \
+            list(engine.tokens(s.seq_id, 0, s.num_computed_tokens)), "a page holds another sequence's K/V"
+    if engine.tiers is not None:
+        assert not engine.kv.offloads and not engine.kv.loads, "tier copies left queued after a step"
+        assert not engine.tiers.host.pinned, "host pages pinned past their step"
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=events, policy=st.sampled_from(sched.CAPACITY_POLICIES),
        preemption=st.sampled_from([RECOMPUTE, SWAP]), prefix=st.booleans())
 def test_random_events_keep_kv_consistent_and_everything_finishes(events, policy, preemption, prefix):
-    engine = make_engine(policy, preemption, prefix=prefix)
+    run_events(make_engine(policy, preemption, prefix=prefix), events)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=tier_events, policy=st.sampled_from(sched.CAPACITY_POLICIES),
+       preemption=st.sampled_from([RECOMPUTE, SWAP]), write_policy=st.sampled_from(WRITE_POLICIES),
+       host_pages=st.integers(1, 12), disk_pages=st.integers(0, 12))
+def test_random_events_with_host_and_disk_tiers(events, policy, preemption, write_policy, host_pages,
+                                                disk_pages):
+    """The same, with pages copied down to small host and disk tiers and loaded back: a
+    loaded page holds the tokens of the prefix it was matched for."""
+    with tempfile.TemporaryDirectory() as tmp:
+        file_bytes = 8 + 8 + 16 + 8 * PAGE  # kv_tiers.DiskTier's header, then a page of int64 tokens
+        tiers = TierConfig(host_cache_bytes=8 * PAGE * host_pages, write_policy=write_policy,
+                           disk_cache_dir=tmp if disk_pages else None,
+                           disk_cache_bytes=max(disk_pages, 1) * file_bytes)
+        engine = make_engine(policy, preemption, num_pages=32, tiers=tiers)
+        run_events(engine, events)
+        engine.tiers.flush()
+        if disk_pages:  # a restarted engine finds the disk's pages
+            again = make_engine(policy, preemption, num_pages=32, tiers=tiers)
+            assert len(again.tiers.disk.index) == len(engine.tiers.disk.index)
+
+
+@pytest.mark.parametrize("write_policy", WRITE_POLICIES)
+@pytest.mark.parametrize("preemption", [RECOMPUTE, SWAP])
+def test_prefixes_come_back_from_host_and_disk(write_policy, preemption, tmp_path):
+    """Six 3-page prefixes cycled three times through a 12-page pool, a 3-page host tier
+    and a 20-page disk tier: later rounds are served from the tiers (each prefix is asked
+    for three times in a row, so write-through-selective copies it down), every loaded page
+    holds its prefix's tokens (`check`), and a new engine finds the disk's pages."""
+    file_bytes = 8 + 8 + 16 + 8 * PAGE
+    tiers = TierConfig(host_cache_bytes=8 * PAGE * 3, write_policy=write_policy, disk_cache_dir=str(tmp_path),
+                       disk_cache_bytes=20 * file_bytes)
+    engine = make_engine(sched.MAX_UTILIZATION, preemption, num_pages=12, tiers=tiers)
+    events = [ev for r in range(3) for prefix in PREFIXES for k in range(3)
+              for ev in [("add", prefix + [r, k], 2, 1), ("step",), ("step",), ("step",)]]
+    run_events(engine, events)
+    hits = engine.kv.hits
+    assert hits["host"] + hits["disk"] >= 4 * 12, hits  # at least four prefixes came back
+    engine.tiers.flush()
+    again = make_engine(sched.MAX_UTILIZATION, preemption, num_pages=12, tiers=tiers)
+    run_events(again, [("add", PREFIXES[0] + [9], 2, 1)])
+    assert again.kv.hits["disk"] + again.kv.hits["host"] > 0 or write_policy == "write_back"
+
+
+def run_events(engine, events):
     ids = []
     for ev in events:
         if ev[0] == "add":
@@ -65,6 +135,8 @@ def test_random_events_keep_kv_consistent_and_everything_finishes(events, policy
                 engine.finish_seq(sid, "stop")
         elif ev[0] == "evict" and engine.kv.radix is not None:
             engine.kv.radix.evict(ev[1])
+            if engine.tiers is not None:
+                engine._move_tiered_pages()  # what the engine does before its next pool write
         check(engine)
     # With a bounded pool, whatever is left runs to completion (no deadlock).
     for _ in range(2000):

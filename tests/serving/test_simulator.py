@@ -152,6 +152,26 @@ def test_preemption_costs_only_the_steps_that_run():
     assert res.makespan_s == pytest.approx(sum(cost.times), rel=1e-12)
 
 
+def test_tier_copies_add_their_measured_time_to_the_steps(tmp_path):
+    """Prefixes evicted from a small pool come back from the host tier; each page moved
+    adds tier_cost's seconds: time is the steps' sum plus the copies'."""
+    from serving.kv_tiers import TierConfig
+    from serving.simulator import TierCost
+
+    prefixes = [tuple(range(3 + 20 * i, 19 + 20 * i)) for i in range(4)]  # 4 pages each at page 4
+    requests = [SimRequest(float(t), prefixes[t % 4] + (99, t), 2) for t in range(12)]
+    config = sched.SchedulerConfig(page_size=4, max_num_seqs=1, max_num_batched_tokens=32)
+    cost = recording_cost()
+    tier_cost = TierCost(load_host_s=1e-3, load_disk_s=5e-3, copy_down_s=2e-3)
+    res = simulate(requests, config, num_pages=8, max_model_len=64, cost=cost,
+                   tiers=TierConfig(host_cache_bytes=8 * 64, write_policy="write_through"), tier_cost=tier_cost)
+    assert res.hits["host"] >= 8 * 4 * 4  # the last 8 requests' prefixes, every page from the host
+    assert res.cached_tokens == res.hits["host"] + res.hits.get("device", 0)
+    assert res.io_s > 0 and res.makespan_s >= sum(cost.times) + res.io_s - 1e-12
+    with pytest.raises(ValueError, match="tier_cost"):
+        simulate(requests, config, num_pages=8, max_model_len=64, cost=cost, tiers=TierConfig())
+
+
 def test_idle_gaps_cost_nothing_and_arrivals_start_on_time():
     a = SimRequest(1.0, tuple(range(3, 23)), 5)
     b = SimRequest(50.0, tuple(range(30, 47)), 5)  # long after a has finished

@@ -1,0 +1,176 @@
+"""Host and disk tiers under the prefix cache (serving/kv_tiers.py): the stores on their
+own, then the engine on a tiny model, whose greedy tokens must not change whichever tier
+serves a prefix. The random-event invariants with tiers are in test_kv_invariants.py."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import model
+from model.config import ModelConfig
+from serving import LLM, SamplingParams
+from serving.kv_tiers import DiskTier, HostTier, PageCodec, TierConfig, chain, root_hash
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def test_keys_cover_the_whole_prefix_the_namespace_and_the_model():
+    a = chain(root_hash(b"m", 0), [1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    assert len(a) == 2  # full pages only
+    assert chain(root_hash(b"m", 0), [1, 2, 3, 4, 5, 6, 7, 8], 4) == a
+    assert chain(a[0], [5, 6, 7, 8], 4) == a[1:]  # chained: page 2's key from page 1's
+    b = chain(root_hash(b"m", 0), [0, 2, 3, 4, 5, 6, 7, 8], 4)  # an earlier token differs
+    assert b[0] != a[0] and b[1] != a[1]
+    assert chain(root_hash(b"m", 1), [1, 2, 3, 4], 4)[0] != a[0]  # another namespace
+    assert chain(root_hash(b"n", 0), [1, 2, 3, 4], 4)[0] != a[0]  # another model
+
+
+def test_page_codec_round_trips_mixed_leaves():
+    rng = np.random.default_rng(0)
+    data = {"k": rng.standard_normal((3, 4, 2, 8)).astype(np.float32),
+            "codes": rng.integers(0, 255, (3, 4, 2, 4)).astype(np.uint8),
+            "scale": rng.standard_normal((3, 4, 2)).astype(np.float16)}
+    codec = PageCodec(jax.tree.map(lambda a: a[:1], data))
+    assert codec.page_nbytes == 4 * 2 * 8 * 4 + 4 * 2 * 4 + 4 * 2 * 2
+    rows = codec.pack(data)
+    assert rows.shape == (3, codec.page_nbytes) and rows.dtype == np.uint8
+    back = codec.unpack(rows)
+    for name in data:
+        np.testing.assert_array_equal(back[name], data[name])
+        assert back[name].dtype == data[name].dtype
+
+
+def test_host_tier_evicts_least_recently_used_and_never_a_pinned_page():
+    host = HostTier(3 * 8, 8)
+    rows = {k: np.full(8, i, np.uint8) for i, k in enumerate([b"a", b"b", b"c", b"d", b"e"])}
+    for k in (b"a", b"b", b"c"):
+        assert host.put(k, rows[k]) == []
+    host.get(b"a")  # a is now the most recent: b goes first
+    (evicted,) = host.put(b"d", rows[b"d"])
+    assert evicted[0] == b"b" and (evicted[1] == rows[b"b"]).all()
+    host.pinned.update([b"c", b"a", b"d"])
+    assert host.put(b"e", rows[b"e"]) == [] and not host.exists(b"e")  # all pinned: dropped
+    host.pinned.clear()
+    assert [k for k, _ in host.put(b"e", rows[b"e"])] == [b"c"]
+    assert (host.get(b"d") == rows[b"d"]).all() and host.get(b"b") is None
+    host.check()
+    with pytest.raises(ValueError, match="host_cache_bytes"):
+        HostTier(7, 8)
+
+
+def test_disk_tier_survives_restarts_detects_corruption_and_stays_bounded(tmp_path):
+    d = str(tmp_path)
+    disk = DiskTier(d, 3 * (32 + 16), 16)
+    pages = {bytes([i]) * 16: np.arange(16, dtype=np.uint8) + i for i in range(4)}
+    keys = list(pages)
+    for k in keys[:3]:
+        disk.put(k, pages[k])
+    assert disk.exists(keys[2]) and (disk.get(keys[2]) == pages[keys[2]]).all()  # in flight or written
+    disk.flush()
+    assert not disk.writing
+    assert (disk.get(keys[0]) == pages[keys[0]]).all()  # refreshes keys[0]
+    disk.put(keys[3], pages[keys[3]])  # over the bound: keys[1], the least recent, goes
+    disk.flush()
+    assert not disk.exists(keys[1]) and disk.nbytes <= disk.capacity_bytes
+    assert len(os.listdir(d)) == 3
+    again = DiskTier(d, 3 * (32 + 16), 16)  # a new engine finds them
+    assert set(again.index) == {keys[0], keys[2], keys[3]}
+    assert (again.get(keys[3]) == pages[keys[3]]).all()
+    path = again._path(keys[2])
+    raw = bytearray(open(path, "rb").read())
+    raw[-1] ^= 0xFF  # one flipped payload bit
+    open(path, "wb").write(bytes(raw))
+    assert again.get(keys[2]) is None and not os.path.exists(path) and again.num_corrupt == 1
+    with open(again._path(keys[0]), "r+b") as f:
+        f.truncate(40)  # a short file (a crash mid-write by another writer)
+    assert again.get(keys[0]) is None and again.num_corrupt == 2
+    assert DiskTier(d, 10**6, 32).index == {}  # another page size: not this model's pages
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(write_policy="sometimes"), "hicache_write_policy"),
+    (dict(host_cache_bytes=0), "host_cache_bytes"),
+    (dict(disk_cache_bytes=True), "disk_cache_bytes"),
+    (dict(disk_cache_dir=3), "disk_cache_dir"),
+])
+def test_tier_config_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TierConfig(**kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(default_tokenizer):
+    config = ModelConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_heads=4,
+                         num_kv_heads=2, head_dim=8, layer_kinds=("attention",) * 2,
+                         max_position_embeddings=512, eos_token_id=2)
+    return config, model.init_params(config, jax.random.key(0)), default_tokenizer
+
+
+def make(tiny, **kw):
+    kw = {"max_model_len": 128, "max_num_seqs": 2, "max_num_batched_tokens": 64, "num_kv_blocks": 8, **kw}
+    return LLM.from_loaded(*tiny, **kw)
+
+
+def ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+PROMPTS = [{"prompt_token_ids": np.random.default_rng(i).integers(3, 49152, 40).tolist()} for i in range(5)]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(host_cache_bytes=1 << 20), "enable_hierarchical_cache"),
+    (dict(enable_hierarchical_cache=True, enable_prefix_caching=False), "enable_prefix_caching"),
+    (dict(enable_hierarchical_cache=True, hicache_write_policy="later"), "hicache_write_policy"),
+    (dict(enable_hierarchical_cache="yes"), "enable_hierarchical_cache"),
+    (dict(enable_hierarchical_cache=True, host_cache_bytes=100), "host_cache_bytes"),
+])
+def test_llm_tier_argument_validation(tiny, kw, match):
+    with pytest.raises(ValueError, match=match):
+        make(tiny, **kw)
+
+
+def test_greedy_identical_with_prefixes_from_device_host_and_disk(tiny, tmp_path):
+    """Five 40-token prompts through an 8-page pool (two pages each are cached, five
+    prompts' worth does not fit): the second pass finds them in the host tier, a new
+    engine on the same directory on disk, and a corrupted page is recomputed."""
+    alone = ids(make(tiny, enable_prefix_caching=False).generate(PROMPTS, GREEDY))
+    d = str(tmp_path)
+    llm = make(tiny, enable_hierarchical_cache=True, disk_cache_dir=d, hicache_write_policy="write_through")
+    assert ids(llm.generate(PROMPTS, GREEDY)) == alone
+    again = llm.generate(PROMPTS, GREEDY)
+    assert ids(again) == alone
+    assert [o.num_cached_tokens for o in again] == [32] * 5
+    hits = llm.engine.kv.hits
+    assert hits["host"] > 0 and hits["device"] + hits["host"] == 5 * 32, hits
+    llm.engine.kv.check()
+
+    restarted = make(tiny, enable_hierarchical_cache=True, disk_cache_dir=d)
+    assert restarted.engine.tiers.fingerprint == llm.engine.tiers.fingerprint  # same model, same keys
+    first = chain(root_hash(restarted.engine.tiers.fingerprint, 0), PROMPTS[0]["prompt_token_ids"][:16], 16)[0]
+    path = restarted.engine.tiers.disk._path(first)  # prompt 0's first page, one bit flipped
+    raw = bytearray(open(path, "rb").read())
+    raw[len(raw) // 2] ^= 0x01
+    open(path, "wb").write(bytes(raw))
+    out = restarted.generate(PROMPTS, GREEDY)
+    assert ids(out) == alone
+    assert restarted.engine.tiers.disk.num_corrupt == 1
+    assert [o.num_cached_tokens for o in out] == [0] + [32] * 4  # prompt 0 recomputed, whole
+    assert restarted.engine.kv.hits["disk"] == 4 * 32
+
+
+def test_write_back_copies_only_evicted_pages_and_new_weights_read_none(tiny):
+    llm = make(tiny, enable_hierarchical_cache=True, hicache_write_policy="write_back")
+    llm.generate(PROMPTS[:1], GREEDY)
+    assert len(llm.engine.tiers.host) == 0  # nothing evicted yet, nothing copied
+    llm.generate(PROMPTS, GREEDY)
+    assert len(llm.engine.tiers.host) > 0
+    config, params, _ = tiny
+    other = jax.tree.map(lambda a: a * 2, params)
+    llm.update_weights(other)  # the tiers' pages were computed by the old weights
+    want = ids(LLM.from_loaded(config, other, tiny[2], max_model_len=128, enable_prefix_caching=False)
+               .generate(PROMPTS, GREEDY))
+    out = llm.generate(PROMPTS, GREEDY)
+    assert ids(out) == want and all(o.num_cached_tokens == 0 for o in out)
