@@ -118,7 +118,8 @@ class RequestState:
     params: SamplingParams
     arrival: float
     seq_ids: list[str]
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the cache served at its first admission (as vLLM counts)
+    admitted: bool = False
     forked: bool = False
     # per prompt position (params.prompt_logprobs): (logprob, top logprobs); None at 0
     prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
@@ -503,8 +504,8 @@ class EngineCore:
                             namespace=s.lora_id, limit=s.num_computed_tokens)
         assert hit == s.num_computed_tokens, (hit, s.num_computed_tokens)
         req = self.requests[seq.request_id]
-        if seq.index == 0 and not req.forked:
-            req.num_cached_tokens = hit
+        if seq.index == 0 and not req.admitted:  # not again after a preemption: its own pages
+            req.num_cached_tokens, req.admitted = hit, True
 
     def _reads_cache(self, seq_id: str) -> bool:
         """Prompt logprobs need every prompt position computed: such a request does not

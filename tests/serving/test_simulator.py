@@ -152,6 +152,25 @@ def test_preemption_costs_only_the_steps_that_run():
     assert res.makespan_s == pytest.approx(sum(cost.times), rel=1e-12)
 
 
+def test_a_preempted_request_does_not_count_its_own_pages_as_cache_hits():
+    """num_cached_tokens is what the cache served at a request's first admission (as vLLM
+    counts it): after a recompute preemption, the pages it computed itself and cached are
+    found again, but they are not a prefix hit (they made the trace bench's hit rates
+    look higher than the unbounded cache's optimum)."""
+    from serving.kv_tiers import TierConfig
+    from serving.simulator import TierCost
+
+    requests = [SimRequest(0.0, tuple(range(3, 11)), 7), SimRequest(0.0, tuple(range(20, 28)), 7)]
+    config = sched.SchedulerConfig(page_size=4, max_num_seqs=2, max_num_batched_tokens=32,
+                                   capacity_policy=sched.MAX_UTILIZATION)
+    # a host tier keeps the preempted request's pages, which its older neighbour evicts
+    res = simulate(requests, config, num_pages=4, max_model_len=64, cost=recording_cost(),
+                   tiers=TierConfig(host_cache_bytes=8 * 16, write_policy="write_through"),
+                   tier_cost=TierCost(0.0, 0.0, 0.0))
+    assert res.num_preemptions >= 1 and res.hits["host"] > 0  # its own pages came back ...
+    assert res.cached_tokens == 0  # ... and are not counted as a prefix hit
+
+
 def test_tier_copies_add_their_measured_time_to_the_steps(tmp_path):
     """Prefixes evicted from a small pool come back from the host tier; each page moved
     adds tier_cost's seconds: time is the steps' sum plus the copies'."""
