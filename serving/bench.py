@@ -753,8 +753,9 @@ def bench_tiers(args) -> None:
           f"prompts scaled to {args.block_tokens} tokens per 512-token block (mean {total / len(requests):.0f}), "
           f"outputs x{args.output_scale}; device pool {args.kv_blocks} pages of 16 tokens; "
           f"unbounded-cache hit-rate optimum {optimum:.3f}; {_device()}")
-    print("| cache | prompt tokens hit | device | host | disk | tier copies (pages, s) | wall s | "
-          "tokens/s | identical |")
+    print("(hit: prompt tokens the cache served at requests' first admission; device / host / disk: tokens "
+          "served by each tier at every admission, re-admissions after preemption included; both per prompt token)")
+    print("| cache | hit | device | host | disk | tier copies (pages, s) | wall s | tokens/s | identical |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|:-:|")
     reference = None
     with tempfile.TemporaryDirectory() as tmp:
@@ -861,6 +862,8 @@ def bench_trace(args) -> None:
           f"x{args.output_scale} (mean {np.mean([r.output_len for r in requests]):.0f}); arrivals "
           f"stretched x{stretch:.1f} for offered load {args.load:.0%}; SLOs: TTFT <= {args.ttft_slo} s, "
           f"TPOT <= {args.tpot_slo} s; unbounded-cache hit-rate optimum {optimum:.3f}")
+    print("(by tier: tokens served by each tier at every admission, re-admissions after preemption included, "
+          "per prompt token; I/O share: simulated time spent moving pages between tiers)")
     print("| order | KV pages | hit rate | of optimum | by tier: device / host / disk | I/O share | "
           "TTFT p50/p90/p99 (s) | TPOT p50/p90/p99 (s) | out tok/s | req/s | goodput req/s | preemptions |")
     print("|---|---:|---:|---:|---|---:|---|---|---:|---:|---:|---:|")
