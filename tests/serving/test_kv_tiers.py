@@ -174,3 +174,13 @@ def test_write_back_copies_only_evicted_pages_and_new_weights_read_none(tiny):
                .generate(PROMPTS, GREEDY))
     out = llm.generate(PROMPTS, GREEDY)
     assert ids(out) == want and all(o.num_cached_tokens == 0 for o in out)
+
+
+def test_tier_cost_is_measured_per_page_on_the_runner(tiny, tmp_path):
+    """What `bench trace --tiers` charges a simulated page move: positive, finite, and a disk
+    load costs at least a host load (it is a disk read and then one)."""
+    from serving.simulator import measure_tier_cost
+
+    cost = measure_tier_cost(make(tiny, num_kv_blocks=16), str(tmp_path), num_pages=8, repeats=1)
+    assert 0 < cost.load_host_s <= cost.load_disk_s < 1 and 0 < cost.copy_down_s < 1
+    assert not os.listdir(tmp_path) or all(name.endswith(".kvpage") for name in os.listdir(tmp_path))
