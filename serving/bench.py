@@ -73,6 +73,7 @@ import numpy as np
 
 from model.weights import WEIGHTS_DTYPES
 from serving import scheduler as sched
+from serving.kv_tiers import WRITE_POLICIES, TierConfig
 from serving.params import SamplingParams
 
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -804,7 +805,6 @@ def bench_trace(args) -> None:
     from serving.llm import LLM
     import tempfile
 
-    from serving.kv_tiers import TierConfig
     from serving.simulator import (decode_layout, fit_cost_model, measure_engine_steps, measure_tier_cost,
                                    prefill_layout, simulate)
 
@@ -1079,14 +1079,20 @@ def main(argv: list[str] | None = None) -> None:
             p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
         else:
             p.add_argument("--num-prompts", type=int, default=16)
+    def trace_args(p, num_requests, block_tokens, output_scale, max_model_len):
+        """The arguments of the subcommands that replay a Mooncake-format trace (load_trace)."""
+        p.add_argument("path")
+        p.add_argument("--model", default="default")
+        p.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
+        p.add_argument("--num-requests", type=int, default=num_requests)
+        p.add_argument("--block-tokens", type=int, default=block_tokens, help="tokens per 512-token trace block")
+        p.add_argument("--output-scale", type=float, default=output_scale)
+        p.add_argument("--max-model-len", type=int, default=max_model_len)
+        p.add_argument("--write-policy", default=TierConfig.write_policy, choices=WRITE_POLICIES,
+                       help="the tiers' write policy")
+
     t = sub.add_parser("trace")
-    t.add_argument("path")
-    t.add_argument("--model", default="default")
-    t.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
-    t.add_argument("--num-requests", type=int, default=1500)
-    t.add_argument("--block-tokens", type=int, default=32, help="tokens per 512-token trace block")
-    t.add_argument("--output-scale", type=float, default=1 / 16)
-    t.add_argument("--max-model-len", type=int, default=4096)
+    trace_args(t, 1500, 32, 1 / 16, 4096)
     t.add_argument("--cache-pages", type=int, nargs="+", default=[2048, 16384])
     t.add_argument("--load", type=float, default=0.8)
     t.add_argument("--ttft-slo", type=float, default=30.0)
@@ -1094,22 +1100,12 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--plot", metavar="FILE.png", help="also draw TTFT / TPOT percentiles per policy")
     t.add_argument("--tiers", action="store_true",
                    help="also replay with host and disk tiers under the prefix cache (tier copies measured here)")
-    t.add_argument("--write-policy", default="write_through_selective", choices=["write_through",
-                   "write_through_selective", "write_back"], help="the tiers' write policy")
     ti = sub.add_parser("tiers")
-    ti.add_argument("path")
-    ti.add_argument("--model", default="default")
-    ti.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
-    ti.add_argument("--num-requests", type=int, default=48)
-    ti.add_argument("--block-tokens", type=int, default=16, help="tokens per 512-token trace block")
-    ti.add_argument("--output-scale", type=float, default=1 / 32)
-    ti.add_argument("--max-model-len", type=int, default=1024)
+    trace_args(ti, 48, 16, 1 / 32, 1024)
     ti.add_argument("--concurrency", type=int, default=4, help="requests generated together, in arrival order")
     ti.add_argument("--kv-blocks", type=int, default=96, help="device KV pages (16 tokens each)")
     ti.add_argument("--host-pages", type=int, default=64,
                     help="host tier pages over the disk tier (the host-only setup gets its default, 2x the pool)")
-    ti.add_argument("--write-policy", default="write_through", choices=["write_through",
-                    "write_through_selective", "write_back"])
     c = sub.add_parser("context")
     c.add_argument("--model", default="default")
     c.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
