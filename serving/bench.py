@@ -64,6 +64,7 @@ replicated by mistake, not a speed-up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -675,9 +676,12 @@ def _valid_json(text: str, schema: dict) -> bool:
 
 
 def load_trace(path: str, num_requests: int, block_tokens: int, max_prompt: int,
-               output_scale: float) -> tuple[list, float]:
-    """Mooncake records -> SimRequests: each hash id becomes a deterministic block of
-    `block_tokens` token ids (a PRNG seeded by the id), so equal ids share prefixes."""
+               output_scale: float, page_size: int = 16) -> tuple[list, float, int]:
+    """Mooncake records -> (SimRequests, the unbounded-cache hit-rate optimum, the working
+    set in pages). Each hash id becomes a deterministic block of `block_tokens` token ids
+    (a PRNG seeded by the id), so equal ids share prefixes. The working set counts the
+    distinct full `page_size`-token pages of all prompts: a page is named by the chain of
+    block ids up to its last token and its end, as the prefix cache keys it."""
     from serving.simulator import SimRequest
 
     records = []
@@ -690,10 +694,12 @@ def load_trace(path: str, num_requests: int, block_tokens: int, max_prompt: int,
     if not records:
         raise ValueError(f"{path} has no requests")
     scale = block_tokens / 512
-    requests, seen, reusable, total_blocks = [], set(), 0, 0
+    requests, seen, reusable, total_blocks, pages = [], set(), 0, 0, set()
     for r in records:
         n_in = max(1, min(max_prompt, int(r["input_length"] * scale)))
         blocks = r["hash_ids"][:-(-n_in // block_tokens)]
+        chains = [hash(tuple(blocks[:k + 1])) for k in range(len(blocks))]
+        pages.update((chains[(end - 1) // block_tokens], end) for end in range(page_size, n_in + 1, page_size))
         tokens: list[int] = []
         for h in blocks:
             tokens += np.random.default_rng(h).integers(3, 32000, block_tokens).tolist()
@@ -705,7 +711,7 @@ def load_trace(path: str, num_requests: int, block_tokens: int, max_prompt: int,
             seen.add(h)
         out = max(1, int(r["output_length"] * output_scale))
         requests.append(SimRequest(r["timestamp"] / 1000.0, tuple(tokens), out))
-    return requests, reusable / max(total_blocks, 1)
+    return requests, reusable / max(total_blocks, 1), len(pages)
 
 
 def _pct(x: np.ndarray, q: float) -> float:
@@ -745,8 +751,8 @@ def bench_tiers(args) -> None:
     from serving.llm import LLM
     from serving.params import SamplingParams
 
-    requests, optimum = load_trace(args.path, args.num_requests, args.block_tokens, args.max_model_len - 64,
-                                   args.output_scale)
+    requests, optimum, _ = load_trace(args.path, args.num_requests, args.block_tokens, args.max_model_len - 64,
+                                      args.output_scale)
     prompts = [{"prompt_token_ids": list(r.prompt)} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     total = sum(len(r.prompt) for r in requests)
@@ -847,8 +853,10 @@ def bench_trace(args) -> None:
               f"{tier_cost.load_host_s * 1e3:.3f} ms, disk -> device {tier_cost.load_disk_s * 1e3:.3f} ms "
               f"(files just written: the OS page cache serves them), device -> host "
               f"{tier_cost.copy_down_s * 1e3:.3f} ms")
-    requests, optimum = load_trace(args.path, args.num_requests, args.block_tokens,
-                                   args.max_model_len - 64, args.output_scale)
+    requests, optimum, working_set = load_trace(args.path, args.num_requests, args.block_tokens,
+                                                args.max_model_len - 64, args.output_scale)
+    # A device pool of a tenth of the working set by default with --tiers, as the tiers' aim is stated.
+    cache_pages = args.cache_pages or ([working_set // 10] if args.tiers else [2048, 16384])
     # Stretch arrivals so the offered load is `load` of what one engine can serve.
     work = sum(cost.step_time_for_prefill(len(r.prompt)) + r.output_len * cost.decode_per_token(8)
                for r in requests)
@@ -861,33 +869,38 @@ def bench_trace(args) -> None:
           f"per 512-token block (mean {np.mean([len(r.prompt) for r in requests]):.0f} tokens), outputs "
           f"x{args.output_scale} (mean {np.mean([r.output_len for r in requests]):.0f}); arrivals "
           f"stretched x{stretch:.1f} for offered load {args.load:.0%}; SLOs: TTFT <= {args.ttft_slo} s, "
-          f"TPOT <= {args.tpot_slo} s; unbounded-cache hit-rate optimum {optimum:.3f}")
+          f"TPOT <= {args.tpot_slo} s; unbounded-cache hit-rate optimum {optimum:.3f}; working set "
+          f"{working_set} distinct 16-token prompt pages")
     print("(by tier: tokens served by each tier at every admission, re-admissions after preemption included, "
           "per prompt token; I/O share: simulated time spent moving pages between tiers)")
     print("| order | KV pages | hit rate | of optimum | by tier: device / host / disk | I/O share | "
           "TTFT p50/p90/p99 (s) | TPOT p50/p90/p99 (s) | out tok/s | req/s | goodput req/s | preemptions |")
     print("|---|---:|---:|---:|---|---:|---|---|---:|---:|---:|---:|")
-    for pages in args.cache_pages:
+    config = sched.SchedulerConfig(page_size=16, max_num_seqs=32, max_num_batched_tokens=1024)
+    unbounded = working_set + config.max_num_seqs * -(-args.max_model_len // config.page_size)
+    for pages in cache_pages:
         # without tiers under each policy; with --tiers, longest-prefix-first over a host tier
-        # twice the pool (SGLang's default), then over a quarter of that and an unbounded disk
-        setups = [(order, None) for order in (sched.FCFS, sched.LPM)]
+        # twice the pool (SGLang's default), then over half the pool and an unbounded disk, and
+        # a device pool that holds the whole working set beside a full batch (nothing evicted)
+        # (label, order, (host pages, disk bytes) or None, device pages)
+        setups = [(order, order, None, pages) for order in (sched.FCFS, sched.LPM)]
         if args.tiers:
-            setups += [(sched.LPM, ("host 2x", 2 * pages, None)), (sched.LPM, ("host x/2 + disk", pages // 2, 1 << 40))]
-        for order, tier in setups:
-            config = sched.SchedulerConfig(page_size=16, max_num_seqs=32, max_num_batched_tokens=1024,
-                                           order=order)
+            setups += [("lpm + host 2x", sched.LPM, (2 * pages, None), pages),
+                       ("lpm + host x/2 + disk", sched.LPM, (pages // 2, 1 << 40), pages),
+                       ("lpm, unbounded device", sched.LPM, None, unbounded)]
+        for label, order, tier, pool in setups:
+            config = dataclasses.replace(config, order=order)
             with tempfile.TemporaryDirectory() as tmp:
                 tiers = None if tier is None else TierConfig(
-                    host_cache_bytes=8 * tier[1], disk_cache_dir=tmp if tier[2] else None,
-                    disk_cache_bytes=tier[2] or TierConfig.disk_cache_bytes, write_policy=args.write_policy)
-                res = simulate(requests, config, pages, args.max_model_len, cost, tiers=tiers,
+                    host_cache_bytes=8 * tier[0], disk_cache_dir=tmp if tier[1] else None,
+                    disk_cache_bytes=tier[1] or TierConfig.disk_cache_bytes, write_policy=args.write_policy)
+                res = simulate(requests, config, pool, args.max_model_len, cost, tiers=tiers,
                                tier_cost=tier_cost if tier else None)
-            label = order if tier is None else f"{order} + {tier[0]}"
-            results.append((label, pages, res))
+            results.append((label, pool, res))
             hit = res.cached_tokens / res.prompt_tokens
             by_tier = " / ".join(f"{res.hits.get(t, 0) / res.prompt_tokens:.3f}" for t in ("device", "host", "disk"))
             ok = (res.ttft_s <= args.ttft_slo) & (res.request_tpot_s <= args.tpot_slo)
-            print(f"| {label} | {pages} | {hit:.3f} | {hit / optimum if optimum else 0:.2f} | {by_tier} | "
+            print(f"| {label} | {pool} | {hit:.3f} | {hit / optimum if optimum else 0:.2f} | {by_tier} | "
                   f"{res.io_s / res.makespan_s:.1%} | "
                   f"{_pct(res.ttft_s, 50):.2f} / {_pct(res.ttft_s, 90):.2f} / {_pct(res.ttft_s, 99):.2f} | "
                   f"{_pct(res.tpot_s, 50):.3f} / {_pct(res.tpot_s, 90):.3f} / {_pct(res.tpot_s, 99):.3f} | "
@@ -1093,7 +1106,8 @@ def main(argv: list[str] | None = None) -> None:
 
     t = sub.add_parser("trace")
     trace_args(t, 1500, 32, 1 / 16, 4096)
-    t.add_argument("--cache-pages", type=int, nargs="+", default=[2048, 16384])
+    t.add_argument("--cache-pages", type=int, nargs="+",
+                   help="device KV pages (default: 2048 and 16384; with --tiers, a tenth of the working set)")
     t.add_argument("--load", type=float, default=0.8)
     t.add_argument("--ttft-slo", type=float, default=30.0)
     t.add_argument("--tpot-slo", type=float, default=1.0)

@@ -239,3 +239,33 @@ def test_request_tpot_is_aligned_with_ttft():
     assert len(res.request_tpot_s) == len(res.ttft_s) == 5
     np.testing.assert_array_equal(res.request_tpot_s[[1, 3]], 0.0)
     np.testing.assert_array_equal(res.request_tpot_s[[0, 2, 4]], res.tpot_s)
+
+
+def test_trace_loader_counts_the_optimum_and_the_working_set_by_brute_force(tmp_path):
+    """bench.load_trace's unbounded-cache optimum and working set (distinct full pages)
+    equal a brute-force count over the materialised token lists: a page is new unless the
+    same tokens from position 0 to its end appeared before."""
+    import json
+
+    from serving.bench import load_trace
+
+    rng = np.random.default_rng(0)
+    lines = []
+    for t in range(40):  # conversations that extend a few shared histories, with odd lengths
+        root = int(rng.integers(0, 4))
+        ids = [1000 * root + k for k in range(int(rng.integers(1, 7)))]
+        lines.append(dict(timestamp=10 * t, input_length=int(rng.integers(1, 512 * len(ids) + 1)),
+                          output_length=int(rng.integers(1, 300)), hash_ids=ids))
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    block_tokens, page = 24, 16  # pages straddle blocks
+    requests, optimum, working_set = load_trace(str(path), 40, block_tokens, 10**6, 1 / 16, page_size=page)
+    pages = [tuple(r.prompt[:end]) for r in requests for end in range(page, len(r.prompt) + 1, page)]
+    assert working_set == len(set(pages)) > 0
+    blocks = [tuple(r.prompt[:end]) for r in requests for end in range(block_tokens, len(r.prompt) + 1, block_tokens)]
+    seen, reused = set(), 0
+    for b in blocks:
+        reused += b in seen
+        seen.add(b)
+    assert optimum == pytest.approx(reused / len(blocks)) and 0 < optimum < 1
+    assert [len(r.prompt) for r in requests] == [max(1, int(r["input_length"] * block_tokens / 512)) for r in lines]
