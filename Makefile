@@ -7,7 +7,13 @@ PROMPT ?= What is the capital of France?
 
 .PHONY: setup run test bench gpu-check oracle-fixtures notebooks
 
+# Root installs Debian packages itself; anyone else through sudo.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
 $(VENV)/.installed: pyproject.toml
+	# The Mooncake Store's wheel (the hierarchical cache's shared store) links Debian's libibverbs1.
+	ldconfig -p | grep -q libibverbs.so.1 || $(SUDO) apt-get install -y -q libibverbs1 || \
+		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libibverbs1)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
@@ -20,8 +26,12 @@ setup: $(VENV)/.installed
 run: setup
 	$(PY) -m serving.generate "$(PROMPT)"
 
+# Both cores: test files are spread over TEST_WORKERS processes (pytest-xdist; a file's tests
+# stay together, sharing its fixtures).
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: setup
 	$(PY) -m serving.bench decode

@@ -20,6 +20,7 @@ import collections
 import collections.abc
 import concurrent.futures
 import dataclasses
+import math
 import time
 from typing import Callable, Protocol, Sequence
 
@@ -28,7 +29,7 @@ import numpy as np
 from serving import scheduler as sched
 from serving.draft_tree import DraftTree
 from serving.kv_manager import KVManager, pages_for
-from serving.kv_tiers import PageCodec, TierConfig, Tiers
+from serving.kv_tiers import PREFETCH_BEST_EFFORT, PREFETCH_WAIT_COMPLETE, PageCodec, TierConfig, Tiers
 from serving.output import Decode, OutputProcessor, SeqOutput
 from serving.params import SEED_BITS, LoRARequest, SamplingParams, adjusts_logits
 from serving.structured import GrammarCompiler, advance
@@ -182,6 +183,8 @@ class EngineCore:
             codec = PageCodec(runner.read_pages([0]))
             self.tiers = Tiers(tiers, codec, codec.page_nbytes * num_pages, fingerprint)
         self.kv = KVManager(num_pages, sched_config.page_size, enable_prefix_caching, self.tiers)
+        self._loading: dict[str, tuple[list, float]] = {}  # deferred seq -> (prefetch reads, deadline)
+        self._prefetch_seen: set[str] = set()  # waiting sequences that started or joined their prefetch
         self.output = OutputProcessor(eos_token_id, max_model_len, decode)
         self.max_model_len = max_model_len
         self.preemption_mode, self.seed, self.clock = preemption_mode, seed, clock
@@ -356,9 +359,10 @@ class EngineCore:
 
     def step(self) -> set[str]:
         """Schedule and run one batch; returns the request ids that made progress."""
-        self.state, plan = sched.schedule(self.state, self.config, self._kv_view(),
+        blocked = self._grammars_pending() | self._prefetches_pending()
+        self.state, plan = sched.schedule(self.state, self.config, self._kv_view(blocked),
                                           preempt_keeps_computed=self.preemption_mode == SWAP,
-                                          blocked=self._grammars_pending())
+                                          blocked=blocked)
         for sid in plan.preempted:
             self._preempt(sid)
         running = {s.seq_id: s for s in self.state.running}
@@ -479,13 +483,51 @@ class EngineCore:
                 self.seqs[sid].matcher = matcher
         return frozenset(blocked)
 
-    def _kv_view(self) -> sched.KVView:
-        """The KV manager's pages as the scheduler sees them this step."""
+    def _prefetches_pending(self) -> frozenset[str]:
+        """Waiting sequences deferred while their prefix loads from the tier under the host
+        (Strata's delayed hits; HiCache's prefetch, `KVManager.prefetch`): each waiting
+        sequence starts or joins a prefetch once, then waits, by the tiers' policy, until
+        its reads are done or its timeout passes; the others run meanwhile. When nothing
+        else can run, waits for the first read or timeout instead of spinning."""
+        tiers = self.tiers
+        if tiers is None or tiers.disk is None:
+            return frozenset()
+        while True:
+            tiers.land()
+            waiting = {s.seq_id: s for s in self.state.waiting
+                       if self.seqs[s.seq_id].swapped is None and self._reads_cache(s.seq_id)}
+            for sid in set(self._loading) - set(waiting):  # admitted or gone
+                del self._loading[sid]
+            self._prefetch_seen &= set(waiting)  # a preempted sequence looks again when it is back
+            now = time.monotonic()
+            for sid, s in waiting.items():
+                if sid in self._prefetch_seen:
+                    continue
+                self._prefetch_seen.add(sid)
+                reads = self.kv.prefetch(self.tokens(sid), s.lora_id)
+                if reads and tiers.config.prefetch_policy != PREFETCH_BEST_EFFORT:
+                    wait = (math.inf if tiers.config.prefetch_policy == PREFETCH_WAIT_COMPLETE
+                            else tiers.prefetch_timeout(len(reads) * self.kv.page_size))
+                    self._loading[sid] = (reads, now + wait)
+            for sid, (reads, deadline) in list(self._loading.items()):
+                if all(r.done() for r in reads) or now >= deadline:
+                    del self._loading[sid]  # admission takes what has landed; the rest is recomputed
+            if not self._loading or self.state.running or len(self._loading) < len(self.state.waiting):
+                return frozenset(self._loading)
+            timeout = min(d for _, d in self._loading.values()) - now
+            concurrent.futures.wait([r for rs, _ in self._loading.values() for r in rs],
+                                    timeout=None if math.isinf(timeout) else max(timeout, 0.0),
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _kv_view(self, blocked: frozenset[str] = frozenset()) -> sched.KVView:
+        """The KV manager's pages as the scheduler sees them this step (not for the
+        sequences it may not start: their prefixes are not looked up or staged)."""
         cached = {}
         if self.kv.radix is not None:
             cached = {s.seq_id: self.kv.cached_prefix_len(self.tokens(s.seq_id), s.lora_id)
                       for s in self.state.waiting
-                      if self.seqs[s.seq_id].swapped is None and self._reads_cache(s.seq_id)}
+                      if self.seqs[s.seq_id].swapped is None and self._reads_cache(s.seq_id)
+                      and s.seq_id not in blocked}
         writable = {s.seq_id: self.kv.writable_pages(s.seq_id, s.num_computed_tokens)
                     for s in self.state.running}
         freeable = _OnAccess(self.kv.freeable_pages, writable)  # read only when preempting

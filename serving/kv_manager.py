@@ -130,6 +130,30 @@ class KVManager:
             keys.append(key)
         return keys
 
+    def prefetch(self, tokens, namespace: int = 0) -> list:
+        """HiCache's prefetch: the pages of `tokens` past the device match that only the
+        tier under the host holds (as far as the chain runs without a gap) start loading
+        into host memory in the background when they are more than the threshold's tokens.
+        Returns the reads the request should wait for: those it started, or, below the
+        threshold, those another request's prefetch has in flight (a delayed hit waits for
+        that load rather than starting its own)."""
+        tiers = self.tiers
+        if tiers is None or tiers.disk is None or self.radix is None or namespace != 0 or len(tokens) < 2:
+            return []
+        tokens = tokens[:len(tokens) - 1]
+        pages, node = self.radix.match_prefix(tokens, touch=False, namespace=namespace)
+        key, keys = node.hash, []
+        for i in range(len(pages), len(tokens) // self.page_size):
+            (key,) = chain(key, tokens[i * self.page_size:(i + 1) * self.page_size], self.page_size)
+            if tiers.host.exists(key):
+                continue
+            if key not in tiers.prefetching and not tiers.disk.exists(key):
+                break
+            keys.append(key)
+        if len(keys) * self.page_size > tiers.prefetch_threshold:
+            return tiers.prefetch(keys)
+        return [tiers.prefetching[k] for k in keys if k in tiers.prefetching]
+
     def admit(self, seq_id: str, tokens, use_cache: bool = True, namespace: int = 0,
               limit: int | None = None) -> int:
         """Start a block table for seq_id, reusing cached prefix pages of its namespace, at

@@ -15,11 +15,16 @@ serves each tier.
   recently used out first. A file that fails its checksum or is short is deleted and
   read as a miss: the tokens are recomputed, never read as KV. Files are written by a
   background thread; a page whose write is in flight is read from memory.
-- `Tiers`: the two with a write policy (when a device page is copied down): HiCache's
-  `write_through` (as soon as it is cached), `write_through_selective` (once its node
-  has been hit `SELECTIVE_HITS` times; the default) or `write_back` (when the device
-  evicts it). Pages leave the host for the disk at the same time (write-through forms)
-  or when the host evicts them (write-back).
+- `MooncakeTier`: the same pages in a Mooncake Store instead of on disk (SGLang's
+  storage backend "mooncake"): host memory pooled across engine processes by a
+  `mooncake_master`, so several engines share one KV pool.
+- `Tiers`: host and disk (or store) with a write policy (when a device page is copied
+  down): HiCache's `write_through` (as soon as it is cached), `write_through_selective`
+  (once its node has been hit `SELECTIVE_HITS` times; the default) or `write_back` (when
+  the device evicts it). Pages leave the host for the disk at the same time
+  (write-through forms) or when the host evicts them (write-back). Pages come back from
+  the disk into host memory by background prefetches (`prefetch` / `land`), which the
+  engine defers a request for, by the prefetch policy.
 
 `PageCodec` turns the runner's page data (a pytree of [n, ...] arrays, one leaf per pool
 array) into such rows and back. Host-side only: the engine moves bytes on device
@@ -35,6 +40,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import os
+import socket
 import threading
 import time
 from typing import Callable
@@ -44,7 +50,18 @@ import numpy as np
 WRITE_THROUGH, WRITE_THROUGH_SELECTIVE, WRITE_BACK = "write_through", "write_through_selective", "write_back"
 WRITE_POLICIES = (WRITE_THROUGH, WRITE_THROUGH_SELECTIVE, WRITE_BACK)
 SELECTIVE_HITS = 2  # SGLang's HiRadixCache writes a node through at its second hit
-TIERS = ("device", "host", "disk")
+TIERS = ("device", "host", "disk", "store")  # "store": the Mooncake Store
+STORAGE_BACKENDS = ("file", "mooncake")
+# HiCache's prefetch from the tier under the host: started when a waiting request would be
+# served more than PREFETCH_THRESHOLD tokens from there; the request waits for it (a
+# delayed hit, deferred while other work runs) never ("best_effort"), until it is done
+# ("wait_complete"), or at most base + per_ki_token * tokens / 1024 seconds ("timeout").
+PREFETCH_BEST_EFFORT, PREFETCH_WAIT_COMPLETE, PREFETCH_TIMEOUT = "best_effort", "wait_complete", "timeout"
+PREFETCH_POLICIES = (PREFETCH_BEST_EFFORT, PREFETCH_WAIT_COMPLETE, PREFETCH_TIMEOUT)
+PREFETCH_THRESHOLD = 256
+PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_KI_TOKEN_S = 1.0, 0.25
+_PREFETCH_THREADS = 4
+MOONCAKE_MIN_SEGMENT = 16 << 20  # the smallest segment a Mooncake client may lend
 _MAGIC = b"KVFPAGE1"
 _DIGEST = 16
 
@@ -160,25 +177,91 @@ class HostTier:
         assert set(self.origin) == set(self.slots)
 
 
-class DiskTier:
+def _frame(row: np.ndarray) -> bytes:
+    """A stored page: magic, payload length (8 bytes), blake2b-128 of the payload, payload."""
+    return _MAGIC + row.nbytes.to_bytes(8, "little") + _digest(row) + row.tobytes()
+
+
+_HEAD = len(_MAGIC) + 8 + _DIGEST
+
+
+def _unframe(data, page_nbytes: int) -> np.ndarray | None:
+    """The payload of a stored page (uint8 buffer), or None if it is short, not a page of
+    page_nbytes bytes, or fails its checksum."""
+    data = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
+    ok = (data.shape[0] == _HEAD + page_nbytes and bytes(data[:len(_MAGIC)]) == _MAGIC
+          and int.from_bytes(bytes(data[len(_MAGIC):len(_MAGIC) + 8]), "little") == page_nbytes
+          and bytes(data[len(_MAGIC) + 8:_HEAD]) == _digest(data[_HEAD:]))
+    return np.array(data[_HEAD:]) if ok else None
+
+
+class _WriteBehind:
+    """A store whose `put` hands the write to one background thread: until it lands, the
+    page is served from `writing` (so a reader never sees half a page); `flush` waits for
+    every write. Subclasses say how a page is written (`_write`: True if stored), whether
+    one is stored (`_stored`, under the lock) and what a landed write changes (`_landed`)."""
+
+    def __init__(self, thread_name: str):
+        self._lock = threading.Lock()  # `writing` and the subclass's index, shared with the writer
+        self.writing: dict[bytes, np.ndarray] = {}
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=thread_name)
+        self._writes: list[concurrent.futures.Future] = []
+        self.num_corrupt = 0  # pages read back short or failing their checksum (dropped, recomputed)
+
+    def _stored(self, key: bytes) -> bool:
+        raise NotImplementedError
+
+    def _write(self, key: bytes, row: np.ndarray) -> bool:
+        raise NotImplementedError
+
+    def _landed(self, key: bytes) -> None:
+        pass
+
+    def put(self, key: bytes, row: np.ndarray) -> None:
+        """Write the page in the background (nothing if it is there or on its way)."""
+        with self._lock:
+            if key in self.writing or self._stored(key):
+                return
+            self.writing[key] = row
+        self._writes = [f for f in self._writes if not f.done()]
+        self._writes.append(self._writer.submit(self._land, key, row))
+
+    def _land(self, key: bytes, row: np.ndarray) -> None:
+        ok = False
+        try:
+            ok = self._write(key, row)
+        finally:
+            with self._lock:
+                del self.writing[key]
+                if ok:
+                    self._landed(key)
+
+    def _in_flight(self, key: bytes) -> np.ndarray | None:
+        with self._lock:
+            row = self.writing.get(key)
+            return None if row is None else row.copy()
+
+    def flush(self) -> None:
+        """Wait until every write handed to the background thread has landed."""
+        for future in self._writes:
+            future.result()
+        self._writes = []
+
+
+class DiskTier(_WriteBehind):
     """Pages as files under `directory`, at most capacity_bytes of them (header included).
 
-    File: magic, payload length (8 bytes), blake2b-128 of the payload, payload. The index
-    of what is there (with its LRU order: file modification times, refreshed on read) is
-    read from the directory at start, so a new engine finds an earlier one's pages.
-    `put` hands the write to a background thread: until it lands, the page is served
-    from `writing` (never from a half-written file: files appear by atomic rename);
-    `flush` waits for every write."""
+    A file is a framed page (`_frame`: magic, length, checksum, payload). The index of
+    what is there (with its LRU order: file modification times, refreshed on read) is read
+    from the directory at start, so a new engine finds an earlier one's pages. Files are
+    written in the background (`_WriteBehind`) and appear by atomic rename."""
 
     name = "disk"
 
     def __init__(self, directory: str, capacity_bytes: int, page_nbytes: int):
-        self._lock = threading.Lock()  # the index and `writing`, shared with the writer thread
-        self.writing: dict[bytes, np.ndarray] = {}
-        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvfold-disk")
-        self._writes: list[concurrent.futures.Future] = []
+        super().__init__("kvfold-disk")
         self.directory, self.capacity_bytes, self.page_nbytes = directory, capacity_bytes, page_nbytes
-        self.file_nbytes = len(_MAGIC) + 8 + _DIGEST + page_nbytes
+        self.file_nbytes = _HEAD + page_nbytes
         if capacity_bytes < self.file_nbytes:
             raise ValueError(f"disk_cache_bytes={capacity_bytes} holds no page of {self.file_nbytes} bytes")
         os.makedirs(directory, exist_ok=True)
@@ -191,7 +274,6 @@ class DiskTier:
                     found.append((stat.st_mtime_ns, bytes.fromhex(name[:-7])))
         self.index: collections.OrderedDict[bytes, None] = collections.OrderedDict(
             (key, None) for _, key in sorted(found))
-        self.num_corrupt = 0
         self._evict()
 
     def _path(self, key: bytes) -> str:
@@ -209,28 +291,25 @@ class DiskTier:
 
     def get(self, key: bytes) -> np.ndarray | None:
         """The page, or None if absent, short or failing its checksum (then deleted)."""
+        row = self._in_flight(key)
+        if row is not None:
+            return row
         with self._lock:
-            if key in self.writing:
-                return self.writing[key].copy()
             if key not in self.index:
                 return None
         path = self._path(key)
         try:
             data = np.memmap(path, np.uint8, mode="r")
-            head = len(_MAGIC) + 8 + _DIGEST
-            ok = (data.shape[0] == self.file_nbytes and bytes(data[:len(_MAGIC)]) == _MAGIC
-                  and int.from_bytes(bytes(data[len(_MAGIC):len(_MAGIC) + 8]), "little") == self.page_nbytes
-                  and bytes(data[len(_MAGIC) + 8:head]) == _digest(data[head:]))
-            row = np.array(data[head:]) if ok else None
+            row = _unframe(data, self.page_nbytes)
             del data
         except FileNotFoundError:  # evicted by the writer since the check above
             with self._lock:
                 self.index.pop(key, None)
             return None
         except (OSError, ValueError):  # unreadable, or empty
-            ok, row = False, None
+            row = None
         with self._lock:
-            if not ok:
+            if row is None:
                 self.num_corrupt += 1
                 self._remove(key)
                 return None
@@ -242,39 +321,26 @@ class DiskTier:
             pass
         return row
 
-    def put(self, key: bytes, row: np.ndarray) -> None:
-        """Write the page in the background (nothing if it is there or on its way)."""
-        with self._lock:
-            if key in self.index:
-                self.index.move_to_end(key)
-                return
-            if key in self.writing:
-                return
-            self.writing[key] = row
-        self._writes = [f for f in self._writes if not f.done()]
-        self._writes.append(self._writer.submit(self._write, key, row))
+    def _stored(self, key: bytes) -> bool:
+        if key in self.index:
+            self.index.move_to_end(key)
+            return True
+        return False
 
-    def _write(self, key: bytes, row: np.ndarray) -> None:
+    def _write(self, key: bytes, row: np.ndarray) -> bool:
         path = self._path(key)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             with open(tmp, "wb") as f:
-                f.write(_MAGIC + self.page_nbytes.to_bytes(8, "little") + _digest(row) + row.tobytes())
+                f.write(_frame(row))
             os.replace(tmp, path)  # a reader never sees half a page
         except OSError:  # a full or vanished disk loses this copy, not the engine
-            with self._lock:
-                del self.writing[key]
-            return
-        with self._lock:
-            del self.writing[key]
-            self.index[key] = None
-            self._evict()
+            return False
+        return True
 
-    def flush(self) -> None:
-        """Wait until every write handed to the background thread has landed."""
-        for future in self._writes:
-            future.result()
-        self._writes = []
+    def _landed(self, key: bytes) -> None:
+        self.index[key] = None
+        self._evict()
 
     def _remove(self, key: bytes) -> None:
         self.index.pop(key, None)
@@ -287,21 +353,130 @@ class DiskTier:
         while self.index and (len(self.index) + len(self.writing)) * self.file_nbytes > self.capacity_bytes:
             self._remove(next(iter(self.index)))
 
+    def check(self) -> None:  # writes in flight may pass the bound until they land and evict
+        assert len(self.index) * self.file_nbytes <= self.capacity_bytes, "disk over its bound"
+
+    def close(self) -> None:
+        self.flush()
+
+
+class MooncakeTier(_WriteBehind):
+    """Pages in a Mooncake Store: a distributed pool of host memory that every engine
+    pointed at the same `mooncake_master` (host:port) shares, so one engine finds the
+    prefixes another computed. This engine lends `segment_bytes` of its memory to the
+    pool; the master keeps the metadata, places each page in some engine's segment and
+    evicts least recently used pages above 90% use (Mooncake's policy). Pages are stored
+    framed like the disk tier's files (a page that fails its checksum is removed and read
+    as a miss) under "kvfold/" + the key's hex, written in the background. Transport: TCP
+    (the non-CUDA wheel; RDMA where the machine has it is Mooncake's own setting)."""
+
+    name = "store"
+
+    def __init__(self, master: str, segment_bytes: int, page_nbytes: int, hostname: str = "127.0.0.1"):
+        super().__init__("kvfold-store")
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise ValueError("hicache_storage_backend='mooncake' needs the mooncake-transfer-engine-non-cuda "
+                             f"package and Debian's libibverbs1 ({e})") from None
+        self.page_nbytes = page_nbytes
+        if segment_bytes < max(MOONCAKE_MIN_SEGMENT, _HEAD + page_nbytes):
+            raise ValueError(f"disk_cache_bytes={segment_bytes} (the memory lent to the Mooncake store) must be at "
+                             f"least {max(MOONCAKE_MIN_SEGMENT, _HEAD + page_nbytes)} bytes (16 MiB, the store's "
+                             "smallest segment, and one page)")
+        host, _, port = master.rpartition(":")
+        try:  # the client retries an absent master for a minute and a half: ask first
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError as e:
+            raise ValueError(f"no Mooncake master answers at mooncake_master={master!r} ({e})") from None
+        self.store = MooncakeDistributedStore()
+        # P2P handshake: no metadata service beyond the master; the local buffer stages
+        # one get or put at a time
+        rc = self.store.setup(hostname, "P2PHANDSHAKE", segment_bytes, max(16 << 20, 2 * (_HEAD + page_nbytes)),
+                              "tcp", "", master)
+        if rc != 0:
+            raise ValueError(f"could not join the Mooncake store at mooncake_master={master!r} (setup returned {rc})")
+
+    @staticmethod
+    def _name(key: bytes) -> str:
+        return "kvfold/" + key.hex()
+
+    def exists(self, key: bytes) -> bool:
+        with self._lock:
+            if key in self.writing:
+                return True
+        return self.store.is_exist(self._name(key)) == 1
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        """The page, or None if absent or failing its checksum (then removed)."""
+        row = self._in_flight(key)
+        if row is not None:
+            return row
+        data = self.store.get(self._name(key))
+        if not data:
+            return None
+        row = _unframe(data, self.page_nbytes)
+        if row is None:
+            with self._lock:  # prefetch threads read too
+                self.num_corrupt += 1
+            self.store.remove(self._name(key), force=True)  # leased by this read: removed anyway
+        return row
+
+    def _stored(self, key: bytes) -> bool:
+        return False  # asked in `_write`, off the engine thread (an RPC to the master)
+
+    def _write(self, key: bytes, row: np.ndarray) -> bool:
+        name = self._name(key)
+        if self.store.is_exist(name) == 1:  # another engine put it
+            return True
+        return self.store.put(name, _frame(row)) == 0  # a full pool of leased pages: not stored
+
+    def check(self) -> None:
+        pass  # the master bounds the pool
+
+    def close(self) -> None:
+        """Leave the pool (this engine's segment, and the pages placed in it, go with it)."""
+        self.flush()
+        self.store.close()
+
 
 @dataclasses.dataclass(frozen=True)
 class TierConfig:
     """What LLM(enable_hierarchical_cache=True, ...) asks for. host_cache_bytes None: twice
-    the device pool (SGLang's default hicache_ratio); disk_cache_dir None: no disk tier."""
+    the device pool (SGLang's default hicache_ratio). The tier under the host (SGLang's
+    storage backend): storage_backend "file" keeps pages under disk_cache_dir (None: no
+    such tier), "mooncake" in the Mooncake Store whose master is at mooncake_master
+    ("host:port"). disk_cache_bytes bounds the directory, or is the memory this engine
+    lends to the store."""
 
     host_cache_bytes: int | None = None
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 16 * 2**30
     write_policy: str = WRITE_THROUGH_SELECTIVE
+    storage_backend: str = "file"
+    mooncake_master: str | None = None
+    prefetch_policy: str = PREFETCH_TIMEOUT
 
     def __post_init__(self):
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"hicache_storage_prefetch_policy must be one of {list(PREFETCH_POLICIES)}, "
+                             f"got {self.prefetch_policy!r}")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {list(WRITE_POLICIES)}, "
                              f"got {self.write_policy!r}")
+        if self.storage_backend not in STORAGE_BACKENDS:
+            raise ValueError(f"hicache_storage_backend must be one of {list(STORAGE_BACKENDS)}, "
+                             f"got {self.storage_backend!r}")
+        if self.storage_backend == "mooncake":
+            host, _, port = str(self.mooncake_master).rpartition(":")
+            if not isinstance(self.mooncake_master, str) or not host or not port.isdigit():
+                raise ValueError(f"hicache_storage_backend='mooncake' needs mooncake_master='host:port', "
+                                 f"got {self.mooncake_master!r}")
+            if self.disk_cache_dir is not None:
+                raise ValueError("disk_cache_dir is the 'file' backend's: the 'mooncake' backend keeps pages "
+                                 "in the store")
+        elif self.mooncake_master is not None:
+            raise ValueError("mooncake_master needs hicache_storage_backend='mooncake'")
         for name in ("host_cache_bytes", "disk_cache_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -325,16 +500,52 @@ class Tiers:
         self._in_flight: set[bytes] = set()
         host_bytes = config.host_cache_bytes if config.host_cache_bytes is not None else 2 * device_bytes
         self.host = HostTier(host_bytes, codec.page_nbytes)
-        self.disk = None
-        if config.disk_cache_dir is not None:
+        self.disk: DiskTier | MooncakeTier | None = None  # the tier under the host, if any
+        if config.storage_backend == "mooncake":
+            self.disk = MooncakeTier(config.mooncake_master, config.disk_cache_bytes, codec.page_nbytes)
+        elif config.disk_cache_dir is not None:
             self.disk = DiskTier(os.fspath(config.disk_cache_dir), config.disk_cache_bytes, codec.page_nbytes)
+        # prefetches from the tier under the host: reads run on their own threads and land
+        # in the host tier on the engine thread (`land`)
+        self.prefetch_threshold = PREFETCH_THRESHOLD
+        self.prefetching: dict[bytes, concurrent.futures.Future] = {}
+        self.pages_prefetched = 0  # pages read by prefetches (each page once, however many wait)
+        self._reader = None
 
     def reseed(self, fingerprint: bytes) -> None:
         """New weights: no stored page matches them; the host rows are dropped (the disk's
         stay, under the old model's keys, for an engine that still runs it)."""
         self.settle()
+        concurrent.futures.wait(list(self.prefetching.values()))
+        self.prefetching.clear()
         self.fingerprint = fingerprint
         self.host.clear()
+
+    def prefetch(self, keys: list[bytes]) -> list[concurrent.futures.Future]:
+        """Start reading `keys` (a prefix's pages past what the device and host hold, which
+        the tier under the host has) into host memory in the background; a key already on
+        its way is not read again. Returns the reads the prefix waits on."""
+        if self._reader is None:
+            self._reader = concurrent.futures.ThreadPoolExecutor(_PREFETCH_THREADS,
+                                                                 thread_name_prefix="kvfold-prefetch")
+        futures = []
+        for key in keys:
+            if key not in self.prefetching:
+                self.prefetching[key] = self._reader.submit(self.disk.get, key)
+                self.pages_prefetched += 1
+            futures.append(self.prefetching[key])
+        return futures
+
+    def land(self) -> None:
+        """Move finished prefetches into the host tier (on the engine thread, which owns it)."""
+        for key in [k for k, f in self.prefetching.items() if f.done()]:
+            row = self.prefetching.pop(key).result()
+            if row is not None:
+                self.host.put(key, row, origin=self.disk.name)
+
+    def prefetch_timeout(self, num_tokens: int) -> float:
+        """Seconds a request waits for a prefetch of num_tokens tokens (HiCache's formula)."""
+        return PREFETCH_TIMEOUT_BASE_S + PREFETCH_TIMEOUT_PER_KI_TOKEN_S * num_tokens / 1024
 
     def copy_down(self, keys: list[bytes], fetch: Callable[[], np.ndarray]) -> None:
         """Device pages on their way down: fetch() waits for their rows (dispatched
@@ -364,11 +575,16 @@ class Tiers:
         `end_step`), reading it from disk if it is only there. False: no tier has it."""
         if key in self._in_flight:  # never read a page whose copy has not landed
             self.settle()
+        future = self.prefetching.get(key)
+        if future is not None:  # a prefetch reads it: never a second read, never a wait
+            if not future.done():
+                return False
+            self.land()
         if not self.host.exists(key):
             row = self.disk.get(key) if self.disk is not None else None
             if row is None:
                 return False
-            self.host.put(key, row, origin="disk")
+            self.host.put(key, row, origin=self.disk.name)
             if not self.host.exists(key):  # the host is full of pinned pages
                 return False
         self.host.pinned.add(key)
@@ -388,9 +604,17 @@ class Tiers:
 
     def check(self) -> None:
         self.host.check()
-        if self.disk is not None:  # writes in flight may pass the bound until they land and evict
-            assert len(self.disk.index) * self.disk.file_nbytes <= self.disk.capacity_bytes, "disk over its bound"
+        if self.disk is not None:
+            self.disk.check()
+
+    def close(self) -> None:
+        """Land every copy and let go of the tier under the host (the disk's files stay)."""
+        self.flush()
+        if self._reader is not None:
+            self._reader.shutdown()
+        if self.disk is not None:
+            self.disk.close()
 
 
-__all__ = ["SELECTIVE_HITS", "TIERS", "WRITE_POLICIES", "DiskTier", "HostTier", "PageCodec", "TierConfig",
-           "Tiers", "chain", "root_hash"]
+__all__ = ["PREFETCH_POLICIES", "SELECTIVE_HITS", "STORAGE_BACKENDS", "TIERS", "WRITE_POLICIES", "DiskTier",
+           "HostTier", "MooncakeTier", "PageCodec", "TierConfig", "Tiers", "chain", "root_hash"]

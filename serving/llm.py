@@ -37,6 +37,12 @@ they are loaded back, not recomputed; the disk tier outlives the engine
     llm = LLM(enable_hierarchical_cache=True, host_cache_bytes=2 << 30,
               disk_cache_dir="/var/cache/kvfold", hicache_write_policy="write_through")
     llm.engine.kv.hits                            # prompt tokens served, by tier
+
+Or under a Mooncake Store shared by several engine processes (`mooncake_master` running
+at that address; each engine lends disk_cache_bytes of host memory to the pool):
+
+    llm = LLM(enable_hierarchical_cache=True, hicache_storage_backend="mooncake",
+              mooncake_master="10.0.0.1:50051", disk_cache_bytes=8 << 30)
 """
 
 from __future__ import annotations
@@ -95,7 +101,9 @@ class LLM:
                  precompile: bool = False, enable_hierarchical_cache: bool = False,
                  host_cache_bytes: int | None = None, disk_cache_dir: str | None = None,
                  disk_cache_bytes: int = TierConfig.disk_cache_bytes,
-                 hicache_write_policy: str = TierConfig.write_policy):
+                 hicache_write_policy: str = TierConfig.write_policy,
+                 hicache_storage_backend: str = TierConfig.storage_backend, mooncake_master: str | None = None,
+                 hicache_storage_prefetch_policy: str = TierConfig.prefetch_policy):
         import model as model_lib
 
         config, params = model_lib.load(model, dtype, weights_dtype)
@@ -105,7 +113,8 @@ class LLM:
                     preemption_mode, seed, dtype, speculative_config, jump_forward, enable_lora,
                     max_loras, max_lora_rank, max_cpu_loras, weights_dtype, tensor_parallel_size,
                     data_parallel_size, expert_parallel_size, precompile, enable_hierarchical_cache,
-                    host_cache_bytes, disk_cache_dir, disk_cache_bytes, hicache_write_policy)
+                    host_cache_bytes, disk_cache_dir, disk_cache_bytes, hicache_write_policy,
+                    hicache_storage_backend, mooncake_master, hicache_storage_prefetch_policy)
 
     @classmethod
     def from_loaded(cls, config: model.ModelConfig, params: dict, tokenizer: model.Tokenizer,
@@ -129,7 +138,8 @@ class LLM:
                speculative_config, jump_forward, enable_lora, max_loras, max_lora_rank, max_cpu_loras,
                weights_dtype, tensor_parallel_size, data_parallel_size, expert_parallel_size, precompile,
                enable_hierarchical_cache, host_cache_bytes, disk_cache_dir, disk_cache_bytes,
-               hicache_write_policy):
+               hicache_write_policy, hicache_storage_backend, mooncake_master,
+               hicache_storage_prefetch_policy):
         # Every argument is checked here, before anything is built.
         if weights_dtype is not None and weights_dtype not in WEIGHTS_DTYPES:
             raise ValueError(f"unknown weights_dtype {weights_dtype!r}; allowed: {', '.join(WEIGHTS_DTYPES)}")
@@ -173,15 +183,17 @@ class LLM:
         draft = _drafter(speculative_config, config, dtype)
         tiers = None
         if check_bool("enable_hierarchical_cache", enable_hierarchical_cache):
-            tiers = TierConfig(host_cache_bytes, disk_cache_dir, disk_cache_bytes, hicache_write_policy)
+            tiers = TierConfig(host_cache_bytes, disk_cache_dir, disk_cache_bytes, hicache_write_policy,
+                               hicache_storage_backend, mooncake_master, hicache_storage_prefetch_policy)
             if not enable_prefix_caching:
                 raise ValueError("enable_hierarchical_cache extends the prefix cache: it needs "
                                  "enable_prefix_caching=True")
             if dp > 1 or multihost:
                 raise ValueError("the hierarchical cache serves one engine on one host yet: use it with "
                                  "data_parallel_size=1")
-        elif (host_cache_bytes, disk_cache_dir) != (None, None):
-            raise ValueError("host_cache_bytes and disk_cache_dir need enable_hierarchical_cache=True")
+        elif (host_cache_bytes, disk_cache_dir, mooncake_master) != (None, None, None):
+            raise ValueError("host_cache_bytes, disk_cache_dir and mooncake_master need "
+                             "enable_hierarchical_cache=True")
         if check_bool("precompile", precompile) and multihost:
             raise ValueError("precompile does not cover several hosts yet")
         lora = None

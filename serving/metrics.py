@@ -89,7 +89,7 @@ class _EngineCollector:
         yield CounterMetricFamily("kvfold:num_preemptions", "Sequences preempted (recomputed or swapped)",
                                   value=s.num_preemptions)
         by_tier = CounterMetricFamily("kvfold:prefix_cache_hits_by_tier", "Prompt tokens served from "
-                                      "each tier of the prefix cache (device, host, disk)", labels=["tier"])
+                                      "each tier of the prefix cache (device, host, disk or store)", labels=["tier"])
         for tier, tokens in s.cache_hits_by_tier:
             by_tier.add_metric([tier], tokens)
         yield by_tier

@@ -33,7 +33,7 @@ from model import compile_cache
 from model.weights import WEIGHTS_DTYPES
 from serving import openai_protocol as protocol
 from serving.async_llm import AsyncLLM, EngineDead, Overloaded, Stream
-from serving.kv_tiers import WRITE_POLICIES, TierConfig
+from serving.kv_tiers import PREFETCH_POLICIES, STORAGE_BACKENDS, WRITE_POLICIES, TierConfig
 from serving.metrics import ServerMetrics
 from serving.params import LoRARequest
 
@@ -322,8 +322,16 @@ def _parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--host-cache-bytes", type=int, default=None,
                         help="host tier size (default: twice the device KV pool)")
     parser.add_argument("--disk-cache-dir", default=None, help="disk tier directory (default: no disk tier)")
-    parser.add_argument("--disk-cache-bytes", type=int, default=TierConfig.disk_cache_bytes)
+    parser.add_argument("--disk-cache-bytes", type=int, default=TierConfig.disk_cache_bytes,
+                        help="disk tier bound, or the memory lent to the Mooncake store")
     parser.add_argument("--hicache-write-policy", default=TierConfig.write_policy, choices=WRITE_POLICIES)
+    parser.add_argument("--hicache-storage-backend", default=TierConfig.storage_backend, choices=STORAGE_BACKENDS,
+                        help="the tier under the host: files under --disk-cache-dir, or a Mooncake store")
+    parser.add_argument("--hicache-storage-prefetch-policy", default=TierConfig.prefetch_policy,
+                        choices=PREFETCH_POLICIES, help="how long a request waits for its prefix's prefetch from "
+                        "the tier under the host: never, until done, or a timeout growing with its tokens")
+    parser.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
+                        help="the mooncake_master of --hicache-storage-backend mooncake")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="shard the model over this many devices (LLM(tensor_parallel_size=...))")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
@@ -399,7 +407,9 @@ def build(args: argparse.Namespace) -> FastAPI:
               data_parallel_size=args.data_parallel_size, expert_parallel_size=args.expert_parallel_size,
               precompile=args.precompile, enable_hierarchical_cache=args.enable_hierarchical_cache,
               host_cache_bytes=args.host_cache_bytes, disk_cache_dir=args.disk_cache_dir,
-              disk_cache_bytes=args.disk_cache_bytes, hicache_write_policy=args.hicache_write_policy)
+              disk_cache_bytes=args.disk_cache_bytes, hicache_write_policy=args.hicache_write_policy,
+              hicache_storage_backend=args.hicache_storage_backend, mooncake_master=args.mooncake_master,
+              hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return create_app(llm, args.served_model_name or args.model, api_key, args.max_waiting_requests,
                       args.max_waiting_tokens, args.max_request_body_bytes, lora_modules)

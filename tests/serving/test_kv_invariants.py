@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from serving import scheduler as sched
 from serving.engine import RECOMPUTE, SWAP, EngineCore
 from serving.kv_manager import pages_for
-from serving.kv_tiers import WRITE_POLICIES, TierConfig
+from serving.kv_tiers import PREFETCH_POLICIES, WRITE_POLICIES, TierConfig
 from serving.params import SamplingParams
 from serving.simulator import CostModel, SimRunner
 
@@ -66,6 +66,7 @@ def check(engine):
     if engine.tiers is not None:
         assert not engine.kv.offloads and not engine.kv.loads, "tier copies left queued after a step"
         assert not engine.tiers.host.pinned, "host pages pinned past their step"
+        assert not set(engine._loading) & running, "a sequence ran before its prefetch ended"
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -78,17 +79,22 @@ def test_random_events_keep_kv_consistent_and_everything_finishes(events, policy
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=tier_events, policy=st.sampled_from(sched.CAPACITY_POLICIES),
        preemption=st.sampled_from([RECOMPUTE, SWAP]), write_policy=st.sampled_from(WRITE_POLICIES),
-       host_pages=st.integers(1, 12), disk_pages=st.integers(0, 12))
+       host_pages=st.integers(1, 12), disk_pages=st.integers(0, 12),
+       prefetch=st.sampled_from([None, *PREFETCH_POLICIES]))
 def test_random_events_with_host_and_disk_tiers(events, policy, preemption, write_policy, host_pages,
-                                                disk_pages):
-    """The same, with pages copied down to small host and disk tiers and loaded back: a
-    loaded page holds the tokens of the prefix it was matched for."""
+                                                disk_pages, prefetch):
+    """The same, with pages copied down to small host and disk tiers and loaded back
+    (prefetched in the background under each policy, every disk hit large enough): a
+    loaded page holds the tokens of the prefix it was matched for, and a sequence waiting
+    on a prefetch never runs."""
     with tempfile.TemporaryDirectory() as tmp:
         file_bytes = 8 + 8 + 16 + 8 * PAGE  # kv_tiers.DiskTier's header, then a page of int64 tokens
         tiers = TierConfig(host_cache_bytes=8 * PAGE * host_pages, write_policy=write_policy,
                            disk_cache_dir=tmp if disk_pages else None,
-                           disk_cache_bytes=max(disk_pages, 1) * file_bytes)
+                           disk_cache_bytes=max(disk_pages, 1) * file_bytes, prefetch_policy=prefetch or "timeout")
         engine = make_engine(policy, preemption, num_pages=32, tiers=tiers)
+        if prefetch is not None:
+            engine.tiers.prefetch_threshold = 0
         run_events(engine, events)
         engine.tiers.flush()
         if disk_pages:  # a restarted engine finds the disk's pages

@@ -1,8 +1,15 @@
 """Host and disk tiers under the prefix cache (serving/kv_tiers.py): the stores on their
 own, then the engine on a tiny model, whose greedy tokens must not change whichever tier
-serves a prefix. The random-event invariants with tiers are in test_kv_invariants.py."""
+serves a prefix, and a Mooncake Store (a `mooncake_master` started here on 127.0.0.1)
+shared by engines in two processes. The random-event invariants with tiers are in
+test_kv_invariants.py."""
 
+import json
 import os
+import socket
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -11,7 +18,7 @@ import pytest
 import model
 from model.config import ModelConfig
 from serving import LLM, SamplingParams
-from serving.kv_tiers import DiskTier, HostTier, PageCodec, TierConfig, chain, root_hash
+from serving.kv_tiers import DiskTier, HostTier, MooncakeTier, PageCodec, TierConfig, _frame, chain, root_hash
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -94,6 +101,11 @@ def test_disk_tier_survives_restarts_detects_corruption_and_stays_bounded(tmp_pa
     (dict(host_cache_bytes=0), "host_cache_bytes"),
     (dict(disk_cache_bytes=True), "disk_cache_bytes"),
     (dict(disk_cache_dir=3), "disk_cache_dir"),
+    (dict(storage_backend="s3"), "hicache_storage_backend"),
+    (dict(storage_backend="mooncake"), "mooncake_master='host:port'"),
+    (dict(storage_backend="mooncake", mooncake_master="somewhere"), "mooncake_master='host:port'"),
+    (dict(storage_backend="mooncake", mooncake_master="h:1", disk_cache_dir="/tmp"), "disk_cache_dir"),
+    (dict(mooncake_master="h:1"), "hicache_storage_backend='mooncake'"),
 ])
 def test_tier_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -126,6 +138,9 @@ PROMPTS = [{"prompt_token_ids": np.random.default_rng(i).integers(3, 49152, 40).
     (dict(enable_hierarchical_cache=True, hicache_write_policy="later"), "hicache_write_policy"),
     (dict(enable_hierarchical_cache="yes"), "enable_hierarchical_cache"),
     (dict(enable_hierarchical_cache=True, host_cache_bytes=100), "host_cache_bytes"),
+    (dict(mooncake_master="127.0.0.1:1"), "enable_hierarchical_cache"),
+    (dict(enable_hierarchical_cache=True, hicache_storage_backend="mooncake", mooncake_master="127.0.0.1:1"),
+     "no Mooncake master answers"),
 ])
 def test_llm_tier_argument_validation(tiny, kw, match):
     with pytest.raises(ValueError, match=match):
@@ -184,3 +199,190 @@ def test_tier_cost_is_measured_per_page_on_the_runner(tiny, tmp_path):
     cost = measure_tier_cost(make(tiny, num_kv_blocks=16), str(tmp_path), num_pages=8, repeats=1)
     assert 0 < cost.load_host_s <= cost.load_disk_s < 1 and 0 < cost.copy_down_s < 1
     assert not os.listdir(tmp_path) or all(name.endswith(".kvpage") for name in os.listdir(tmp_path))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mooncake_master(tmp_path_factory):
+    """A mooncake_master on 127.0.0.1 (the wheel's binary, beside this Python), its RPC and
+    admin ports free ones; yields "host:port"."""
+    if sys.platform != "linux" or os.uname().machine != "x86_64":  # `make setup` installs it everywhere else
+        pytest.importorskip("mooncake.store", reason="Mooncake's wheels are for Linux x86-64")
+    port = _free_port()
+    log = tmp_path_factory.mktemp("mooncake") / "master.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "mooncake_master"),
+                                 f"--rpc_port={port}", "--rpc_address=127.0.0.1", f"--metrics_port={_free_port()}",
+                                 "--enable_metric_reporting=false"], stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+                time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_mooncake_store_shares_pages_between_clients_and_drops_corrupt_ones(mooncake_master):
+    with pytest.raises(ValueError, match="at least 16777216 bytes"):
+        MooncakeTier(mooncake_master, 8 << 20, 4096)
+    a = MooncakeTier(mooncake_master, 16 << 20, 4096)
+    b = MooncakeTier(mooncake_master, 16 << 20, 4096)  # a second member of the same pool
+    try:
+        rows = np.random.default_rng(0).integers(0, 256, (3, 4096)).astype(np.uint8)
+        keys = [bytes([i]) * 16 for i in range(3)]
+        a.put(keys[0], rows[0])
+        assert a.exists(keys[0]) and (a.get(keys[0]) == rows[0]).all()  # in flight or landed
+        a.put(keys[1], rows[1])
+        a.flush()
+        assert not a.writing
+        assert b.exists(keys[1]) and (b.get(keys[1]) == rows[1]).all() and (b.get(keys[0]) == rows[0]).all()
+        assert not b.exists(keys[2]) and b.get(keys[2]) is None
+        bad = bytearray(_frame(rows[2]))
+        bad[-1] ^= 0x10  # one flipped payload bit, as a faulty writer would leave it
+        assert a.store.put(a._name(keys[2]), bytes(bad)) == 0
+        assert b.exists(keys[2]) and b.get(keys[2]) is None and b.num_corrupt == 1
+        assert not a.exists(keys[2])  # removed from the pool: the tokens are recomputed
+        assert a.store.put(a._name(keys[2]), _frame(rows[2][:100])) == 0  # a short page
+        assert b.get(keys[2]) is None and b.num_corrupt == 2
+    finally:
+        a.close()
+        b.close()
+
+
+OTHER_ENGINE = """
+import json, sys, jax
+import model
+from model.config import ModelConfig
+from serving import LLM, SamplingParams
+fields = json.loads(sys.argv[1])
+config = ModelConfig(**{**fields, "layer_kinds": tuple(fields["layer_kinds"])})
+params = model.init_params(config, jax.random.key(0))
+llm = LLM.from_loaded(config, params, model.load_tokenizer("default"), max_model_len=128, max_num_seqs=2,
+                      max_num_batched_tokens=64, num_kv_blocks=8, enable_hierarchical_cache=True,
+                      hicache_storage_backend="mooncake", mooncake_master=sys.argv[2], disk_cache_bytes=16 << 20)
+out = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[3])],
+                   SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+print(json.dumps(dict(ids=[o.outputs[0].token_ids for o in out], cached=[o.num_cached_tokens for o in out],
+                      hits=dict(llm.engine.kv.hits))))
+llm.engine.tiers.close()
+"""
+
+
+def test_engines_in_two_processes_share_prefixes_through_a_mooncake_store(tiny, mooncake_master):
+    """One engine computes five prompts (no cache hit) and writes their pages through to
+    the store; an engine in another process, its device and host tiers empty, is served
+    every full page from the store and answers the same greedy tokens."""
+    llm = make(tiny, enable_hierarchical_cache=True, hicache_storage_backend="mooncake",
+               mooncake_master=mooncake_master, disk_cache_bytes=16 << 20, hicache_write_policy="write_through")
+    try:
+        alone = ids(llm.generate(PROMPTS, GREEDY))  # every cache empty: computed; generate lands the copies
+        assert sum(llm.engine.kv.hits.values()) == 0
+        config = {f: getattr(tiny[0], f) for f in ("vocab_size", "hidden_size", "intermediate_size", "num_heads",
+                                                   "num_kv_heads", "head_dim", "layer_kinds",
+                                                   "max_position_embeddings", "eos_token_id")}
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        done = subprocess.run([sys.executable, "-c", OTHER_ENGINE, json.dumps(config), mooncake_master,
+                               json.dumps([p["prompt_token_ids"] for p in PROMPTS])],
+                              capture_output=True, text=True, timeout=600, cwd=root,
+                              env={**os.environ, "PYTHONPATH": root})
+        assert done.returncode == 0, done.stderr[-4000:]
+        other = json.loads(done.stdout.strip().splitlines()[-1])
+        assert other["ids"] == alone
+        assert other["cached"] == [32] * 5 and other["hits"].get("store") == 5 * 32, other
+    finally:
+        llm.engine.tiers.close()
+
+
+def _gated_disk(tiers):
+    """Make the disk's reads of the pages it holds wait for `gate`, and count them by key
+    (a lookup of a page it does not hold answers at once)."""
+    import collections
+    import threading
+
+    gate, reads, get = threading.Event(), collections.Counter(), tiers.disk.get
+
+    def gated(key):
+        if tiers.disk.exists(key):
+            reads[key] += 1
+            gate.wait(60)
+        return get(key)
+
+    tiers.disk.get = gated
+    return gate, reads
+
+
+def _run(engine, prompts):
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p["prompt_token_ids"], GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+    out = [(engine.seqs[engine.requests[f"r{i}"].seq_ids[0]].output.tokens, engine.requests[f"r{i}"].num_cached_tokens)
+           for i in range(len(prompts))]
+    for i in range(len(prompts)):
+        engine.release(f"r{i}")
+    return out
+
+
+def test_a_prefetch_defers_its_requests_and_a_delayed_hit_waits_for_the_same_load(tiny, tmp_path):
+    """Strata / HiCache on a restarted engine whose prefixes are all on disk: a request
+    whose disk hit passes the threshold starts a background prefetch and is deferred
+    while a request without a hit runs; a second request on the same prefix joins that
+    load (each page is read once); once the pages land both are admitted with their
+    prefix served, and greedy tokens equal a cache-less engine's."""
+    fresh = {"prompt_token_ids": np.random.default_rng(9).integers(3, 49152, 40).tolist()}
+    alone = ids(make(tiny, enable_prefix_caching=False).generate([PROMPTS[0], fresh], GREEDY))
+    d = str(tmp_path)
+    make(tiny, enable_hierarchical_cache=True, disk_cache_dir=d, hicache_write_policy="write_through").generate(
+        PROMPTS[:1], GREEDY)
+    llm = make(tiny, enable_hierarchical_cache=True, disk_cache_dir=d, max_num_seqs=3,
+               hicache_storage_prefetch_policy="wait_complete")  # c's first step compiles: past any timeout
+    engine, tiers = llm.engine, llm.engine.tiers
+    tiers.prefetch_threshold = 16  # the prompt's 32 cached tokens pass it (HiCache's default: 256)
+    gate, reads = _gated_disk(tiers)
+    for rid, p in (("a", PROMPTS[0]), ("b", PROMPTS[0]), ("c", fresh)):
+        engine.add_request(rid, p["prompt_token_ids"], GREEDY)
+    engine.step()  # a and b wait for the load, c runs
+    assert {s.seq_id for s in engine.state.running} == set(engine.requests["c"].seq_ids)
+    assert set(engine._loading) == set(engine.requests["a"].seq_ids + engine.requests["b"].seq_ids)
+    assert len(reads) == 2 and set(reads.values()) == {1}  # two pages, each read once, for both
+    gate.set()
+    while engine.has_unfinished():
+        engine.step()
+    out = {r: (engine.seqs[engine.requests[r].seq_ids[0]].output.tokens, engine.requests[r].num_cached_tokens)
+           for r in "abc"}
+    assert [out["a"][0], out["b"][0], out["c"][0]] == [alone[0], alone[0], alone[1]]
+    assert out["a"][1] == out["b"][1] == 32 and out["c"][1] == 0
+    assert tiers.pages_prefetched == 2 and engine.kv.hits["disk"] == 32 and set(reads.values()) == {1}
+    engine.kv.check()
+
+
+@pytest.mark.parametrize("policy", ["timeout", "best_effort"])
+def test_a_prefetch_past_its_timeout_or_best_effort_never_stalls_the_request(tiny, tmp_path, policy):
+    """A disk that does not answer: with the timeout passed (or best_effort, which never
+    waits), the request is admitted without the pages still in flight (never reading
+    them twice, never waiting on them) and recomputes them: same greedy tokens."""
+    d = str(tmp_path)
+    alone = ids(make(tiny, enable_hierarchical_cache=True, disk_cache_dir=d, hicache_write_policy="write_through")
+                .generate(PROMPTS[:1], GREEDY))
+    llm = make(tiny, enable_hierarchical_cache=True, disk_cache_dir=d, hicache_storage_prefetch_policy=policy)
+    tiers = llm.engine.tiers
+    tiers.prefetch_threshold = 16
+    tiers.prefetch_timeout = lambda num_tokens: 0.0
+    gate, reads = _gated_disk(tiers)
+    try:
+        ((tokens, cached),) = _run(llm.engine, PROMPTS[:1])
+    finally:
+        gate.set()
+    assert [tokens] == alone and cached == 0 and set(reads.values()) == {1}

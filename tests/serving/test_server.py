@@ -23,6 +23,7 @@ from serving.params import StructuredOutputsParams
 
 API_KEY = "sk-kvfold-test"
 MAX_MODEL_LEN = 128
+SLOW = 120  # seconds an HTTP call may take: the first requests compile steps, on a busy machine
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -411,7 +412,7 @@ def server(server_process):
 
 def metrics(url: str) -> dict:
     """{sample name (with labels): value} from /metrics, parsed by prometheus_client."""
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", timeout=SLOW).text
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -428,7 +429,7 @@ def test_server_streams_over_http(server):
                                                       max_tokens=6, temperature=0, stream=True,
                                                       stream_options={"include_usage": True})
         chunks = [c async for c in stream]
-        async with httpx.AsyncClient() as http:
+        async with httpx.AsyncClient(timeout=SLOW) as http:
             raw = await http.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
                                   json={"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
                                         "stream": True})
@@ -448,7 +449,7 @@ def test_server_disconnect_aborts_and_frees_pages(server):
 
     async def go():
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 100, "ignore_eos": True, "stream": True}
-        async with httpx.AsyncClient() as http:
+        async with httpx.AsyncClient(timeout=SLOW) as http:
             async with http.stream("POST", f"{server}/v1/completions", json=body,
                                    headers={"Authorization": f"Bearer {API_KEY}"}) as r:
                 lines = 0
