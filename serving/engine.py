@@ -366,8 +366,12 @@ class EngineCore:
         for sid in plan.preempted:
             self._preempt(sid)
         running = {s.seq_id: s for s in self.state.running}
+        holds = [self.kv.hold(self.tokens(sid), running[sid].lora_id, running[sid].num_computed_tokens)
+                 for sid in plan.admitted if self.seqs[sid].swapped is None and self._reads_cache(sid)]
         for sid in plan.admitted:
             self._admit(running[sid])
+        for node in holds:
+            self.kv.release(node)
         rows, copies = [], []
         for sid, n in plan.scheduled:
             s, seq = running[sid], self.seqs[sid]

@@ -154,6 +154,23 @@ class KVManager:
             return tiers.prefetch(keys)
         return [tiers.prefetching[k] for k in keys if k in tiers.prefetching]
 
+    def hold(self, tokens, namespace: int = 0, limit: int | None = None):
+        """Lock the device pages of `tokens`' cached prefix (at most `limit` tokens) until
+        `release`: the sequences a step admits hold what the scheduler counted for them
+        before any of them allocates, so one admission's eviction cannot take a page
+        another admission counted on (the scheduler counts those pages as available, and
+        as pages the sequence needs: there is room without them)."""
+        if self.radix is None or len(tokens) < 2:
+            return None
+        end = len(tokens) - 1 if limit is None else min(len(tokens) - 1, limit)
+        _, node = self.radix.match_prefix(tokens[:end], touch=False, namespace=namespace)
+        self.radix.lock(node)
+        return node
+
+    def release(self, node) -> None:
+        if node is not None:
+            self.radix.unlock(node)
+
     def admit(self, seq_id: str, tokens, use_cache: bool = True, namespace: int = 0,
               limit: int | None = None) -> int:
         """Start a block table for seq_id, reusing cached prefix pages of its namespace, at

@@ -386,3 +386,31 @@ def test_a_prefetch_past_its_timeout_or_best_effort_never_stalls_the_request(tin
     finally:
         gate.set()
     assert [tokens] == alone and cached == 0 and set(reads.values()) == {1}
+
+
+def test_bench_tiers_replays_a_trace_with_identical_tokens_in_every_setup(tmp_path, default_tokenizer, capsys):
+    """`python -m serving.bench tiers` at tiny size on a conversation-shaped trace (turns
+    that extend earlier ones): every setup decodes the same tokens, the unbounded pool
+    serves at least what the device alone does, and each row has a TTFT."""
+    from serving import bench
+    from tests.serving.test_server import write_tiny_checkpoint
+
+    write_tiny_checkpoint(str(tmp_path / "tiny"), default_tokenizer)
+    turns = [[1, 2], [3], [1, 2, 4], [5, 6], [3, 7], [1, 2, 4, 8], [5, 6, 9], [3, 7, 10]]
+    (tmp_path / "trace.jsonl").write_text("".join(
+        json.dumps(dict(timestamp=i, input_length=512 * len(h), output_length=64, hash_ids=h)) + "\n"
+        for i, h in enumerate(turns)))
+    bench.main(["tiers", str(tmp_path / "trace.jsonl"), "--model", str(tmp_path / "tiny"), "--num-requests", "8",
+                "--block-tokens", "16", "--output-scale", "0.0625", "--max-model-len", "128", "--kv-blocks", "6",
+                "--host-pages", "3", "--concurrency", "2", "--write-policy", "write_through"])
+    rows = {r[0].strip(): [c.strip() for c in r[1:]] for r in
+            (line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| "))
+            if r[0].strip() not in ("cache", "---")}
+    assert list(rows) == ["device only", "device + host (2x device)", "device + small host + disk",
+                          "unbounded device"]
+    assert all(r[-1] == "yes" for r in rows.values())
+    assert float(rows["unbounded device"][0]) >= float(rows["device only"][0]) and \
+        float(rows["unbounded device"][0]) > 0
+    for r in rows.values():
+        p50, p90 = (float(x) for x in r[5].split("/"))
+        assert 0 <= p50 <= p90 < 60
