@@ -24,9 +24,10 @@ takes --weights-dtype.
 trace: replays a Mooncake-format trace through the scheduler and radix cache in the
 simulator with a cost model fitted from this engine's measured steps; --tiers adds
 replays over host and disk tiers, each page moved costing what this engine measured.
-tiers: replays the first requests of a Mooncake-format trace on the real engine, a few
-at a time in arrival order, with a device pool too small for the trace's prefixes:
-prompt tokens served by tier, seconds spent copying between tiers, and wall time for
+tiers: replays the first requests of a Mooncake-format trace on the real engine in
+arrival order, --concurrency clients in a closed loop, with a device pool too small for
+the trace's prefixes: prompt tokens served by tier, seconds spent copying between tiers,
+TTFT p50 / p90 and wall time for
 the device alone, with a host tier, with a small host tier over a disk tier (in a
 temporary directory), and with a pool large enough for every prefix (the optimum).
 context: decode tokens/s (prefill excluded) as the live context grows at the default
@@ -745,6 +746,35 @@ def _plot_trace(path: str, title: str, results: list[tuple[str, int, object]]) -
     print(f"plot: {path}")
 
 
+def _closed_loop(engine, prompts, params, concurrency: int, tag: str):
+    """Replay requests in order as `concurrency` clients would: the next request is added
+    when one finishes. Returns per request its tokens, its cached prompt tokens (at first
+    admission) and its TTFT (seconds from being added to the step that sampled its first
+    token)."""
+    n = len(prompts)
+    pending, live = list(range(n))[::-1], {}
+    added, ttft, tokens, cached = [0.0] * n, [None] * n, [None] * n, [0] * n
+    while pending or live:
+        while pending and len(live) < concurrency:
+            i = pending.pop()
+            rid = f"{tag}-{i}"
+            engine.add_request(rid, prompts[i]["prompt_token_ids"], params[i])
+            live[rid], added[i] = i, time.perf_counter()
+        engine.step()
+        now = time.perf_counter()
+        for rid, i in list(live.items()):
+            out = engine.seqs[engine.requests[rid].seq_ids[0]].output
+            if ttft[i] is None and out.tokens:
+                ttft[i] = now - added[i]
+            if engine.request_finished(rid):
+                tokens[i], cached[i] = list(out.tokens), engine.requests[rid].num_cached_tokens
+                engine.release(rid)
+                del live[rid]
+    if engine.tiers is not None:
+        engine.tiers.flush()
+    return tokens, cached, np.asarray(ttft, float)
+
+
 def bench_tiers(args) -> None:
     import tempfile
 
@@ -756,14 +786,16 @@ def bench_tiers(args) -> None:
     prompts = [{"prompt_token_ids": list(r.prompt)} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     total = sum(len(r.prompt) for r in requests)
-    print(f"tiers: {len(requests)} requests of {args.path} in arrival order, {args.concurrency} at a time; "
+    print(f"tiers: {len(requests)} requests of {args.path} in arrival order, {args.concurrency} clients in a "
+          f"closed loop; "
           f"prompts scaled to {args.block_tokens} tokens per 512-token block (mean {total / len(requests):.0f}), "
           f"outputs x{args.output_scale}; device pool {args.kv_blocks} pages of 16 tokens; "
           f"unbounded-cache hit-rate optimum {optimum:.3f}; {_device()}")
     print("(hit: prompt tokens the cache served at requests' first admission; device / host / disk: tokens "
           "served by each tier at every admission, re-admissions after preemption included; both per prompt token)")
-    print("| cache | hit | device | host | disk | tier copies (pages, s) | wall s | tokens/s | identical |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|:-:|")
+    print("| cache | hit | device | host | disk | tier copies (pages, s) | TTFT p50 / p90 (s) | wall s | tokens/s | "
+          "identical |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|---:|:-:|")
     reference = None
     with tempfile.TemporaryDirectory() as tmp:
         page_bytes, warmed = None, set()
@@ -781,29 +813,22 @@ def bench_tiers(args) -> None:
                       max_num_seqs=args.concurrency, max_num_batched_tokens=512, **kw)
             if llm.engine.tiers is not None and page_bytes is None:
                 page_bytes = llm.engine.tiers.codec.page_nbytes  # sizes for the next setups
-            def replay(llm):
-                outs = []
-                for i in range(0, len(prompts), args.concurrency):
-                    outs += llm.generate(prompts[i:i + args.concurrency], params[i:i + args.concurrency])
-                return outs
-
             if kw["num_kv_blocks"] not in warmed:  # an unmeasured replay compiles every step shape it uses
                 warmed.add(kw["num_kv_blocks"])
-                replay(llm)
+                _closed_loop(llm.engine, prompts, params, args.concurrency, "warm")
                 llm.engine.kv.flush_prefix_cache()
                 llm.engine.kv.hits.clear()
             start = time.perf_counter()
-            outs = replay(llm)
+            got, cached, ttft = _closed_loop(llm.engine, prompts, params, args.concurrency, "run")
             wall = time.perf_counter() - start
-            got = [o.outputs[0].token_ids for o in outs]
             reference = got if reference is None else reference
             hits, tiers = llm.engine.kv.hits, llm.engine.tiers
             generated = sum(len(g) for g in got)
             copies = f"{tiers.pages_moved}, {tiers.copy_s:.2f}" if tiers is not None else "-"
-            print(f"| {name} | {sum(o.num_cached_tokens for o in outs) / total:.3f} | "
+            print(f"| {name} | {sum(cached) / total:.3f} | "
                   f"{hits['device'] / total:.3f} | {hits['host'] / total:.3f} | {hits['disk'] / total:.3f} | "
-                  f"{copies} | {wall:.1f} | {(total + generated) / wall:.0f} | "
-                  f"{'yes' if got == reference else 'NO'} |")
+                  f"{copies} | {_pct(ttft, 50):.3f} / {_pct(ttft, 90):.3f} | {wall:.1f} | "
+                  f"{(total + generated) / wall:.0f} | {'yes' if got == reference else 'NO'} |")
             del llm
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 
 import numpy as np
@@ -209,7 +210,9 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
 
     With tiers (host_cache_bytes at 8 bytes a page: the simulator's pages are their ids),
     each page a step moves between tiers adds tier_cost's time to the step, as the engine
-    moves them on its own thread between steps.
+    moves them on its own thread between steps. Disk pages are read at admission: the
+    engine's background prefetch runs on wall-clock threads and timeouts, which simulated
+    time does not follow, so it is off here (the simulated TTFT is the synchronous one).
 
     Time advances by each step's predicted cost. A step that schedules nothing (an idle
     engine, or every request blocked) costs nothing; when it preempted nothing either,
@@ -223,6 +226,8 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
     engine = EngineCore(runner, sched_config, num_pages, max_model_len, eos_token_id=None,
                         enable_prefix_caching=enable_prefix_caching, clock=lambda: now[0], tiers=tiers,
                         fingerprint=b"simulator")
+    if engine.tiers is not None:
+        engine.tiers.prefetch_threshold = math.inf
     io_s = 0.0
     pending = sorted(requests, key=lambda r: r.arrival_s)
     token_times: dict[str, list[float]] = {}
