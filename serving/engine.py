@@ -367,7 +367,7 @@ class EngineCore:
             self._preempt(sid)
         running = {s.seq_id: s for s in self.state.running}
         holds = [self.kv.hold(self.tokens(sid), running[sid].lora_id, running[sid].num_computed_tokens)
-                 for sid in plan.admitted if self.seqs[sid].swapped is None and self._reads_cache(sid)]
+                 for sid in plan.admitted if self._looks_up_prefix(sid)]
         for sid in plan.admitted:
             self._admit(running[sid])
         for node in holds:
@@ -499,7 +499,7 @@ class EngineCore:
         while True:
             tiers.land()
             waiting = {s.seq_id: s for s in self.state.waiting
-                       if self.seqs[s.seq_id].swapped is None and self._reads_cache(s.seq_id)}
+                       if self._looks_up_prefix(s.seq_id)}
             for sid in set(self._loading) - set(waiting):  # admitted or gone
                 del self._loading[sid]
             self._prefetch_seen &= set(waiting)  # a preempted sequence looks again when it is back
@@ -530,7 +530,7 @@ class EngineCore:
         if self.kv.radix is not None:
             cached = {s.seq_id: self.kv.cached_prefix_len(self.tokens(s.seq_id), s.lora_id)
                       for s in self.state.waiting
-                      if self.seqs[s.seq_id].swapped is None and self._reads_cache(s.seq_id)
+                      if self._looks_up_prefix(s.seq_id)
                       and s.seq_id not in blocked}
         writable = {s.seq_id: self.kv.writable_pages(s.seq_id, s.num_computed_tokens)
                     for s in self.state.running}
@@ -552,6 +552,11 @@ class EngineCore:
         req = self.requests[seq.request_id]
         if seq.index == 0 and not req.admitted:  # not again after a preemption: its own pages
             req.num_cached_tokens, req.admitted = hit, True
+
+    def _looks_up_prefix(self, seq_id: str) -> bool:
+        """Its admission matches the prefix cache: not swapped out (its pages come back
+        from the swap), and reading the cache (`_reads_cache`)."""
+        return self.seqs[seq_id].swapped is None and self._reads_cache(seq_id)
 
     def _reads_cache(self, seq_id: str) -> bool:
         """Prompt logprobs need every prompt position computed: such a request does not

@@ -122,13 +122,19 @@ class KVManager:
         keys = []
         if self.tiers is None or namespace != 0:
             return keys
-        key = node.hash
-        for i in range(first, len(tokens) // self.page_size):
-            (key,) = chain(key, tokens[i * self.page_size:(i + 1) * self.page_size], self.page_size)
+        for key in self._keys_past(node, tokens, first):
             if not self.tiers.stage(key):
                 break
             keys.append(key)
         return keys
+
+    def _keys_past(self, node, tokens, first: int):
+        """The tier keys of `tokens`' full pages from page `first` on, chained from the
+        device match's last node; lazily, so a walk that stops at a gap hashes no further."""
+        key = node.hash
+        for i in range(first, len(tokens) // self.page_size):
+            (key,) = chain(key, tokens[i * self.page_size:(i + 1) * self.page_size], self.page_size)
+            yield key
 
     def prefetch(self, tokens, namespace: int = 0) -> list:
         """HiCache's prefetch: the pages of `tokens` past the device match that only the
@@ -142,9 +148,8 @@ class KVManager:
             return []
         tokens = tokens[:len(tokens) - 1]
         pages, node = self.radix.match_prefix(tokens, touch=False, namespace=namespace)
-        key, keys = node.hash, []
-        for i in range(len(pages), len(tokens) // self.page_size):
-            (key,) = chain(key, tokens[i * self.page_size:(i + 1) * self.page_size], self.page_size)
+        keys = []
+        for key in self._keys_past(node, tokens, len(pages)):
             if tiers.host.exists(key):
                 continue
             if key not in tiers.prefetching and not tiers.disk.exists(key):

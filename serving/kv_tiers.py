@@ -236,7 +236,8 @@ class _WriteBehind:
                 if ok:
                     self._landed(key)
 
-    def _in_flight(self, key: bytes) -> np.ndarray | None:
+    def _being_written(self, key: bytes) -> np.ndarray | None:
+        """A copy of the page while its write is in flight, else None."""
         with self._lock:
             row = self.writing.get(key)
             return None if row is None else row.copy()
@@ -291,7 +292,7 @@ class DiskTier(_WriteBehind):
 
     def get(self, key: bytes) -> np.ndarray | None:
         """The page, or None if absent, short or failing its checksum (then deleted)."""
-        row = self._in_flight(key)
+        row = self._being_written(key)
         if row is not None:
             return row
         with self._lock:
@@ -403,13 +404,12 @@ class MooncakeTier(_WriteBehind):
 
     def exists(self, key: bytes) -> bool:
         with self._lock:
-            if key in self.writing:
-                return True
-        return self.store.is_exist(self._name(key)) == 1
+            writing = key in self.writing
+        return writing or self.store.is_exist(self._name(key)) == 1
 
     def get(self, key: bytes) -> np.ndarray | None:
         """The page, or None if absent or failing its checksum (then removed)."""
-        row = self._in_flight(key)
+        row = self._being_written(key)
         if row is not None:
             return row
         data = self.store.get(self._name(key))

@@ -106,6 +106,7 @@ def test_disk_tier_survives_restarts_detects_corruption_and_stays_bounded(tmp_pa
     (dict(storage_backend="mooncake", mooncake_master="somewhere"), "mooncake_master='host:port'"),
     (dict(storage_backend="mooncake", mooncake_master="h:1", disk_cache_dir="/tmp"), "disk_cache_dir"),
     (dict(mooncake_master="h:1"), "hicache_storage_backend='mooncake'"),
+    (dict(prefetch_policy="eager"), "hicache_storage_prefetch_policy"),
 ])
 def test_tier_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
