@@ -1,0 +1,5 @@
+from tests.notebooks.test_notebooks import run_top_to_bottom
+
+
+def test_runs_top_to_bottom(monkeypatch):
+    run_top_to_bottom("04_scheduler.ipynb", monkeypatch)
