@@ -88,6 +88,9 @@ class Runner(Protocol):
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None: ...
     # host copy of pages; wait=False: a function that waits for it (the copy is dispatched)
     def read_pages(self, pages: list[int], wait: bool = True): ...
+    # host page data moved toward the device (from any thread), for write_pages
+    def upload_pages(self, data): ...
+    # data: host page data, or upload_pages' result
     def write_pages(self, pages: list[int], data) -> None: ...
     # with LoRA (sched_config.max_loras > 0): read and check an adapter (ValueError if bad)
     def add_lora(self, request: LoRARequest) -> None: ...
@@ -185,6 +188,13 @@ class EngineCore:
         self.kv = KVManager(num_pages, sched_config.page_size, enable_prefix_caching, self.tiers)
         self._loading: dict[str, tuple[list, float]] = {}  # deferred seq -> (prefetch reads, deadline)
         self._prefetch_seen: set[str] = set()  # waiting sequences that started or joined their prefetch
+        # delayed hits: pages of tier loads each admission of this step started (seq -> pages),
+        # and running sequences whose loads land at a later clock time (the simulator's copy
+        # lane sets these; the engine's own loads land before the next step)
+        self.step_loads: dict[str, int] = {}
+        self.load_ready: dict[str, float] = {}
+        self._uploader = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvfold-load")
+                          if self.tiers is not None else None)
         self.output = OutputProcessor(eos_token_id, max_model_len, decode)
         self.max_model_len = max_model_len
         self.preemption_mode, self.seed, self.clock = preemption_mode, seed, clock
@@ -359,7 +369,8 @@ class EngineCore:
 
     def step(self) -> set[str]:
         """Schedule and run one batch; returns the request ids that made progress."""
-        blocked = self._grammars_pending() | self._prefetches_pending()
+        blocked = self._grammars_pending() | self._prefetches_pending() | self._loads_landing()
+        self.step_loads = {}
         self.state, plan = sched.schedule(self.state, self.config, self._kv_view(blocked),
                                           preempt_keeps_computed=self.preemption_mode == SWAP,
                                           blocked=blocked)
@@ -388,9 +399,13 @@ class EngineCore:
                             next_token=None if last else self.tokens(sid, end, end + 1)[0],
                             tree=tree, token_mask=mask, adjust=self._adjustments(seq) if last else None,
                             lora=s.lora_id))
-        self._move_tiered_pages()  # before the copies and the step write the pool
-        self.runner.copy_pages(copies)
-        results = self.runner.execute(rows) if rows else []
+        pending = self._move_tiered_pages([sid for sid, _ in plan.scheduled])  # before anything writes the pool
+        try:
+            self.runner.copy_pages(copies)
+            results = self.runner.execute(rows) if rows else []
+        finally:  # the loaded pages are in the prefix cache: they land whatever the step did
+            if pending is not None:
+                self._land(*pending)
         taken: dict[str, int] = {}
         forced: dict[str, int] = {}  # jump-forward: tokens appended without being computed
         for (sid, _), row, res in zip(plan.scheduled, rows, results):
@@ -425,13 +440,18 @@ class EngineCore:
             self.tiers.end_step()
         return {self.seqs[sid].request_id for sid in taken}
 
-    def _move_tiered_pages(self) -> None:
+    def _move_tiered_pages(self, scheduled: Sequence[str] | None = None):
         """Run the KV manager's queued tier copies: device pages down to the tiers, then
         tier pages into their new device pages. Called before anything else writes the
-        pool, so a page copied down still holds what it held when it was queued."""
+        pool, so a page copied down still holds what it held when it was queued.
+
+        scheduled: the step about to run. Loads none of its sequences reads (the delayed
+        hits it admitted without tokens) overlap it: their host side (gather, unpack,
+        transfer) runs on a worker thread while the step computes, and `_land` writes
+        them into the pool after it. Returns (pages, upload) for `_land`, or None."""
         offloads, loads = self.kv.take_offloads(), self.kv.take_loads()
         if not offloads and not loads:
-            return
+            return None
         if offloads:
             self.tiers.settle()  # the last copies down land first (timed there)
         start = time.perf_counter()
@@ -439,11 +459,32 @@ class EngineCore:
             keys, pages = zip(*offloads)
             fetch = self.runner.read_pages(list(pages), wait=False)
             self.tiers.copy_down(list(keys), lambda: self.tiers.codec.pack(fetch()))
+        pending = None
         if loads:
-            pages, rows = zip(*loads)
-            self.runner.write_pages(list(pages), self.tiers.codec.unpack(np.stack(rows)))
+            pages, rows = list(zip(*loads))
+            upload = lambda: self.runner.upload_pages(self.tiers.codec.unpack(np.stack(rows)))
+            if scheduled is None or any(not set(pages).isdisjoint(self.kv.tables[s]) for s in scheduled):
+                self.runner.write_pages(list(pages), upload())
+            else:  # the host rows stay put: the step's tier pages are pinned, nothing else runs
+                pending = list(pages), self._uploader.submit(upload)
         self.tiers.copy_s += time.perf_counter() - start
         self.tiers.pages_moved += len(offloads) + len(loads)
+        return pending
+
+    def _land(self, pages: list[int], upload: concurrent.futures.Future) -> None:
+        """Write loads `_move_tiered_pages` started into the pool (after the step they overlapped)."""
+        start = time.perf_counter()
+        self.runner.write_pages(pages, upload.result())
+        self.tiers.copy_s += time.perf_counter() - start
+
+    def _loads_landing(self) -> frozenset[str]:
+        """Running sequences whose loaded pages land later (`load_ready`, the simulator's):
+        they compute nothing until then."""
+        if not self.load_ready:
+            return frozenset()
+        now, running = self.clock(), {s.seq_id for s in self.state.running}
+        self.load_ready = {sid: t for sid, t in self.load_ready.items() if t > now and sid in running}
+        return frozenset(self.load_ready)
 
     def _follow_grammar(self, seq: SeqState, tokens: Sequence[int], prompt_len: int) -> int:
         """Feed the matcher the sequence's new tokens; end the sequence once the grammar is
@@ -526,16 +567,18 @@ class EngineCore:
     def _kv_view(self, blocked: frozenset[str] = frozenset()) -> sched.KVView:
         """The KV manager's pages as the scheduler sees them this step (not for the
         sequences it may not start: their prefixes are not looked up or staged)."""
-        cached = {}
+        cached, loading = {}, {}
         if self.kv.radix is not None:
-            cached = {s.seq_id: self.kv.cached_prefix_len(self.tokens(s.seq_id), s.lora_id)
-                      for s in self.state.waiting
-                      if self._looks_up_prefix(s.seq_id)
-                      and s.seq_id not in blocked}
+            for s in self.state.waiting:
+                if self._looks_up_prefix(s.seq_id) and s.seq_id not in blocked:
+                    device, tiers = self.kv.cached_prefix(self.tokens(s.seq_id), s.lora_id)
+                    cached[s.seq_id] = device + tiers
+                    if tiers:
+                        loading[s.seq_id] = tiers
         writable = {s.seq_id: self.kv.writable_pages(s.seq_id, s.num_computed_tokens)
                     for s in self.state.running}
         freeable = _OnAccess(self.kv.freeable_pages, writable)  # read only when preempting
-        return sched.KVView(self.kv.num_available, writable, cached, freeable)
+        return sched.KVView(self.kv.num_available, writable, cached, freeable, loading)
 
     def _admit(self, s: sched.Seq) -> None:
         seq = self.seqs[s.seq_id]
@@ -546,9 +589,12 @@ class EngineCore:
             self.runner.write_pages(self.kv.tables[s.seq_id], seq.swapped)
             seq.swapped = None
             return
+        queued = len(self.kv.loads)
         hit = self.kv.admit(s.seq_id, self.tokens(s.seq_id), use_cache=self._reads_cache(s.seq_id),
                             namespace=s.lora_id, limit=s.num_computed_tokens)
         assert hit == s.num_computed_tokens, (hit, s.num_computed_tokens)
+        if len(self.kv.loads) > queued:
+            self.step_loads[s.seq_id] = len(self.kv.loads) - queued
         req = self.requests[seq.request_id]
         if seq.index == 0 and not req.admitted:  # not again after a preemption: its own pages
             req.num_cached_tokens, req.admitted = hit, True

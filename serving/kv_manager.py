@@ -110,11 +110,16 @@ class KVManager:
         from the device tree, then from the host and disk tiers (whose pages this stages
         in host memory for the step: see `Tiers.stage`).
         namespace: whose KV (0: the base model; a LoRA adapter's id: computed under it)."""
+        return sum(self.cached_prefix(tokens, namespace))
+
+    def cached_prefix(self, tokens, namespace: int = 0) -> tuple[int, int]:
+        """`cached_prefix_len`'s tokens as (from the device tree, from the tiers): the
+        second part is loaded into new device pages when the sequence is admitted."""
         if self.radix is None or len(tokens) < 2:
-            return 0
+            return 0, 0
         pages, node = self.radix.match_prefix(tokens[:len(tokens) - 1], touch=False, namespace=namespace)
         staged = self._staged(node, tokens[:len(tokens) - 1], len(pages), namespace)
-        return (len(pages) + len(staged)) * self.page_size
+        return len(pages) * self.page_size, len(staged) * self.page_size
 
     def _staged(self, node, tokens, first: int, namespace: int) -> list[bytes]:
         """Keys of the pages of `tokens` from page `first` on (the device match ends at

@@ -315,6 +315,13 @@ def _padded(ids) -> np.ndarray:
     return np.asarray(ids + ids[:1] * (bucket(len(ids)) - len(ids)), np.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Uploaded:
+    """Page data on its way to the device, padded to its bucket (ModelRunner.upload_pages)."""
+
+    arrays: object
+
+
 class ModelRunner:
     """Owns params and the KV page pool; executes rows."""
 
@@ -571,11 +578,19 @@ class ModelRunner:
             leaf.copy_to_host_async()
         return fetch
 
+    def upload_pages(self, data) -> _Uploaded:
+        """Start moving host page data ([n, ...] leaves) to the device, padded to its bucket
+        as write_pages pads the pages; safe on another thread (the pool is not touched)."""
+        n = len(jax.tree.leaves(data)[0])
+        pad = bucket(n) - n
+        return _Uploaded(jax.device_put(jax.tree.map(
+            lambda d: np.concatenate([d, np.repeat(d[:1], pad, axis=0)]), data)))
+
     def write_pages(self, pages: list[int], data) -> None:
-        """Put host data back into `pages` (swap in)."""
-        pad = bucket(len(pages)) - len(pages)
-        data = jax.tree.map(lambda d: np.concatenate([d, np.repeat(d[:1], pad, axis=0)]), data)
-        self.pool = _write_pages(self.pool, jnp.asarray(_padded(pages)), data)
+        """Put page data into `pages` (swap in, tier loads): host data, or upload_pages'."""
+        if not isinstance(data, _Uploaded):
+            data = self.upload_pages(data)
+        self.pool = _write_pages(self.pool, jnp.asarray(_padded(pages)), data.arrays)
 
     def num_compilations(self) -> int:
         return _step._cache_size() + _spec_step._cache_size()

@@ -20,6 +20,10 @@ Execution of Structured Language Model Programs", NeurIPS 2024):
 - order of the waiting queue: FCFS, or longest-prefix-match first (falls back to
   FCFS past 128 waiting), deferring a request that would share >= 32 uncached tokens
   with one admitted this step so it hits that one's KV next step.
+- delayed hits (Strata, Xie et al. 2025): a request whose cached prefix comes back from
+  the host or disk tiers is admitted (its pages allocated, their load started) but
+  computes nothing in the step that loads them: the step's token budget goes to work
+  that is ready, and the request starts the step after, when its pages are in place.
 """
 
 from __future__ import annotations
@@ -129,13 +133,16 @@ class KVView:
     position without allocating (KVManager.writable_pages); cached: for waiting
     sequences, prompt tokens the prefix cache would serve; freeable: for running
     sequences, pages that preempting it makes available (KVManager.freeable_pages: those
-    no other sequence holds; may be computed on access), 0 where absent.
+    no other sequence holds; may be computed on access), 0 where absent; loading: for
+    waiting sequences, how many of their `cached` tokens the host or disk tiers hold
+    (loaded into new device pages when they are admitted), 0 where absent.
     """
 
     num_available: int
     writable: Mapping[str, int] = dataclasses.field(default_factory=dict)
     cached: Mapping[str, int] = dataclasses.field(default_factory=dict)
     freeable: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    loading: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,19 +239,23 @@ def schedule(state: SchedulerState, config: SchedulerConfig, kv: KVView,
     """One scheduling step over what the KV manager shows (`kv`).
 
     preempt_keeps_computed: preempted sequences keep num_computed_tokens (swap
-    preemption); otherwise they restart from zero (recompute). blocked: waiting
-    sequences that may not start yet (their structured-output grammar is still being
-    built); they keep their place in the queue and the others pass them. With
+    preemption); otherwise they restart from zero (recompute). blocked: sequences that
+    may not compute this step: waiting ones do not start (their structured-output
+    grammar is still being built, their prefix is being prefetched) and keep their place
+    in the queue while the others pass them; running ones get no tokens (their loaded
+    pages have not landed yet). A waiting sequence with tier pages (`kv.loading`) is
+    admitted without tokens: a delayed hit, it computes from the next step on. With
     config.max_loras, a sequence whose LoRA adapter would be one too many among the
     running ones waits the same way (S-LoRA: a step holds at most max_loras adapters).
     """
     cached, num_available_pages = kv.cached, kv.num_available
     active = list(state.running)
     preempted: list[Seq] = []
+    idle = {s.seq_id for s in active if s.seq_id in blocked}  # running, computing nothing this step
 
     # 1. Capacity for the running batch; MAX_UTILIZATION pauses the newest on a misfit.
     while True:
-        tokens = _micro_batch(active, config, state.step)
+        tokens = _micro_batch(active, config, state.step, idle)
         if _pages_needed(active, tokens, config, kv.writable) <= num_available_pages or not active \
                 or config.capacity_policy != MAX_UTILIZATION:
             break
@@ -271,12 +282,14 @@ def schedule(state: SchedulerState, config: SchedulerConfig, kv: KVView,
                 continue  # a delayed hit: next step it reuses that request's KV
             candidate = dataclasses.replace(seq, num_computed_tokens=max(seq.num_computed_tokens, hit),
                                             started=state.step)
+            loads = hit > 0 and kv.loading.get(seq.seq_id, 0) > 0
             trial = active + [candidate]
-            trial_tokens = _micro_batch(trial, config, state.step)
-            if not trial_tokens.get(seq.seq_id) or \
+            trial_idle = idle | {seq.seq_id} if loads else idle
+            trial_tokens = _micro_batch(trial, config, state.step, trial_idle)
+            if not (loads or trial_tokens.get(seq.seq_id)) or \
                     _pages_needed(trial, trial_tokens, config, kv.writable) > num_available_pages:
                 break  # the first misfit stops admission
-            active, tokens = trial, trial_tokens
+            active, tokens, idle = trial, trial_tokens, trial_idle
             admitted.append(candidate)
 
     # 3. Preempted sequences go to the front of the queue.
@@ -315,13 +328,15 @@ def _pages_needed(seqs: list[Seq], tokens: Mapping[str, int], config: SchedulerC
     return need
 
 
-def _micro_batch(seqs: list[Seq], config: SchedulerConfig, step: int = 0) -> dict[str, int]:
+def _micro_batch(seqs: list[Seq], config: SchedulerConfig, step: int = 0,
+                 idle: frozenset[str] | set[str] = frozenset()) -> dict[str, int]:
     """Tokens per sequence this step: decode rows first (1 each, costing
-    tokens_per_decode of the budget), then prefill chunks. When the budget cannot take
-    every decode row (large speculative trees), the rows taken rotate with `step` so
-    that none starves."""
+    tokens_per_decode of the budget), then prefill chunks; none for the `idle` ones.
+    When the budget cannot take every decode row (large speculative trees), the rows
+    taken rotate with `step` so that none starves."""
     left = config.max_num_batched_tokens
     tokens: dict[str, int] = {}
+    seqs = [s for s in seqs if s.seq_id not in idle] if idle else seqs
     contexts = [s for s in seqs if s.remaining > 1]
     decodes = [s for s in seqs if s.remaining <= 1]
     fits = left // config.tokens_per_decode

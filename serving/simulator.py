@@ -156,6 +156,9 @@ class SimRunner:
             data = np.stack([self._page(p).copy() for p in pages])
         return data if wait else lambda: data
 
+    def upload_pages(self, data):
+        return data
+
     def write_pages(self, pages, data) -> None:
         if self.page_size is not None:
             for page, row in zip(pages, data):
@@ -209,16 +212,19 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
     """Replay `requests` through the engine core on simulated time.
 
     With tiers (host_cache_bytes at 8 bytes a page: the simulator's pages are their ids),
-    each page a step moves between tiers adds tier_cost's time to the step, as the engine
-    moves them on its own thread between steps. Disk pages are read at admission: the
-    engine's background prefetch runs on wall-clock threads and timeouts, which simulated
-    time does not follow, so it is off here (the simulated TTFT is the synchronous one).
+    the pages an admission loads into the device pool go over one copy lane (a GPU's
+    host-to-device copy engine) while steps compute: they take tier_cost.load_host_s each,
+    one load after another, and their request (a delayed hit, admitted without tokens)
+    computes from the first step that starts after its load. Disk reads and copies down
+    run on the engine thread, as the engine does them: they add their time to the step.
+    Disk pages are read at admission: the engine's background prefetch runs on wall-clock
+    threads and timeouts, which simulated time does not follow, so it is off here.
 
     Time advances by each step's predicted cost. A step that schedules nothing (an idle
-    engine, or every request blocked) costs nothing; when it preempted nothing either,
-    the engine cannot move until the next arrival, so time jumps there. max_steps bounds
-    the engine steps taken, empty ones included. Raises RuntimeError if the engine is
-    stuck with no arrival left to change that."""
+    engine, or every request blocked) costs nothing; when it changed nothing either, the
+    engine cannot move until the next arrival or the next load's end, so time jumps
+    there. max_steps bounds the engine steps taken, empty ones included. Raises
+    RuntimeError if the engine is stuck with nothing left to change that."""
     if (tiers is None) != (tier_cost is None):
         raise ValueError("simulating tiers needs both tiers and tier_cost")
     now = [0.0]
@@ -229,6 +235,7 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
     if engine.tiers is not None:
         engine.tiers.prefetch_threshold = math.inf
     io_s = 0.0
+    lane = 0.0  # when the copy lane finishes the loads it has been given
     pending = sorted(requests, key=lambda r: r.arrival_s)
     token_times: dict[str, list[float]] = {}
     arrivals: dict[str, float] = {}
@@ -245,21 +252,28 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
             token_times[rid] = []
             i += 1
         executed, preempted = runner.num_steps, engine.num_preemptions
-        before = (engine.kv.hits["host"], engine.kv.hits["disk"], engine.tiers.pages_moved if tiers else 0)
+        before = (engine.kv.hits["disk"], engine.tiers.pages_moved if tiers else 0)
         progressed = engine.step()
         taken += 1
         if tiers is not None:
-            host, disk = ((engine.kv.hits[t] - b) // sched_config.page_size for t, b in zip(("host", "disk"), before))
-            down = engine.tiers.pages_moved - before[2] - host - disk
-            step_io = host * tier_cost.load_host_s + disk * tier_cost.load_disk_s + down * tier_cost.copy_down_s
+            loaded = sum(engine.step_loads.values())
+            disk = (engine.kv.hits["disk"] - before[0]) // sched_config.page_size
+            down = engine.tiers.pages_moved - before[1] - loaded
+            for sid, n in engine.step_loads.items():
+                lane = max(lane, now[0]) + n * tier_cost.load_host_s
+                engine.load_ready[sid] = lane
+            step_io = disk * tier_cost.load_disk_s + down * tier_cost.copy_down_s
             now[0] += step_io
-            io_s += step_io
+            io_s += step_io + loaded * tier_cost.load_host_s
         if runner.num_steps == executed:
-            if engine.num_preemptions == preempted:  # nothing changed: wait for an arrival
-                if i == len(pending):
+            if engine.num_preemptions == preempted and not engine.step_loads:  # nothing changed: wait
+                later = [t for t in engine.load_ready.values() if t > now[0]]
+                if i < len(pending):
+                    later.append(pending[i].arrival_s)
+                if not later:
                     raise RuntimeError(f"the engine cannot schedule any of its {len(engine.requests)} "
                                        f"unfinished requests and none is left to arrive")
-                now[0] = pending[i].arrival_s
+                now[0] = min(later)
             continue
         now[0] += runner.last_step_time
         for rid in progressed:

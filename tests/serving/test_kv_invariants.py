@@ -42,13 +42,30 @@ tier_events = event_lists(st.builds(lambda p, s: list(p) + s, st.sampled_from(LO
                                     st.lists(st.integers(0, 3), max_size=4)), min_size=30)
 
 
+class CheckedRunner(SimRunner):
+    """Checks, as each step starts, that every row's pages hold its sequence's tokens up
+    to the row (no row reads a page whose load or copy has not landed)."""
+
+    engine = None
+
+    def execute(self, rows):
+        tables = {tuple(t): sid for sid, t in self.engine.kv.tables.items()}
+        for row in rows:
+            sid = tables[row.block_table]
+            assert self.kv_tokens(row.block_table, row.start) == list(self.engine.tokens(sid, 0, row.start)), \
+                "a row reads a page that does not hold its K/V yet"
+        return super().execute(rows)
+
+
 def make_engine(policy, preemption, num_pages=24, prefix=True, tiers=None):
     config = sched.SchedulerConfig(page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=16,
                                    capacity_policy=policy, chunk_unit_size=4,
                                    order=sched.LPM if prefix else sched.FCFS)
-    return EngineCore(SimRunner(COST, vocab_size=4, page_size=PAGE), config, num_pages, max_model_len=64,
-                      eos_token_id=None, enable_prefix_caching=prefix, preemption_mode=preemption,
-                      tiers=tiers, fingerprint=b"sim")
+    runner = CheckedRunner(COST, vocab_size=4, page_size=PAGE)
+    runner.engine = EngineCore(runner, config, num_pages, max_model_len=64, eos_token_id=None,
+                               enable_prefix_caching=prefix, preemption_mode=preemption, tiers=tiers,
+                               fingerprint=b"sim")
+    return runner.engine
 
 
 def check(engine):

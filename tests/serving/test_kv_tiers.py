@@ -150,14 +150,25 @@ def test_llm_tier_argument_validation(tiny, kw, match):
 
 def test_greedy_identical_with_prefixes_from_device_host_and_disk(tiny, tmp_path):
     """Five 40-token prompts through an 8-page pool (two pages each are cached, five
-    prompts' worth does not fit): the second pass finds them in the host tier, a new
-    engine on the same directory on disk, and a corrupted page is recomputed."""
+    prompts' worth does not fit): the second pass finds them in the host tier (loaded
+    while a step runs, their request computing from the next), a new engine on the same
+    directory on disk, and a corrupted page is recomputed."""
     alone = ids(make(tiny, enable_prefix_caching=False).generate(PROMPTS, GREEDY))
     d = str(tmp_path)
     llm = make(tiny, enable_hierarchical_cache=True, disk_cache_dir=d, hicache_write_policy="write_through")
     assert ids(llm.generate(PROMPTS, GREEDY)) == alone
+    engine, execute, land = llm.engine, llm.engine.runner.execute, llm.engine._land
+    landed = []
+
+    def checked(rows):  # a delayed hit computes nothing in the step that loads its pages
+        loading = {tuple(engine.kv.tables[sid]) for sid in engine.step_loads}
+        assert not loading & {row.block_table for row in rows}
+        return execute(rows)
+    engine.runner.execute = checked
+    engine._land = lambda pages, upload: (landed.append(pages), land(pages, upload))
     again = llm.generate(PROMPTS, GREEDY)
     assert ids(again) == alone
+    assert landed, "no load overlapped a step"
     assert [o.num_cached_tokens for o in again] == [32] * 5
     hits = llm.engine.kv.hits
     assert hits["host"] > 0 and hits["device"] + hits["host"] == 5 * 32, hits

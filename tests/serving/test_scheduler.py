@@ -134,6 +134,31 @@ def test_admission_of_cached_prefix_skips_those_tokens():
     assert new_state.running[0].num_computed_tokens == 32
 
 
+def test_a_delayed_hit_is_admitted_without_tokens_and_others_take_the_budget():
+    """r0's 32 cached tokens come from the tiers: it is admitted (its 8 pages counted)
+    but computes nothing while they load; r1 and the running decode row take the step's
+    budget. Next step, running, it computes the rest of its prompt."""
+    run = (decoding("d", 8, 100, started=0),)
+    state = SchedulerState(running=run, waiting=waiting(40, 40, max_new=4)[:1] + (
+        Seq("r1", tuple(range(500, 540)), 44, 1.0),))
+    view = KVView(100, {"d": 2}, {"r0": 32}, loading={"r0": 32})
+    new_state, plan = schedule(state, cfg(max_num_batched_tokens=32), view)
+    assert plan.admitted == ("r0", "r1")
+    assert dict(plan.scheduled) == {"d": 1, "r1": 28}  # the budget in chunk units, none of it r0's
+    assert {s.seq_id: s.num_computed_tokens for s in new_state.running}["r0"] == 32
+    _, plan = schedule(new_state, cfg(max_num_batched_tokens=32), KVView(100, {"d": 2, "r0": 8, "r1": 8}))
+    assert dict(plan.scheduled)["r0"] == 8
+    # Its pages count at admission: with room for r1's 8 only, r0 (8 pages) misfits first.
+    _, plan = schedule(state, cfg(max_num_batched_tokens=32), KVView(7, {"d": 2}, {"r0": 32}, loading={"r0": 32}))
+    assert plan.admitted == ()
+
+
+def test_a_blocked_running_sequence_computes_nothing():
+    run = (decoding("a", 8, 100, started=0), decoding("b", 8, 100, started=1))
+    _, plan = schedule(SchedulerState(running=run), cfg(), pages(10, {"a": 2, "b": 2}), blocked=frozenset({"b"}))
+    assert dict(plan.scheduled) == {"a": 1} and not plan.preempted
+
+
 @pytest.mark.parametrize("bad", [dict(capacity_policy="nope"), dict(chunking_policy="x"),
                                  dict(order="random"), dict(max_num_seqs=0)])
 def test_config_validation(bad):

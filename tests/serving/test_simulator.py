@@ -171,9 +171,9 @@ def test_a_preempted_request_does_not_count_its_own_pages_as_cache_hits():
     assert res.cached_tokens == 0  # ... and are not counted as a prefix hit
 
 
-def test_tier_copies_add_their_measured_time_to_the_steps(tmp_path):
+def test_tier_copies_add_their_measured_time(tmp_path):
     """Prefixes evicted from a small pool come back from the host tier; each page moved
-    adds tier_cost's seconds: time is the steps' sum plus the copies'."""
+    takes tier_cost's seconds (copies down on the engine's time, loads on the copy lane)."""
     from serving.kv_tiers import TierConfig
     from serving.simulator import TierCost
 
@@ -189,6 +189,30 @@ def test_tier_copies_add_their_measured_time_to_the_steps(tmp_path):
     assert res.io_s > 0 and res.makespan_s >= sum(cost.times) + res.io_s - 1e-12
     with pytest.raises(ValueError, match="tier_cost"):
         simulate(requests, config, num_pages=8, max_model_len=64, cost=cost, tiers=TierConfig())
+
+
+def test_a_load_from_the_host_delays_only_its_own_request():
+    """Strata's delayed hit: r0's 4-page prefix leaves a 6-page pool for r1 and comes
+    back from the host tier for r2; its load takes 4 pages x load_host_s on the copy
+    lane, so r2's first token comes after it, while r3, arriving with r2 and hitting
+    nothing, is not held by it (its TTFT is the same at any load speed)."""
+    from serving.kv_tiers import TierConfig
+    from serving.simulator import TierCost
+
+    p0, p1 = tuple(range(3, 19)), tuple(range(23, 39))  # 4 pages each at page size 4
+    requests = [SimRequest(0.0, p0 + (99,), 1), SimRequest(1.0, p1 + (99,), 1),
+                SimRequest(2.0, p0 + (98,), 1), SimRequest(2.0, (7, 8, 9), 1)]
+    config = sched.SchedulerConfig(page_size=4, max_num_seqs=2, max_num_batched_tokens=32)
+    ttft = {}
+    for load_s in (0.0, 1.0):
+        res = simulate(requests, config, num_pages=6, max_model_len=64, cost=recording_cost(),
+                       tiers=TierConfig(host_cache_bytes=8 * 64, write_policy="write_through"),
+                       tier_cost=TierCost(load_host_s=load_s, load_disk_s=0.0, copy_down_s=0.0))
+        assert res.hits["host"] == 16 and res.io_s == 4 * load_s
+        ttft[load_s] = res.ttft_s
+    assert ttft[1.0][2] >= 4.0 > ttft[0.0][2]
+    assert ttft[1.0][3] == ttft[0.0][3] < 1.0
+    assert list(ttft[1.0][:2]) == list(ttft[0.0][:2])
 
 
 def test_idle_gaps_cost_nothing_and_arrivals_start_on_time():
