@@ -31,7 +31,7 @@ run: setup
 TEST_WORKERS ?= 2
 
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 bench: setup
 	$(PY) -m serving.bench decode

@@ -1,16 +1,13 @@
 """Tensor parallelism (model/sharding.py): which sizes are valid, the KV-head repetition is
 the same model, every weight's split, and, on 8 simulated CPU devices (a subprocess, since
-XLA_FLAGS must be set before jax starts), sharded logits and greedy output equal one device:
-the default model at tp = 3 (its 9 query and 3 KV heads) and tp = 3 x dp = 2, a tiny
-Qwen3 at tp = 2 and 4, Qwen3-MoE and gpt-oss over 4 devices with each expert split 4 ways and
-with whole experts per device (expert parallelism, both token exchanges), an 8-head model at
-tp = 8 (KV heads repeated) and at dp = 2, with the weights and the pool really split, and
-requests routed to the rank holding their prefix."""
+XLA_FLAGS must be set before jax starts: tests/model/eight_devices.py), sharded logits and
+greedy output equal one device: the default model at tp = 3 (its 9 query and 3 KV heads)
+and tp = 3 x dp = 2, a tiny Qwen3 at tp = 2 and 4, Qwen3-MoE and gpt-oss over 4 devices
+with each expert split 4 ways and with whole experts per device (expert parallelism, both
+token exchanges), with the weights and the pool really split. Engines at tp = 8 and dp = 2:
+tests/serving/test_sharded_engine.py."""
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +19,7 @@ import model
 from model.config import ATTENTION, SLIDING_ATTENTION, ModelConfig
 from model.sharding import (EXPERT, MODEL, TENSOR, check_expert_parallel, check_tensor_parallel, expand_kv_heads,
                             param_specs, valid_expert_parallel_sizes, valid_tensor_parallel_sizes)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.model.eight_devices import run_on_8_devices
 
 
 def _config(**kw):
@@ -107,34 +103,6 @@ def test_bad_meshes_are_clear_errors():
 
 
 SCRIPT = r"""
-import os, time, jax, jax.numpy as jnp, numpy as np
-start = time.time()
-def say(*parts):
-    print(f"[{time.time() - start:5.1f} s]", *parts)
-import model
-from serving import LLM, SamplingParams
-from tests.model import golden
-
-def shard_shape(a):
-    return a.addressable_shards[0].data.shape
-
-def check_forward(config, params, tokens, tp, what, ep=1):
-    positions = jnp.tile(jnp.arange(tokens.shape[1]), (tokens.shape[0], 1))
-    ref, _ = model.forward(params, config, tokens, positions, model.init_cache(config, tokens.shape[0], 64))
-    mesh = model.make_mesh(tp, expert_parallel_size=ep)
-    sharded_config, sharded = model.shard_params(params, config, mesh)
-    cache = model.init_cache(sharded_config, tokens.shape[0], 64, mesh=mesh)
-    out, cache = model.forward(sharded, sharded_config, tokens, positions, cache, mesh=mesh)
-    err = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
-    assert err < 1e-4, (what, tp, err)
-    k = cache.layers[0]["k"]
-    heads = max(config.num_kv_heads, tp) // tp
-    assert len(k.sharding.device_set) == tp and shard_shape(k)[2] == heads, (what, tp, k.sharding)
-    wq = sharded["layers"][0]["wq"]
-    assert shard_shape(wq) == (config.hidden_size, config.num_heads * config.head_dim // tp), (what, shard_shape(wq))
-    say(f"{what} tp={tp} ep={ep}: logits relative error {err:.1e}, KV heads per device {heads}")
-    return sharded
-
 # the default model (SmolLM2-135M) at tp = 3: logits, shards, then greedy through LLM
 config, params = model.load("default")
 tok = model.load_tokenizer("default")
@@ -197,66 +165,11 @@ out = llm.generate({"prompt_token_ids": ref["tokens"][0, :golden.GREEDY_PROMPT].
 assert out[0].outputs[0].token_ids == ref["greedy"].tolist()
 say("tiny gpt-oss LLM tp=2 ep=2 (expert parallel) greedy equals transformers")
 
-prompts = ["The capital of France is", "Write a haiku about the sea.", "Name three colors.", "Count to five."]
-
-# 8 query heads over 2 KV heads at tp = 8, through LLM, and update_weights on the sharded engine
-config = model.ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_heads=8,
-                           num_kv_heads=2, head_dim=16, layer_kinds=("sliding_attention", "attention"),
-                           max_position_embeddings=256, sliding_window=8, tie_word_embeddings=True)
-params = jax.tree.map(lambda a: a * 10, model.init_params(config, jax.random.key(0)))  # varied greedy text
-other = jax.tree.map(lambda a: a * 10, model.init_params(config, jax.random.key(1)))
-check_forward(config, params, jnp.asarray([ids[:20]]), 8, "8-head")
-sampling = SamplingParams(temperature=0, max_tokens=10)
-wide = LLM.from_loaded(config, params, tok, max_model_len=128, tensor_parallel_size=8)
-one = LLM.from_loaded(config, params, tok, max_model_len=128)
-assert [r.outputs[0].token_ids for r in wide.generate(prompts, sampling)] == \
-    [r.outputs[0].token_ids for r in one.generate(prompts, sampling)]
-wide.update_weights(other)
-one.update_weights(other)
-compiled = wide.runner.num_compilations()
-after = [r.outputs[0].token_ids for r in wide.generate(prompts, sampling)]
-assert wide.runner.num_compilations() == compiled  # the new weights are arguments, not constants
-assert after == [r.outputs[0].token_ids for r in one.generate(prompts, sampling)]
-assert shard_shape(wide.runner.params["layers"][0]["wk"]) == (64, 16)
-say("8-head LLM tp=8 equals tp=1, before and after update_weights:", after)
-
-# data parallel over single devices: each rank its own engine; a prefix is routed to its rank
-llm = LLM.from_loaded(config, other, tok, max_model_len=128, data_parallel_size=2)
-assert [r.outputs[0].token_ids for r in llm.generate(prompts, sampling)] == \
-    [r.outputs[0].token_ids for r in one.generate(prompts, sampling)]
-assert [r.runner.params["layers"][0]["wq"].sharding.device_set for r in llm.engine.ranks] == \
-    [{d} for d in jax.devices()[:2]]
-long_a, long_b = [11 + i for i in range(20)], [900 + i for i in range(20)]
-llm.generate([{"prompt_token_ids": long_a}, {"prompt_token_ids": long_b}], sampling)  # rank 0, then rank 1
-assert llm.engine.route(long_b + [5, 6]) == 1 and llm.engine.route(long_a + [5, 6]) == 0
-again = llm.generate([{"prompt_token_ids": long_b + [5, 6]}], sampling)[0]
-assert again.num_cached_tokens == 16, again.num_cached_tokens  # long_b's first page, on rank 1
-
-# the OpenAI server over the two ranks: concurrent completions, greedy as one device, nothing leaked
-import asyncio, httpx, openai
-from serving.server import create_app
-app = create_app(llm, "tiny")
-
-async def complete(texts):
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://kvfold") as http:
-        client = openai.AsyncOpenAI(base_url="http://kvfold/v1", api_key="none", http_client=http, max_retries=0)
-        return await asyncio.gather(*(client.completions.create(model="tiny", prompt=t, max_tokens=10,
-                                                                temperature=0) for t in texts))
-with app.state.engine:
-    served = asyncio.run(complete(prompts))
-assert [r.choices[0].text for r in served] == [r.outputs[0].text for r in one.generate(prompts, sampling)]
-llm.engine.kv.check()
-assert not llm.engine.requests and llm.engine.kv.num_available == llm.engine.kv.pool.num_pages
-say("dp = 2 equals one device, through LLM and the server; a shared prefix is routed to the rank that cached it")
 """
 
 
 def test_sharded_logits_and_greedy_output_equal_one_device():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": ROOT}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900,
-                          cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-4000:]
-    print(done.stdout)
+    run_on_8_devices(SCRIPT)
 
 
 def test_llm_checks_its_parallel_sizes(default_tokenizer):
