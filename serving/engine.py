@@ -353,6 +353,14 @@ class EngineCore:
         tau = 1 + sum(k * c for k, c in self.accepted_counts.items()) / n
         return {"num_trees": n, "tau": tau, "acceptance_by_position": by_position}
 
+    def close(self) -> None:
+        """Let go of what the engine holds beyond its arrays: the tiers (copies down land
+        first; disk files stay; a Mooncake client leaves its pool, taking the pages it
+        lent with it) and the load thread. Idempotent; the engine takes no step after."""
+        if self.tiers is not None and not self.tiers.closed:
+            self.tiers.close()
+            self._uploader.shutdown()
+
     def has_unfinished(self) -> bool:
         return bool(self.state.waiting or self.state.running)
 

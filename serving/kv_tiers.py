@@ -511,6 +511,7 @@ class Tiers:
         self.prefetching: dict[bytes, concurrent.futures.Future] = {}
         self.pages_prefetched = 0  # pages read by prefetches (each page once, however many wait)
         self._reader = None
+        self.closed = False
 
     def reseed(self, fingerprint: bytes) -> None:
         """New weights: no stored page matches them; the host rows are dropped (the disk's
@@ -609,6 +610,7 @@ class Tiers:
 
     def close(self) -> None:
         """Land every copy and let go of the tier under the host (the disk's files stay)."""
+        self.closed = True
         self.flush()
         if self._reader is not None:
             self._reader.shutdown()

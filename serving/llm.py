@@ -265,6 +265,27 @@ class LLM:
                 runner.precompile(max_num_batched_tokens, swap=preemption_mode == SWAP)
         self._ids = itertools.count()
         self._lock = threading.RLock()  # one engine step (or request change) at a time
+        self._closed = False
+
+    def close(self) -> None:
+        """Shut the engine down: requests still in flight are aborted, copies down land in
+        the tiers, their threads stop, and a Mooncake Store client leaves its pool (the
+        pages it lent go with it; without close, at process exit). The disk tier's files
+        stay for the next engine. Idempotent; `with LLM(...) as llm:` closes at the end.
+        Generating afterwards raises RuntimeError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._forget([(rid, None) for rid in list(self.engine.requests)])
+            for engine in getattr(self.engine, "ranks", [self.engine]):
+                engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def update_weights(self, params) -> None:
         """Swap the model's weights, as an RL loop does between rollouts.
@@ -436,6 +457,8 @@ class LLM:
         requests = self._requests(prompts, sampling_params, lora_request)
         added = []
         with self._lock:
+            if self._closed:
+                raise RuntimeError("this LLM is closed")
             try:
                 for text, ids, params, lora in requests:
                     rid = str(next(self._ids))

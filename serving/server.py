@@ -445,6 +445,7 @@ def serve(args: argparse.Namespace) -> None:
     finally:
         if args.num_processes > 1:  # the engine thread has stopped with the server
             multihost.shutdown(app.state.llm)
+        app.state.llm.close()  # the tiers' last copies land; a Mooncake client leaves its pool
 
 
 def main(argv: list[str] | None = None) -> None:

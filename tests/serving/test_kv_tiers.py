@@ -188,6 +188,22 @@ def test_greedy_identical_with_prefixes_from_device_host_and_disk(tiny, tmp_path
     assert restarted.engine.kv.hits["disk"] == 4 * 32
 
 
+def test_close_lands_the_copies_and_ends_the_engine(tiny, tmp_path):
+    """`with LLM(...)` closes it: its tiers and load thread stop, it refuses to generate,
+    closing twice is fine, and the disk's pages serve the next engine."""
+    with make(tiny, enable_hierarchical_cache=True, disk_cache_dir=str(tmp_path),
+              hicache_write_policy="write_through") as llm:
+        llm.generate(PROMPTS[:2], GREEDY)
+    assert llm.engine.tiers.closed and llm.engine._uploader._shutdown
+    assert len(llm.engine.tiers.disk.index) == 2 * 2  # two full pages per 40-token prompt
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate(PROMPTS[:1], GREEDY)
+    llm.close()
+    restarted = make(tiny, enable_hierarchical_cache=True, disk_cache_dir=str(tmp_path))
+    restarted.generate(PROMPTS[:2], GREEDY)
+    assert restarted.engine.kv.hits["disk"] == 2 * 32
+
+
 def test_write_back_copies_only_evicted_pages_and_new_weights_read_none(tiny):
     llm = make(tiny, enable_hierarchical_cache=True, hicache_write_policy="write_back")
     llm.generate(PROMPTS[:1], GREEDY)
