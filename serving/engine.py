@@ -195,6 +195,9 @@ class EngineCore:
         self.load_ready: dict[str, float] = {}
         self._uploader = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvfold-load")
                           if self.tiers is not None else None)
+        # how the engine waits for prefetch reads when nothing else can run (the simulator's
+        # reads finish in simulated time: it passes time instead)
+        self.wait_for_reads: Callable = concurrent.futures.wait
         self.output = OutputProcessor(eos_token_id, max_model_len, decode)
         self.max_model_len = max_model_len
         self.preemption_mode, self.seed, self.clock = preemption_mode, seed, clock
@@ -552,7 +555,7 @@ class EngineCore:
             for sid in set(self._loading) - set(waiting):  # admitted or gone
                 del self._loading[sid]
             self._prefetch_seen &= set(waiting)  # a preempted sequence looks again when it is back
-            now = time.monotonic()
+            now = self.clock()
             for sid, s in waiting.items():
                 if sid in self._prefetch_seen:
                     continue
@@ -568,9 +571,9 @@ class EngineCore:
             if not self._loading or self.state.running or len(self._loading) < len(self.state.waiting):
                 return frozenset(self._loading)
             timeout = min(d for _, d in self._loading.values()) - now
-            concurrent.futures.wait([r for rs, _ in self._loading.values() for r in rs],
-                                    timeout=None if math.isinf(timeout) else max(timeout, 0.0),
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            self.wait_for_reads([r for rs, _ in self._loading.values() for r in rs],
+                                timeout=None if math.isinf(timeout) else max(timeout, 0.0),
+                                return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _kv_view(self, blocked: frozenset[str] = frozenset()) -> sched.KVView:
         """The KV manager's pages as the scheduler sees them this step (not for the

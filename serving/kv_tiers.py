@@ -510,7 +510,9 @@ class Tiers:
         self.prefetch_threshold = PREFETCH_THRESHOLD
         self.prefetching: dict[bytes, concurrent.futures.Future] = {}
         self.pages_prefetched = 0  # pages read by prefetches (each page once, however many wait)
-        self._reader = None
+        self.pages_staged = 0  # pages read from the tier under the host on the engine thread (`stage`)
+        # runs the prefetch reads: threads, made at the first prefetch (the simulator sets its own)
+        self.reader: concurrent.futures.Executor | None = None
         self.closed = False
 
     def reseed(self, fingerprint: bytes) -> None:
@@ -526,13 +528,13 @@ class Tiers:
         """Start reading `keys` (a prefix's pages past what the device and host hold, which
         the tier under the host has) into host memory in the background; a key already on
         its way is not read again. Returns the reads the prefix waits on."""
-        if self._reader is None:
-            self._reader = concurrent.futures.ThreadPoolExecutor(_PREFETCH_THREADS,
-                                                                 thread_name_prefix="kvfold-prefetch")
+        if self.reader is None:
+            self.reader = concurrent.futures.ThreadPoolExecutor(_PREFETCH_THREADS,
+                                                                thread_name_prefix="kvfold-prefetch")
         futures = []
         for key in keys:
             if key not in self.prefetching:
-                self.prefetching[key] = self._reader.submit(self.disk.get, key)
+                self.prefetching[key] = self.reader.submit(self.disk.get, key)
                 self.pages_prefetched += 1
             futures.append(self.prefetching[key])
         return futures
@@ -585,6 +587,7 @@ class Tiers:
             row = self.disk.get(key) if self.disk is not None else None
             if row is None:
                 return False
+            self.pages_staged += 1
             self.host.put(key, row, origin=self.disk.name)
             if not self.host.exists(key):  # the host is full of pinned pages
                 return False
@@ -612,8 +615,8 @@ class Tiers:
         """Land every copy and let go of the tier under the host (the disk's files stay)."""
         self.closed = True
         self.flush()
-        if self._reader is not None:
-            self._reader.shutdown()
+        if self.reader is not None:
+            self.reader.shutdown()
         if self.disk is not None:
             self.disk.close()
 

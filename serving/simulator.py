@@ -16,6 +16,8 @@ pays both.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import math
@@ -179,6 +181,46 @@ class TierCost:
     copy_down_s: float
 
 
+class _SimReads(concurrent.futures.Executor):
+    """The tiers' prefetch reads in simulated time: a read runs at once (the page is in
+    the simulator's disk tier) but its future completes when the disk lane has read it
+    (`load_disk_s` a page, one after another)."""
+
+    def __init__(self, now: list[float], load_disk_s: float):
+        self.now, self.load_disk_s = now, load_disk_s  # now: the simulator's clock cell
+        self.lane = 0.0
+        self.pending: collections.deque = collections.deque()  # (done at, future, result), in order
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+        self.lane = max(self.lane, self.now[0]) + self.load_disk_s
+        self.pending.append((self.lane, future, fn(*args, **kwargs)))
+        return future
+
+    def complete(self) -> None:
+        """Finish the reads the lane is done with by now."""
+        while self.pending and self.pending[0][0] <= self.now[0]:
+            _, future, row = self.pending.popleft()
+            future.set_result(row)
+
+    def next_done(self) -> float | None:
+        return self.pending[0][0] if self.pending else None
+
+    def wait(self, futures, timeout=None, return_when=None) -> None:
+        """The engine has nothing else to run: time passes to the next read's end, or the
+        timeout (EngineCore.wait_for_reads)."""
+        target = self.pending[0][0] if self.pending else math.inf
+        if timeout is not None:
+            target = min(target, self.now[0] + timeout)
+        if math.isinf(target):
+            raise RuntimeError("the engine waits for prefetch reads that never end")
+        self.now[0] = max(self.now[0], target)
+        self.complete()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pass
+
+
 @dataclasses.dataclass(frozen=True)
 class SimRequest:
     arrival_s: float
@@ -215,10 +257,11 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
     the pages an admission loads into the device pool go over one copy lane (a GPU's
     host-to-device copy engine) while steps compute: they take tier_cost.load_host_s each,
     one load after another, and their request (a delayed hit, admitted without tokens)
-    computes from the first step that starts after its load. Disk reads and copies down
-    run on the engine thread, as the engine does them: they add their time to the step.
-    Disk pages are read at admission: the engine's background prefetch runs on wall-clock
-    threads and timeouts, which simulated time does not follow, so it is off here.
+    computes from the first step that starts after its load. The engine's prefetches
+    from disk read on a disk lane (load_disk_s a page) in simulated time, their requests
+    deferred meanwhile by the prefetch policy, whose timeouts count simulated seconds.
+    Smaller disk hits, which the engine reads on its own thread, and copies down add
+    their time to the step.
 
     Time advances by each step's predicted cost. A step that schedules nothing (an idle
     engine, or every request blocked) costs nothing; when it changed nothing either, the
@@ -232,8 +275,10 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
     engine = EngineCore(runner, sched_config, num_pages, max_model_len, eos_token_id=None,
                         enable_prefix_caching=enable_prefix_caching, clock=lambda: now[0], tiers=tiers,
                         fingerprint=b"simulator")
-    if engine.tiers is not None:
-        engine.tiers.prefetch_threshold = math.inf
+    reads = None
+    if engine.tiers is not None and engine.tiers.disk is not None:
+        reads = _SimReads(now, tier_cost.load_disk_s)
+        engine.tiers.reader, engine.wait_for_reads = reads, reads.wait
     io_s = 0.0
     lane = 0.0  # when the copy lane finishes the loads it has been given
     pending = sorted(requests, key=lambda r: r.arrival_s)
@@ -252,22 +297,27 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
             token_times[rid] = []
             i += 1
         executed, preempted = runner.num_steps, engine.num_preemptions
-        before = (engine.kv.hits["disk"], engine.tiers.pages_moved if tiers else 0)
+        if reads is not None:
+            reads.complete()
+        before = ((engine.tiers.pages_staged, engine.tiers.pages_prefetched, engine.tiers.pages_moved)
+                  if tiers else None)
         progressed = engine.step()
         taken += 1
         if tiers is not None:
             loaded = sum(engine.step_loads.values())
-            disk = (engine.kv.hits["disk"] - before[0]) // sched_config.page_size
-            down = engine.tiers.pages_moved - before[1] - loaded
+            staged, prefetched = (engine.tiers.pages_staged - before[0], engine.tiers.pages_prefetched - before[1])
+            down = engine.tiers.pages_moved - before[2] - loaded
             for sid, n in engine.step_loads.items():
                 lane = max(lane, now[0]) + n * tier_cost.load_host_s
                 engine.load_ready[sid] = lane
-            step_io = disk * tier_cost.load_disk_s + down * tier_cost.copy_down_s
+            step_io = staged * tier_cost.load_disk_s + down * tier_cost.copy_down_s
             now[0] += step_io
-            io_s += step_io + loaded * tier_cost.load_host_s
+            io_s += step_io + loaded * tier_cost.load_host_s + prefetched * tier_cost.load_disk_s
         if runner.num_steps == executed:
             if engine.num_preemptions == preempted and not engine.step_loads:  # nothing changed: wait
                 later = [t for t in engine.load_ready.values() if t > now[0]]
+                if reads is not None and reads.pending:
+                    later.append(reads.next_done())
                 if i < len(pending):
                     later.append(pending[i].arrival_s)
                 if not later:

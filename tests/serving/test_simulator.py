@@ -215,6 +215,39 @@ def test_a_load_from_the_host_delays_only_its_own_request():
     assert list(ttft[1.0][:2]) == list(ttft[0.0][:2])
 
 
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+def test_a_prefetch_from_disk_runs_in_simulated_time(policy, tmp_path):
+    """P's 24 pages leave the device and, behind Q's and R's, a 28-page host tier: P's
+    second request finds them on disk only, 384 tokens, over the prefetch threshold. The
+    prefetch reads them on the disk lane (0.1 s a page) while the request waits:
+    "wait_complete" until all 24 are read (its TTFT takes the 2.4 s), "timeout" for
+    HiCache's 1 s + 0.25 s per 1,024 tokens, then it recomputes what has not landed. A
+    small request arriving with it is not held."""
+    from serving.kv_tiers import TierConfig
+    from serving.simulator import TierCost
+
+    p, q, r = (tuple(range(start, start + 384)) for start in (3, 1000, 2000))
+    requests = [SimRequest(0.0, p + (99,), 1), SimRequest(1.0, q + (99,), 1), SimRequest(2.0, r + (99,), 1),
+                SimRequest(3.0, p + (98,), 1), SimRequest(3.0, (7, 8, 9), 1)]
+    config = sched.SchedulerConfig(page_size=16, max_num_seqs=2, max_num_batched_tokens=512)
+    results = {}
+    for load_s in (0.0, 0.1):
+        tiers = TierConfig(host_cache_bytes=8 * 28, write_policy="write_through",
+                           disk_cache_dir=str(tmp_path / str(load_s)), disk_cache_bytes=64 * (8 + 8 + 16 + 8 * 16),
+                           prefetch_policy=policy)
+        results[load_s] = simulate(requests, config, num_pages=30, max_model_len=512, cost=recording_cost(),
+                                   tiers=tiers, tier_cost=TierCost(load_host_s=0.0, load_disk_s=load_s,
+                                                                   copy_down_s=0.0))
+    slow, fast = results[0.1], results[0.0]
+    assert fast.hits["disk"] == 384 and fast.ttft_s[3] < 0.5
+    assert slow.ttft_s[4] == fast.ttft_s[4] < 0.1
+    timeout = 1.0 + 0.25 * 384 / 1024
+    if policy == "wait_complete":
+        assert slow.hits["disk"] == 384 and slow.ttft_s[3] >= 2.4 and slow.io_s == pytest.approx(2.4)
+    else:
+        assert 0 < slow.hits["disk"] < 384 and timeout <= slow.ttft_s[3] < 2.4
+
+
 def test_idle_gaps_cost_nothing_and_arrivals_start_on_time():
     a = SimRequest(1.0, tuple(range(3, 23)), 5)
     b = SimRequest(50.0, tuple(range(30, 47)), 5)  # long after a has finished
