@@ -20,10 +20,11 @@ Execution of Structured Language Model Programs", NeurIPS 2024):
 - order of the waiting queue: FCFS, or longest-prefix-match first (falls back to
   FCFS past 128 waiting), deferring a request that would share >= 32 uncached tokens
   with one admitted this step so it hits that one's KV next step.
-- delayed hits (Strata, Xie et al. 2025): a request whose cached prefix comes back from
-  the host or disk tiers is admitted (its pages allocated, their load started) but
-  computes nothing in the step that loads them: the step's token budget goes to work
-  that is ready, and the request starts the step after, when its pages are in place.
+- delayed hits (Strata, "Hierarchical Context Caching for Long Context LLM Serving"): a
+  request whose cached prefix comes back from the host or disk tiers is admitted (its
+  pages allocated, their load started) but computes nothing in the step that loads them:
+  the step's token budget goes to work that is ready, and the request starts the step
+  after, when its pages are in place.
 """
 
 from __future__ import annotations
