@@ -141,6 +141,29 @@ def test_prefixes_come_back_from_host_and_disk(write_policy, preemption, tmp_pat
     assert again.kv.hits["disk"] + again.kv.hits["host"] > 0 or write_policy == "write_back"
 
 
+def test_loaded_pages_land_even_when_their_step_fails():
+    """A load overlapping a step is written into the pool after it, in a `finally`: the
+    pages are in the prefix cache already, so a step that raises must not leave them
+    unwritten for the next request to read."""
+    tiers = TierConfig(host_cache_bytes=8 * PAGE * 24, write_policy="write_through")
+    engine = make_engine(sched.MAX_UTILIZATION, RECOMPUTE, num_pages=12, tiers=tiers)
+    run_events(engine, [("add", prefix + [9], 1, 1) for prefix in PREFIXES])  # the first leaves the device
+    execute = engine.runner.execute
+
+    def failing(rows):
+        if engine.step_loads:
+            raise RuntimeError("the device failed")
+        return execute(rows)
+    engine.runner.execute = failing
+    engine.add_request("again", PREFIXES[0] + [8], SamplingParams(max_tokens=1, temperature=0))
+    engine.add_request("other", [1, 2, 3], SamplingParams(max_tokens=1, temperature=0))
+    with pytest.raises(RuntimeError, match="device failed"):
+        engine.step()  # admits "again" from the host tier: its load overlaps "other"'s row
+    (sid,) = engine.step_loads
+    assert engine.kv.hits["host"] == 12
+    assert engine.runner.kv_tokens(engine.kv.tables[sid], 12) == PREFIXES[0]
+
+
 def run_events(engine, events):
     ids = []
     for ev in events:
