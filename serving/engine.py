@@ -29,7 +29,8 @@ import numpy as np
 from serving import scheduler as sched
 from serving.draft_tree import DraftTree
 from serving.kv_manager import KVManager, pages_for
-from serving.kv_tiers import PREFETCH_BEST_EFFORT, PREFETCH_WAIT_COMPLETE, PageCodec, TierConfig, Tiers
+from serving.kv_tiers import (HOST_MEMORY_NUMPY, HOST_MEMORY_PINNED, PREFETCH_BEST_EFFORT, PREFETCH_WAIT_COMPLETE,
+                              PageCodec, TierConfig, Tiers)
 from serving.output import Decode, OutputProcessor, SeqOutput
 from serving.params import SEED_BITS, LoRARequest, SamplingParams, adjusts_logits
 from serving.structured import GrammarCompiler, advance
@@ -90,8 +91,14 @@ class Runner(Protocol):
     def read_pages(self, pages: list[int], wait: bool = True): ...
     # host page data moved toward the device (from any thread), for write_pages
     def upload_pages(self, data): ...
-    # data: host page data, or upload_pages' result
+    # data: host page data, or upload_pages' or upload_rows' result
     def write_pages(self, pages: list[int], data) -> None: ...
+    # a pinned_host Sharding page rows can live in, or None (then the next two are not called)
+    host_memory: object | None
+    # pages as page-first rows in host_memory, copied down asynchronously
+    def read_rows(self, pages: list[int]) -> list: ...
+    # read_rows' rows moved toward the device (from any thread), for write_pages
+    def upload_rows(self, rows) -> object: ...
     # with LoRA (sched_config.max_loras > 0): read and check an adapter (ValueError if bad)
     def add_lora(self, request: LoRARequest) -> None: ...
 
@@ -184,7 +191,11 @@ class EngineCore:
         self.tiers = None
         if tiers is not None:
             codec = PageCodec(runner.read_pages([0]))
-            self.tiers = Tiers(tiers, codec, codec.page_nbytes * num_pages, fingerprint)
+            memory = None if tiers.host_memory == HOST_MEMORY_NUMPY else getattr(runner, "host_memory", None)
+            if memory is None and tiers.host_memory == HOST_MEMORY_PINNED:
+                raise ValueError("hicache_host_memory='pinned_host' needs a backend with that memory kind and "
+                                 "a pool on one device (tensor_parallel_size=1)")
+            self.tiers = Tiers(tiers, codec, codec.page_nbytes * num_pages, fingerprint, memory)
         self.kv = KVManager(num_pages, sched_config.page_size, enable_prefix_caching, self.tiers)
         self._loading: dict[str, tuple[list, float]] = {}  # deferred seq -> (prefetch reads, deadline)
         self._prefetch_seen: set[str] = set()  # waiting sequences that started or joined their prefetch
@@ -466,14 +477,22 @@ class EngineCore:
         if offloads:
             self.tiers.settle()  # the last copies down land first (timed there)
         start = time.perf_counter()
+        pinned = self.tiers.host.memory is not None  # rows packed on the device, kept in pinned_host memory
         if offloads:  # dispatched now, stored in the host tier by the next call (or a lookup)
             keys, pages = zip(*offloads)
-            fetch = self.runner.read_pages(list(pages), wait=False)
-            self.tiers.copy_down(list(keys), lambda: self.tiers.codec.pack(fetch()))
+            if pinned:
+                rows = self.runner.read_rows(list(pages))
+                self.tiers.copy_down(list(keys), lambda: rows)
+            else:
+                fetch = self.runner.read_pages(list(pages), wait=False)
+                self.tiers.copy_down(list(keys), lambda: self.tiers.codec.pack(fetch()))
         pending = None
         if loads:
             pages, rows = list(zip(*loads))
-            upload = lambda: self.runner.upload_pages(self.tiers.codec.unpack(np.stack(rows)))
+            if pinned:
+                upload = lambda: self.runner.upload_rows(rows)
+            else:
+                upload = lambda: self.runner.upload_pages(self.tiers.codec.unpack(np.stack(rows)))
             if scheduled is None or any(not set(pages).isdisjoint(self.kv.tables[s]) for s in scheduled):
                 self.runner.write_pages(list(pages), upload())
             else:  # the host rows stay put: the step's tier pages are pinned, nothing else runs

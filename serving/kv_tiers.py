@@ -7,9 +7,12 @@ model (`fingerprint`), the namespace and every token up to the page's end, so eq
 mean equal K/V, across engines and restarts. The same get / put / exists interface
 serves each tier.
 
-- `HostTier`: page-first rows in host memory (numpy): one row holds a page of every
-  layer, so a page moves as one copy. Bounded in pages, least recently used out first;
-  entries the scheduler counted on this step are pinned until the step ends.
+- `HostTier`: page-first rows in host memory: one row holds a page of every layer, so a
+  page moves as one copy. A row is a JAX array in the backend's `pinned_host` memory
+  where the backend has that memory kind (the device copies into it and reads from it
+  directly, and the row is packed and unpacked on the device), a numpy row otherwise.
+  Bounded in pages, least recently used out first; entries the scheduler counted on this
+  step are pinned until the step ends.
 - `DiskTier`: one file per page (a header with the payload's length and checksum, then
   the payload), read memory-mapped; survives the engine, bounded in bytes, least
   recently used out first. A file that fails its checksum or is short is deleted and
@@ -61,6 +64,10 @@ PREFETCH_POLICIES = (PREFETCH_BEST_EFFORT, PREFETCH_WAIT_COMPLETE, PREFETCH_TIME
 PREFETCH_THRESHOLD = 256
 PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_KI_TOKEN_S = 1.0, 0.25
 _PREFETCH_THREADS = 4
+# The host tier's rows: JAX's pinned_host memory where the backend has it ("auto"), always
+# ("pinned_host": a ValueError where it cannot be), or numpy.
+HOST_MEMORY_AUTO, HOST_MEMORY_PINNED, HOST_MEMORY_NUMPY = "auto", "pinned_host", "numpy"
+HOST_MEMORIES = (HOST_MEMORY_AUTO, HOST_MEMORY_PINNED, HOST_MEMORY_NUMPY)
 MOONCAKE_MIN_SEGMENT = 16 << 20  # the smallest segment a Mooncake client may lend
 _MAGIC = b"KVFPAGE1"
 _DIGEST = 16
@@ -116,15 +123,20 @@ class PageCodec:
 
 
 class HostTier:
-    """Pages in host memory, page-first, at most capacity_bytes // page_nbytes of them."""
+    """Pages in host memory, page-first, at most capacity_bytes // page_nbytes of them.
+
+    memory: a jax Sharding in `pinned_host` memory to keep each row in (one array a page,
+    as the runner's `read_rows` writes them), or None for rows of one numpy array."""
 
     name = "host"
 
-    def __init__(self, capacity_bytes: int, page_nbytes: int):
+    def __init__(self, capacity_bytes: int, page_nbytes: int, memory=None):
         self.capacity = capacity_bytes // page_nbytes
         if self.capacity < 1:
             raise ValueError(f"host_cache_bytes={capacity_bytes} holds no page of {page_nbytes} bytes")
-        self.rows = np.empty((self.capacity, page_nbytes), np.uint8)  # untouched memory until written
+        self.memory = memory
+        self.rows: np.ndarray | list = (np.empty((self.capacity, page_nbytes), np.uint8)  # untouched until written
+                                        if memory is None else [None] * self.capacity)
         self.slots: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU first
         self.origin: dict[bytes, str] = {}  # where a hit on the page is counted: "host", or "disk" (staged)
         self.pinned: set[bytes] = set()
@@ -136,14 +148,15 @@ class HostTier:
     def exists(self, key: bytes) -> bool:
         return key in self.slots
 
-    def get(self, key: bytes) -> np.ndarray | None:
+    def get(self, key: bytes):
+        """The page's row (a copy, or the immutable pinned array), or None."""
         slot = self.slots.get(key)
         if slot is None:
             return None
         self.slots.move_to_end(key)
-        return self.rows[slot].copy()
+        return self.rows[slot].copy() if self.memory is None else self.rows[slot]
 
-    def put(self, key: bytes, row: np.ndarray, origin: str = "host") -> list[tuple[bytes, np.ndarray]]:
+    def put(self, key: bytes, row, origin: str = "host") -> list[tuple[bytes, object]]:
         """Store a page (best effort: nothing happens when every held page is pinned).
         Returns the pages evicted to make room, least recently used first."""
         if key in self.slots:
@@ -155,17 +168,31 @@ class HostTier:
             if victim is None:
                 return []
             slot = self.slots.pop(victim)
-            evicted.append((victim, self.rows[slot].copy()))
+            evicted.append((victim, self._take(slot)))
             del self.origin[victim]
             self._free.append(slot)
         slot = self._free.pop()
-        self.rows[slot] = row
+        if self.memory is None:
+            self.rows[slot] = row
+        else:  # a row read from disk comes in as numpy
+            import jax
+
+            self.rows[slot] = row if isinstance(row, jax.Array) else jax.device_put(row, self.memory)
         self.slots[key] = slot
         self.origin[key] = origin
         return evicted
 
+    def _take(self, slot: int):
+        """The row in `slot`, handed out as it leaves the tier."""
+        if self.memory is None:
+            return self.rows[slot].copy()
+        row, self.rows[slot] = self.rows[slot], None
+        return row
+
     def clear(self) -> None:
         self._free.extend(self.slots.values())
+        if self.memory is not None:
+            self.rows = [None] * self.capacity
         self.slots.clear()
         self.origin.clear()
         self.pinned.clear()
@@ -175,6 +202,9 @@ class HostTier:
         assert len(set(used)) == len(used) and not set(used) & set(self._free), "host slot held twice"
         assert len(used) + len(self._free) == self.capacity, "host slot leaked"
         assert set(self.origin) == set(self.slots)
+        if self.memory is not None:
+            assert all((self.rows[slot] is None) == (slot in self._free) for slot in range(self.capacity)), \
+                "a free host slot holds a row"
 
 
 def _frame(row: np.ndarray) -> bytes:
@@ -229,7 +259,7 @@ class _WriteBehind:
     def _land(self, key: bytes, row: np.ndarray) -> None:
         ok = False
         try:
-            ok = self._write(key, row)
+            ok = self._write(key, np.asarray(row))  # a pinned row is read from host memory here
         finally:
             with self._lock:
                 del self.writing[key]
@@ -240,7 +270,7 @@ class _WriteBehind:
         """A copy of the page while its write is in flight, else None."""
         with self._lock:
             row = self.writing.get(key)
-            return None if row is None else row.copy()
+            return None if row is None else np.array(row)  # a pinned row is read to numpy
 
     def flush(self) -> None:
         """Wait until every write handed to the background thread has landed."""
@@ -447,7 +477,7 @@ class TierConfig:
     storage backend): storage_backend "file" keeps pages under disk_cache_dir (None: no
     such tier), "mooncake" in the Mooncake Store whose master is at mooncake_master
     ("host:port"). disk_cache_bytes bounds the directory, or is the memory this engine
-    lends to the store."""
+    lends to the store. host_memory: where host rows live (HOST_MEMORIES)."""
 
     host_cache_bytes: int | None = None
     disk_cache_dir: str | None = None
@@ -456,8 +486,11 @@ class TierConfig:
     storage_backend: str = "file"
     mooncake_master: str | None = None
     prefetch_policy: str = PREFETCH_TIMEOUT
+    host_memory: str = HOST_MEMORY_AUTO
 
     def __post_init__(self):
+        if self.host_memory not in HOST_MEMORIES:
+            raise ValueError(f"hicache_host_memory must be one of {list(HOST_MEMORIES)}, got {self.host_memory!r}")
         if self.prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"hicache_storage_prefetch_policy must be one of {list(PREFETCH_POLICIES)}, "
                              f"got {self.prefetch_policy!r}")
@@ -488,9 +521,11 @@ class TierConfig:
 class Tiers:
     """The host tier, the optional disk tier and the write policy, for one engine.
 
-    fingerprint: the model's identity (weights and KV layout), the root of every key."""
+    fingerprint: the model's identity (weights and KV layout), the root of every key.
+    host_memory: the pinned_host Sharding the host rows live in, or None (numpy rows)."""
 
-    def __init__(self, config: TierConfig, codec: PageCodec, device_bytes: int, fingerprint: bytes):
+    def __init__(self, config: TierConfig, codec: PageCodec, device_bytes: int, fingerprint: bytes,
+                 host_memory=None):
         self.config, self.codec, self.fingerprint = config, codec, fingerprint
         self.policy = config.write_policy
         # on the engine thread: seconds spent copying pages between tiers (a write to the
@@ -499,7 +534,7 @@ class Tiers:
         self._pending: list[tuple[list[bytes], Callable[[], np.ndarray]]] = []  # copies down in flight
         self._in_flight: set[bytes] = set()
         host_bytes = config.host_cache_bytes if config.host_cache_bytes is not None else 2 * device_bytes
-        self.host = HostTier(host_bytes, codec.page_nbytes)
+        self.host = HostTier(host_bytes, codec.page_nbytes, host_memory)
         self.disk: DiskTier | MooncakeTier | None = None  # the tier under the host, if any
         if config.storage_backend == "mooncake":
             self.disk = MooncakeTier(config.mooncake_master, config.disk_cache_bytes, codec.page_nbytes)
@@ -621,5 +656,5 @@ class Tiers:
             self.disk.close()
 
 
-__all__ = ["PREFETCH_POLICIES", "SELECTIVE_HITS", "STORAGE_BACKENDS", "TIERS", "WRITE_POLICIES", "DiskTier",
+__all__ = ["HOST_MEMORIES", "PREFETCH_POLICIES", "SELECTIVE_HITS", "STORAGE_BACKENDS", "TIERS", "WRITE_POLICIES", "DiskTier",
            "HostTier", "MooncakeTier", "PageCodec", "TierConfig", "Tiers", "chain", "root_hash"]

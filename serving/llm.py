@@ -38,6 +38,9 @@ they are loaded back, not recomputed; the disk tier outlives the engine
               disk_cache_dir="/var/cache/kvfold", hicache_write_policy="write_through")
     llm.engine.kv.hits                            # prompt tokens served, by tier
 
+Host rows live in JAX's pinned_host memory where the backend has it, numpy otherwise
+(hicache_host_memory="auto" | "pinned_host" | "numpy").
+
 Or under a Mooncake Store shared by several engine processes (`mooncake_master` running
 at that address; each engine lends disk_cache_bytes of host memory to the pool):
 
@@ -103,7 +106,8 @@ class LLM:
                  disk_cache_bytes: int = TierConfig.disk_cache_bytes,
                  hicache_write_policy: str = TierConfig.write_policy,
                  hicache_storage_backend: str = TierConfig.storage_backend, mooncake_master: str | None = None,
-                 hicache_storage_prefetch_policy: str = TierConfig.prefetch_policy):
+                 hicache_storage_prefetch_policy: str = TierConfig.prefetch_policy,
+                 hicache_host_memory: str = TierConfig.host_memory):
         import model as model_lib
 
         config, params = model_lib.load(model, dtype, weights_dtype)
@@ -114,7 +118,8 @@ class LLM:
                     max_loras, max_lora_rank, max_cpu_loras, weights_dtype, tensor_parallel_size,
                     data_parallel_size, expert_parallel_size, precompile, enable_hierarchical_cache,
                     host_cache_bytes, disk_cache_dir, disk_cache_bytes, hicache_write_policy,
-                    hicache_storage_backend, mooncake_master, hicache_storage_prefetch_policy)
+                    hicache_storage_backend, mooncake_master, hicache_storage_prefetch_policy,
+                    hicache_host_memory)
 
     @classmethod
     def from_loaded(cls, config: model.ModelConfig, params: dict, tokenizer: model.Tokenizer,
@@ -139,7 +144,7 @@ class LLM:
                weights_dtype, tensor_parallel_size, data_parallel_size, expert_parallel_size, precompile,
                enable_hierarchical_cache, host_cache_bytes, disk_cache_dir, disk_cache_bytes,
                hicache_write_policy, hicache_storage_backend, mooncake_master,
-               hicache_storage_prefetch_policy):
+               hicache_storage_prefetch_policy, hicache_host_memory):
         # Every argument is checked here, before anything is built.
         if weights_dtype is not None and weights_dtype not in WEIGHTS_DTYPES:
             raise ValueError(f"unknown weights_dtype {weights_dtype!r}; allowed: {', '.join(WEIGHTS_DTYPES)}")
@@ -184,7 +189,8 @@ class LLM:
         tiers = None
         if check_bool("enable_hierarchical_cache", enable_hierarchical_cache):
             tiers = TierConfig(host_cache_bytes, disk_cache_dir, disk_cache_bytes, hicache_write_policy,
-                               hicache_storage_backend, mooncake_master, hicache_storage_prefetch_policy)
+                               hicache_storage_backend, mooncake_master, hicache_storage_prefetch_policy,
+                               hicache_host_memory)
             if not enable_prefix_caching:
                 raise ValueError("enable_hierarchical_cache extends the prefix cache: it needs "
                                  "enable_prefix_caching=True")

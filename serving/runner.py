@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 import typing
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -308,6 +310,30 @@ def _read_pages(pool, pages):
     return jax.tree.map(lambda a: a[pages], pool)
 
 
+def _rows_of(pool, pages):
+    """Each of `pages` as one uint8 row: every pool leaf's bytes of that page, in leaf
+    order (serving.kv_tiers.PageCodec's row, built on the device)."""
+    n = pages.shape[0]
+    rows = jnp.concatenate([jax.lax.bitcast_convert_type(a[pages], jnp.uint8).reshape(n, -1)
+                            for a in jax.tree.leaves(pool)], axis=1)
+    return tuple(rows[i] for i in range(n))
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def _write_rows(pool, pages, rows):
+    """Unpack `_rows_of`'s rows on the device and write them into `pages`."""
+    rows = jnp.stack(rows)
+    leaves, treedef = jax.tree.flatten(pool)
+    out, offset = [], 0
+    for a in leaves:
+        shape, width = a.shape[1:], a.dtype.itemsize
+        size = math.prod(shape) * width
+        part = rows[:, offset:offset + size].reshape((rows.shape[0],) + shape + ((width,) if width > 1 else ()))
+        out.append(a.at[pages].set(jax.lax.bitcast_convert_type(part, a.dtype)))
+        offset += size
+    return jax.tree.unflatten(treedef, out)
+
+
 def _padded(ids) -> np.ndarray:
     """Page ids as int32, padded to a power of two by repeating the first (a page copied or
     written twice gets the same value twice), so copies and swaps compile once per bucket."""
@@ -317,9 +343,11 @@ def _padded(ids) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class _Uploaded:
-    """Page data on its way to the device, padded to its bucket (ModelRunner.upload_pages)."""
+    """Page data on its way to the device, padded to its bucket (ModelRunner.upload_pages,
+    or upload_rows: then `arrays` is a tuple of page rows)."""
 
     arrays: object
+    rows: bool = False
 
 
 class ModelRunner:
@@ -345,6 +373,7 @@ class ModelRunner:
         if draft is not None:
             self.pool["draft"] = model.init_kv_pool(draft.config.layer_config, num_pages, page_size, dtype,
                                                     kv_cache_dtype)
+        self._read_rows = None  # read_rows' jitted gather (its outputs in host_memory)
 
     def execute(self, rows: list[Row]) -> list[RowResult | None]:
         """Compute every row in one packed call; returns a result for rows with `sample`
@@ -587,10 +616,39 @@ class ModelRunner:
             lambda d: np.concatenate([d, np.repeat(d[:1], pad, axis=0)]), data)))
 
     def write_pages(self, pages: list[int], data) -> None:
-        """Put page data into `pages` (swap in, tier loads): host data, or upload_pages'."""
+        """Put page data into `pages` (swap in, tier loads): host data, or upload_pages' or
+        upload_rows' result."""
         if not isinstance(data, _Uploaded):
             data = self.upload_pages(data)
-        self.pool = _write_pages(self.pool, jnp.asarray(_padded(pages)), data.arrays)
+        write = _write_rows if data.rows else _write_pages
+        self.pool = write(self.pool, jnp.asarray(_padded(pages)), data.arrays)
+
+    @functools.cached_property
+    def host_memory(self) -> jax.sharding.Sharding | None:
+        """Where page rows can live in host memory the device copies to directly: the
+        backend's `pinned_host` memory kind, or None (no such memory kind, or a pool split
+        over a mesh, whose rows would be gathered from several devices)."""
+        device = jax.tree.leaves(self.pool)[0].sharding
+        if self.mesh is not None or not isinstance(device, jax.sharding.SingleDeviceSharding):
+            return None
+        (dev,) = device.device_set
+        if "pinned_host" not in {m.kind for m in dev.addressable_memories()}:
+            return None
+        return jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+
+    def read_rows(self, pages: list[int]) -> list[jax.Array]:
+        """`pages` as page-first rows in host_memory (serving.kv_tiers.PageCodec's rows, one
+        array a page), packed on the device and copied down asynchronously: later writes
+        to the pool do not change them."""
+        if self._read_rows is None:
+            self._read_rows = jax.jit(_rows_of, out_shardings=self.host_memory)
+        return list(self._read_rows(self.pool, jnp.asarray(_padded(pages)))[:len(pages)])
+
+    def upload_rows(self, rows: Sequence[jax.Array]) -> _Uploaded:
+        """Start moving read_rows' rows (from host_memory) to the device, padded to their
+        bucket, for write_pages; safe on another thread (the pool is not touched)."""
+        rows = list(rows) + [rows[0]] * (bucket(len(rows)) - len(rows))
+        return _Uploaded(tuple(jax.device_put(rows, jax.tree.leaves(self.pool)[0].sharding)), rows=True)
 
     def num_compilations(self) -> int:
         return _step._cache_size() + _spec_step._cache_size()

@@ -33,7 +33,7 @@ from model import compile_cache
 from model.weights import WEIGHTS_DTYPES
 from serving import openai_protocol as protocol
 from serving.async_llm import AsyncLLM, EngineDead, Overloaded, Stream
-from serving.kv_tiers import PREFETCH_POLICIES, STORAGE_BACKENDS, WRITE_POLICIES, TierConfig
+from serving.kv_tiers import HOST_MEMORIES, PREFETCH_POLICIES, STORAGE_BACKENDS, WRITE_POLICIES, TierConfig
 from serving.metrics import ServerMetrics
 from serving.params import LoRARequest
 
@@ -330,6 +330,8 @@ def _parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--hicache-storage-prefetch-policy", default=TierConfig.prefetch_policy,
                         choices=PREFETCH_POLICIES, help="how long a request waits for its prefix's prefetch from "
                         "the tier under the host: never, until done, or a timeout growing with its tokens")
+    parser.add_argument("--hicache-host-memory", default=TierConfig.host_memory, choices=HOST_MEMORIES,
+                        help="the host tier's rows: JAX pinned_host memory where the backend has it (auto), or numpy")
     parser.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
                         help="the mooncake_master of --hicache-storage-backend mooncake")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -409,7 +411,8 @@ def build(args: argparse.Namespace) -> FastAPI:
               host_cache_bytes=args.host_cache_bytes, disk_cache_dir=args.disk_cache_dir,
               disk_cache_bytes=args.disk_cache_bytes, hicache_write_policy=args.hicache_write_policy,
               hicache_storage_backend=args.hicache_storage_backend, mooncake_master=args.mooncake_master,
-              hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy)
+              hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy,
+              hicache_host_memory=args.hicache_host_memory)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return create_app(llm, args.served_model_name or args.model, api_key, args.max_waiting_requests,
                       args.max_waiting_tokens, args.max_request_body_bytes, lora_modules)

@@ -158,6 +158,8 @@ class SimRunner:
             data = np.stack([self._page(p).copy() for p in pages])
         return data if wait else lambda: data
 
+    host_memory = None  # the tiers keep numpy rows: pages here are ids, or token rows
+
     def upload_pages(self, data):
         return data
 
@@ -351,25 +353,31 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
                      dict(engine.kv.hits), io_s)
 
 
-def measure_tier_cost(llm, directory: str, num_pages: int = 64, repeats: int = 3) -> TierCost:
-    """Seconds per page of the tier copies on `llm`'s runner (a serving.LLM): write_pages
-    (host -> device), read_pages (device -> host) and a disk tier's write and read of
-    pages of its size under `directory`, best of `repeats`."""
+def measure_tier_cost(llm, directory: str, num_pages: int = 64, repeats: int = 3,
+                      host_memory: str = "auto") -> TierCost:
+    """Seconds per page of the tier copies on `llm`'s runner (a serving.LLM): device ->
+    host, host -> device, and a disk tier's write and read of pages of its size under
+    `directory`, best of `repeats`. host_memory (serving.kv_tiers.HOST_MEMORIES): the host
+    rows measured, as the engine would keep them: packed on the device into pinned_host
+    memory ("auto" where the runner has it), or packed and unpacked in numpy."""
     import jax
 
-    from serving.kv_tiers import DiskTier, PageCodec
+    from serving.kv_tiers import HOST_MEMORY_NUMPY, DiskTier, PageCodec
 
     runner = llm.runner
+    pinned = host_memory != HOST_MEMORY_NUMPY and getattr(runner, "host_memory", None) is not None
+    if host_memory == "pinned_host" and not pinned:
+        raise ValueError("this runner has no pinned_host memory for host rows")
     pages = list(range(min(num_pages, runner.num_pages)))
     codec = PageCodec(runner.read_pages(pages[:1]))
     disk = DiskTier(directory, 4 * len(pages) * (codec.page_nbytes + 64), codec.page_nbytes)
     best = [float("inf")] * 3
     for r in range(repeats + 1):  # the first round compiles
         t = time.perf_counter()
-        rows = codec.pack(runner.read_pages(pages))
+        rows = jax.block_until_ready(runner.read_rows(pages)) if pinned else codec.pack(runner.read_pages(pages))
         down = time.perf_counter() - t
         t = time.perf_counter()
-        runner.write_pages(pages, codec.unpack(rows))
+        runner.write_pages(pages, runner.upload_rows(rows) if pinned else codec.unpack(rows))
         jax.block_until_ready(runner.pool)
         up = time.perf_counter() - t
         keys = [f"{r}-{p}".encode().ljust(16, b".")[:16] for p in pages]

@@ -49,6 +49,35 @@ def test_page_codec_round_trips_mixed_leaves():
         assert back[name].dtype == data[name].dtype
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8", "nvfp4", "turboquant-3.5"])
+def test_pinned_rows_are_the_codecs_rows_and_write_back_bit_exactly(kv_cache_dtype):
+    """The pinned host tier's rows, packed on the device (ModelRunner.read_rows), are
+    byte for byte PageCodec's numpy rows of the same pages (so disk files are the same
+    either way), live in pinned_host memory, and write_pages(upload_rows(...)) puts the
+    pages back unchanged, for pools of float, int8, fp8, NVFP4 and TurboQuant pages."""
+    from serving.runner import ModelRunner
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2,
+                         head_dim=16, layer_kinds=("attention",) * 2, max_position_embeddings=64)
+    runner = ModelRunner(config, model.init_params(config, jax.random.key(0)), num_pages=8, page_size=16,
+                         max_pages_per_seq=4, max_num_seqs=1, kv_cache_dtype=kv_cache_dtype)
+    keys = iter(jax.random.split(jax.random.key(1), 64))
+    runner.pool = jax.tree.map(  # every byte random, so a misplaced byte shows
+        lambda a: jax.lax.bitcast_convert_type(jax.random.bits(next(keys), a.shape + (
+            (a.dtype.itemsize,) if a.dtype.itemsize > 1 else ()), np.uint8), a.dtype), runner.pool)
+    assert runner.host_memory is not None and runner.host_memory.memory_kind == "pinned_host"
+    codec = PageCodec(runner.read_pages([0]))
+    rows = runner.read_rows([5, 2, 7])
+    assert all(r.sharding.memory_kind == "pinned_host" and r.shape == (codec.page_nbytes,) for r in rows)
+    want = codec.pack(runner.read_pages([5, 2, 7]))
+    np.testing.assert_array_equal(np.stack([np.asarray(r) for r in rows]), want)
+    before = runner.read_pages([5, 2, 7])
+    runner.write_pages([0, 1, 3], runner.upload_rows(rows))
+    after = runner.read_pages([0, 1, 3])
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
 def test_host_tier_evicts_least_recently_used_and_never_a_pinned_page():
     host = HostTier(3 * 8, 8)
     rows = {k: np.full(8, i, np.uint8) for i, k in enumerate([b"a", b"b", b"c", b"d", b"e"])}
@@ -107,6 +136,7 @@ def test_disk_tier_survives_restarts_detects_corruption_and_stays_bounded(tmp_pa
     (dict(storage_backend="mooncake", mooncake_master="h:1", disk_cache_dir="/tmp"), "disk_cache_dir"),
     (dict(mooncake_master="h:1"), "hicache_storage_backend='mooncake'"),
     (dict(prefetch_policy="eager"), "hicache_storage_prefetch_policy"),
+    (dict(host_memory="gpu"), "hicache_host_memory"),
 ])
 def test_tier_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -140,6 +170,7 @@ PROMPTS = [{"prompt_token_ids": np.random.default_rng(i).integers(3, 49152, 40).
     (dict(enable_hierarchical_cache="yes"), "enable_hierarchical_cache"),
     (dict(enable_hierarchical_cache=True, host_cache_bytes=100), "host_cache_bytes"),
     (dict(mooncake_master="127.0.0.1:1"), "enable_hierarchical_cache"),
+    (dict(enable_hierarchical_cache=True, hicache_host_memory="gpu"), "hicache_host_memory"),
     (dict(enable_hierarchical_cache=True, hicache_storage_backend="mooncake", mooncake_master="127.0.0.1:1"),
      "no Mooncake master answers"),
 ])
@@ -157,6 +188,9 @@ def test_greedy_identical_with_prefixes_from_device_host_and_disk(tiny, tmp_path
     d = str(tmp_path)
     llm = make(tiny, enable_hierarchical_cache=True, disk_cache_dir=d, hicache_write_policy="write_through")
     assert ids(llm.generate(PROMPTS, GREEDY)) == alone
+    host = llm.engine.tiers.host  # "auto" on a backend with pinned_host memory (the CPU has it)
+    assert host.memory is not None and all(host.rows[s].sharding.memory_kind == "pinned_host"
+                                           for s in host.slots.values())
     engine, execute, land = llm.engine, llm.engine.runner.execute, llm.engine._land
     landed = []
 
@@ -219,12 +253,15 @@ def test_write_back_copies_only_evicted_pages_and_new_weights_read_none(tiny):
     assert ids(out) == want and all(o.num_cached_tokens == 0 for o in out)
 
 
-def test_tier_cost_is_measured_per_page_on_the_runner(tiny, tmp_path):
-    """What `bench trace --tiers` charges a simulated page move: positive, finite, and a disk
-    load costs at least a host load (it is a disk read and then one)."""
+@pytest.mark.parametrize("host_memory", ["pinned_host", "numpy"])
+def test_tier_cost_is_measured_per_page_on_the_runner(tiny, tmp_path, host_memory):
+    """What `bench trace --tiers` charges a simulated page move, for either host row form:
+    positive, finite, and a disk load costs at least a host load (it is a disk read and
+    then one)."""
     from serving.simulator import measure_tier_cost
 
-    cost = measure_tier_cost(make(tiny, num_kv_blocks=16), str(tmp_path), num_pages=8, repeats=1)
+    cost = measure_tier_cost(make(tiny, num_kv_blocks=16), str(tmp_path), num_pages=8, repeats=1,
+                             host_memory=host_memory)
     assert 0 < cost.load_host_s <= cost.load_disk_s < 1 and 0 < cost.copy_down_s < 1
     assert not os.listdir(tmp_path) or all(name.endswith(".kvpage") for name in os.listdir(tmp_path))
 
@@ -375,8 +412,10 @@ def test_a_prefetch_defers_its_requests_and_a_delayed_hit_waits_for_the_same_loa
     make(tiny, enable_hierarchical_cache=True, disk_cache_dir=d, hicache_write_policy="write_through").generate(
         PROMPTS[:1], GREEDY)
     llm = make(tiny, enable_hierarchical_cache=True, disk_cache_dir=d, max_num_seqs=3,
-               hicache_storage_prefetch_policy="wait_complete")  # c's first step compiles: past any timeout
+               hicache_storage_prefetch_policy="wait_complete",  # c's first step compiles: past any timeout
+               hicache_host_memory="numpy")  # the other host row form (unpacked and uploaded on the host)
     engine, tiers = llm.engine, llm.engine.tiers
+    assert tiers.host.memory is None and isinstance(tiers.host.rows, np.ndarray)
     tiers.prefetch_threshold = 16  # the prompt's 32 cached tokens pass it (HiCache's default: 256)
     gate, reads = _gated_disk(tiers)
     for rid, p in (("a", PROMPTS[0]), ("b", PROMPTS[0]), ("c", fresh)):

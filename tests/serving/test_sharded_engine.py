@@ -1,6 +1,6 @@
 """Engines over 8 simulated CPU devices (a subprocess: tests/model/eight_devices.py): an
 8-head model at tp = 8 (KV heads repeated) equals one device through LLM, before and after
-update_weights (no recompilation); at dp = 2, each rank its own engine on its own device,
+update_weights (no recompilation), its host tier's rows in numpy; at dp = 2, each rank its own engine on its own device,
 requests routed to the rank holding their prefix, through LLM and the OpenAI server."""
 
 from tests.model.eight_devices import run_on_8_devices
@@ -31,6 +31,17 @@ assert wide.runner.num_compilations() == compiled  # the new weights are argumen
 assert after == [r.outputs[0].token_ids for r in one.generate(prompts, sampling)]
 assert shard_shape(wide.runner.params["layers"][0]["wk"]) == (64, 16)
 say("8-head LLM tp=8 equals tp=1, before and after update_weights:", after)
+
+# a pool split over devices keeps numpy host rows (a pinned row would gather every device's heads)
+tiered = LLM.from_loaded(config, params, tok, max_model_len=128, tensor_parallel_size=2,
+                         enable_hierarchical_cache=True)
+assert tiered.engine.tiers.host.memory is None
+try:
+    LLM.from_loaded(config, params, tok, max_model_len=128, tensor_parallel_size=2,
+                    enable_hierarchical_cache=True, hicache_host_memory="pinned_host")
+    raise AssertionError("pinned_host rows accepted for a split pool")
+except ValueError as e:
+    assert "tensor_parallel_size=1" in str(e), e
 
 # data parallel over single devices: each rank its own engine; a prefix is routed to its rank
 llm = LLM.from_loaded(config, other, tok, max_model_len=128, data_parallel_size=2)
