@@ -75,7 +75,7 @@ import numpy as np
 
 from model.weights import WEIGHTS_DTYPES
 from serving import scheduler as sched
-from serving.kv_tiers import WRITE_POLICIES, TierConfig
+from serving.kv_tiers import WRITE_POLICIES, TierConfig, host_rows_memory
 from serving.params import SamplingParams
 
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -875,9 +875,12 @@ def bench_trace(args) -> None:
         forms = ["numpy"] + (["pinned_host"] if llm.runner.host_memory is not None else [])
         with tempfile.TemporaryDirectory() as tmp:
             costs = {form: measure_tier_cost(llm, tmp, host_memory=form) for form in forms}
-        tier_cost = costs[forms[-1]]  # what the engine keeps: pinned_host rows where the backend has them
-        print(f"tier copies on {_device()}, ms per {llm.runner.page_size}-token page of this model, by host row form "
-              f"(disk reads: files just written, the OS page cache serves them; ratio: numpy / pinned_host):")
+        # the simulation charges what the engine keeps by default ("auto")
+        chosen = "numpy" if host_rows_memory("auto", llm.runner.host_memory) is None else "pinned_host"
+        tier_cost = costs[chosen]
+        print(f"tier copies on {_device()}, ms per {llm.runner.page_size}-token page of this model, by host row "
+              f"form (disk reads: files just written, the OS page cache serves them; ratio: numpy / pinned_host; "
+              f"the engine's default here, used below: {chosen}):")
         print("| copy | " + " | ".join(forms) + (" | ratio |" if len(forms) > 1 else " |"))
         print("|---|" + "---:|" * (len(forms) + (len(forms) > 1)))
         for name, field in (("device -> host", "copy_down_s"), ("host -> device", "load_host_s"),

@@ -29,8 +29,8 @@ import numpy as np
 from serving import scheduler as sched
 from serving.draft_tree import DraftTree
 from serving.kv_manager import KVManager, pages_for
-from serving.kv_tiers import (HOST_MEMORY_NUMPY, HOST_MEMORY_PINNED, PREFETCH_BEST_EFFORT, PREFETCH_WAIT_COMPLETE,
-                              PageCodec, TierConfig, Tiers)
+from serving.kv_tiers import (PREFETCH_BEST_EFFORT, PREFETCH_WAIT_COMPLETE, PageCodec, TierConfig, Tiers,
+                              host_rows_memory)
 from serving.output import Decode, OutputProcessor, SeqOutput
 from serving.params import SEED_BITS, LoRARequest, SamplingParams, adjusts_logits
 from serving.structured import GrammarCompiler, advance
@@ -191,10 +191,7 @@ class EngineCore:
         self.tiers = None
         if tiers is not None:
             codec = PageCodec(runner.read_pages([0]))
-            memory = None if tiers.host_memory == HOST_MEMORY_NUMPY else getattr(runner, "host_memory", None)
-            if memory is None and tiers.host_memory == HOST_MEMORY_PINNED:
-                raise ValueError("hicache_host_memory='pinned_host' needs a backend with that memory kind and "
-                                 "a pool on one device (tensor_parallel_size=1)")
+            memory = host_rows_memory(tiers.host_memory, getattr(runner, "host_memory", None))
             self.tiers = Tiers(tiers, codec, codec.page_nbytes * num_pages, fingerprint, memory)
         self.kv = KVManager(num_pages, sched_config.page_size, enable_prefix_caching, self.tiers)
         self._loading: dict[str, tuple[list, float]] = {}  # deferred seq -> (prefetch reads, deadline)

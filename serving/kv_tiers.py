@@ -8,9 +8,9 @@ mean equal K/V, across engines and restarts. The same get / put / exists interfa
 serves each tier.
 
 - `HostTier`: page-first rows in host memory: one row holds a page of every layer, so a
-  page moves as one copy. A row is a JAX array in the backend's `pinned_host` memory
-  where the backend has that memory kind (the device copies into it and reads from it
-  directly, and the row is packed and unpacked on the device), a numpy row otherwise.
+  page moves as one copy. On an accelerator with JAX's `pinned_host` memory kind, a row
+  is an array there (the device copies into it and reads from it directly, and the row is
+  packed and unpacked on the device); on the CPU backend, a numpy row (`host_rows_memory`).
   Bounded in pages, least recently used out first; entries the scheduler counted on this
   step are pinned until the step ends.
 - `DiskTier`: one file per page (a header with the payload's length and checksum, then
@@ -64,8 +64,8 @@ PREFETCH_POLICIES = (PREFETCH_BEST_EFFORT, PREFETCH_WAIT_COMPLETE, PREFETCH_TIME
 PREFETCH_THRESHOLD = 256
 PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_KI_TOKEN_S = 1.0, 0.25
 _PREFETCH_THREADS = 4
-# The host tier's rows: JAX's pinned_host memory where the backend has it ("auto"), always
-# ("pinned_host": a ValueError where it cannot be), or numpy.
+# The host tier's rows: JAX's pinned_host memory on an accelerator that has it ("auto"),
+# always ("pinned_host": a ValueError where it cannot be), or numpy (`host_rows_memory`).
 HOST_MEMORY_AUTO, HOST_MEMORY_PINNED, HOST_MEMORY_NUMPY = "auto", "pinned_host", "numpy"
 HOST_MEMORIES = (HOST_MEMORY_AUTO, HOST_MEMORY_PINNED, HOST_MEMORY_NUMPY)
 MOONCAKE_MIN_SEGMENT = 16 << 20  # the smallest segment a Mooncake client may lend
@@ -120,6 +120,23 @@ class PageCodec:
             leaves.append(part.view(dtype).reshape((rows.shape[0],) + shape))
             offset += size
         return jax.tree.unflatten(self.treedef, leaves)
+
+
+def host_rows_memory(choice: str, pinned_host):
+    """Where the host tier keeps its rows for TierConfig.host_memory `choice`, given the
+    runner's pinned_host Sharding (None where it has none): that Sharding, or None for
+    numpy rows. "auto" takes it on accelerators only: on the CPU backend the device's
+    memory already is host memory, and pinned rows (one array a page, packed on the
+    device) measured slower there than numpy rows (`bench trace --tiers` prints both)."""
+    if choice == HOST_MEMORY_NUMPY:
+        return None
+    if choice == HOST_MEMORY_PINNED:
+        if pinned_host is None:
+            raise ValueError("hicache_host_memory='pinned_host' needs a backend with that memory kind and "
+                             "a pool on one device (tensor_parallel_size=1)")
+        return pinned_host
+    on_cpu = pinned_host is not None and all(d.platform == "cpu" for d in pinned_host.device_set)
+    return None if on_cpu else pinned_host
 
 
 class HostTier:
@@ -656,5 +673,5 @@ class Tiers:
             self.disk.close()
 
 
-__all__ = ["HOST_MEMORIES", "PREFETCH_POLICIES", "SELECTIVE_HITS", "STORAGE_BACKENDS", "TIERS", "WRITE_POLICIES", "DiskTier",
+__all__ = ["HOST_MEMORIES", "PREFETCH_POLICIES", "host_rows_memory", "SELECTIVE_HITS", "STORAGE_BACKENDS", "TIERS", "WRITE_POLICIES", "DiskTier",
            "HostTier", "MooncakeTier", "PageCodec", "TierConfig", "Tiers", "chain", "root_hash"]

@@ -38,8 +38,8 @@ they are loaded back, not recomputed; the disk tier outlives the engine
               disk_cache_dir="/var/cache/kvfold", hicache_write_policy="write_through")
     llm.engine.kv.hits                            # prompt tokens served, by tier
 
-Host rows live in JAX's pinned_host memory where the backend has it, numpy otherwise
-(hicache_host_memory="auto" | "pinned_host" | "numpy").
+Host rows live in JAX's pinned_host memory on an accelerator that has it, numpy on the
+CPU backend (hicache_host_memory="auto" | "pinned_host" | "numpy").
 
 Or under a Mooncake Store shared by several engine processes (`mooncake_master` running
 at that address; each engine lends disk_cache_bytes of host memory to the pool):

@@ -358,16 +358,14 @@ def measure_tier_cost(llm, directory: str, num_pages: int = 64, repeats: int = 3
     """Seconds per page of the tier copies on `llm`'s runner (a serving.LLM): device ->
     host, host -> device, and a disk tier's write and read of pages of its size under
     `directory`, best of `repeats`. host_memory (serving.kv_tiers.HOST_MEMORIES): the host
-    rows measured, as the engine would keep them: packed on the device into pinned_host
-    memory ("auto" where the runner has it), or packed and unpacked in numpy."""
+    rows measured, chosen as the engine chooses them (`host_rows_memory`): packed on the
+    device into pinned_host memory, or packed and unpacked in numpy."""
     import jax
 
-    from serving.kv_tiers import HOST_MEMORY_NUMPY, DiskTier, PageCodec
+    from serving.kv_tiers import DiskTier, PageCodec, host_rows_memory
 
     runner = llm.runner
-    pinned = host_memory != HOST_MEMORY_NUMPY and getattr(runner, "host_memory", None) is not None
-    if host_memory == "pinned_host" and not pinned:
-        raise ValueError("this runner has no pinned_host memory for host rows")
+    pinned = host_rows_memory(host_memory, getattr(runner, "host_memory", None)) is not None
     pages = list(range(min(num_pages, runner.num_pages)))
     codec = PageCodec(runner.read_pages(pages[:1]))
     disk = DiskTier(directory, 4 * len(pages) * (codec.page_nbytes + 64), codec.page_nbytes)

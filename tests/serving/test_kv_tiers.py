@@ -18,7 +18,8 @@ import pytest
 import model
 from model.config import ModelConfig
 from serving import LLM, SamplingParams
-from serving.kv_tiers import DiskTier, HostTier, MooncakeTier, PageCodec, TierConfig, _frame, chain, root_hash
+from serving.kv_tiers import (DiskTier, HostTier, MooncakeTier, PageCodec, TierConfig, _frame, chain,
+                              host_rows_memory, root_hash)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -76,6 +77,19 @@ def test_pinned_rows_are_the_codecs_rows_and_write_back_bit_exactly(kv_cache_dty
     after = runner.read_pages([0, 1, 3])
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_auto_keeps_pinned_rows_on_accelerators_only():
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0], memory_kind="pinned_host")
+
+    class Accelerator:  # a pinned_host Sharding of a GPU, as far as host_rows_memory looks
+        device_set = {type("Gpu", (), {"platform": "gpu"})()}
+    gpu = Accelerator()
+    assert host_rows_memory("auto", gpu) is gpu and host_rows_memory("pinned_host", gpu) is gpu
+    assert host_rows_memory("auto", cpu) is None and host_rows_memory("pinned_host", cpu) is cpu
+    assert host_rows_memory("numpy", gpu) is None and host_rows_memory("auto", None) is None
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        host_rows_memory("pinned_host", None)
 
 
 def test_host_tier_evicts_least_recently_used_and_never_a_pinned_page():
@@ -186,9 +200,10 @@ def test_greedy_identical_with_prefixes_from_device_host_and_disk(tiny, tmp_path
     directory on disk, and a corrupted page is recomputed."""
     alone = ids(make(tiny, enable_prefix_caching=False).generate(PROMPTS, GREEDY))
     d = str(tmp_path)
-    llm = make(tiny, enable_hierarchical_cache=True, disk_cache_dir=d, hicache_write_policy="write_through")
+    llm = make(tiny, enable_hierarchical_cache=True, disk_cache_dir=d, hicache_write_policy="write_through",
+               hicache_host_memory="pinned_host")  # "auto" keeps numpy rows on the CPU backend
     assert ids(llm.generate(PROMPTS, GREEDY)) == alone
-    host = llm.engine.tiers.host  # "auto" on a backend with pinned_host memory (the CPU has it)
+    host = llm.engine.tiers.host
     assert host.memory is not None and all(host.rows[s].sharding.memory_kind == "pinned_host"
                                            for s in host.slots.values())
     engine, execute, land = llm.engine, llm.engine.runner.execute, llm.engine._land
@@ -412,10 +427,9 @@ def test_a_prefetch_defers_its_requests_and_a_delayed_hit_waits_for_the_same_loa
     make(tiny, enable_hierarchical_cache=True, disk_cache_dir=d, hicache_write_policy="write_through").generate(
         PROMPTS[:1], GREEDY)
     llm = make(tiny, enable_hierarchical_cache=True, disk_cache_dir=d, max_num_seqs=3,
-               hicache_storage_prefetch_policy="wait_complete",  # c's first step compiles: past any timeout
-               hicache_host_memory="numpy")  # the other host row form (unpacked and uploaded on the host)
+               hicache_storage_prefetch_policy="wait_complete")  # c's first step compiles: past any timeout
     engine, tiers = llm.engine, llm.engine.tiers
-    assert tiers.host.memory is None and isinstance(tiers.host.rows, np.ndarray)
+    assert tiers.host.memory is None and isinstance(tiers.host.rows, np.ndarray)  # "auto" on the CPU backend
     tiers.prefetch_threshold = 16  # the prompt's 32 cached tokens pass it (HiCache's default: 256)
     gate, reads = _gated_disk(tiers)
     for rid, p in (("a", PROMPTS[0]), ("b", PROMPTS[0]), ("c", fresh)):
