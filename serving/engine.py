@@ -459,6 +459,25 @@ class EngineCore:
             self.tiers.end_step()
         return {self.seqs[sid].request_id for sid in taken}
 
+    def export_prefix(self, tokens: Sequence[int]) -> tuple[int, object]:
+        """The cached prefix of `tokens` for another engine (disaggregated prefill,
+        serving/kv_transfer.py): (pages, a device copy of them: `runner.take_pages`'
+        form); (0, None) when nothing is cached."""
+        pages = self.kv.cached_pages(tuple(tokens))
+        return len(pages), (self.runner.take_pages(pages) if pages else None)
+
+    def import_prefix(self, tokens: Sequence[int], num_pages: int, data) -> int:
+        """Cache the first num_pages full pages of `tokens` from another engine's
+        export_prefix data, so a request for them is a prefix hit; returns the pages
+        written (those not cached here already). Call it between steps."""
+        pages, first, node = self.kv.adopt_prefix(tuple(tokens), num_pages)
+        if self.tiers is not None:
+            self._move_tiered_pages()  # copies down of what the allocation evicted read it before the write
+        if pages:
+            self.runner.put_pages(pages, data, first)
+        self.kv.filled(node)
+        return len(pages)
+
     def _move_tiered_pages(self, scheduled: Sequence[str] | None = None):
         """Run the KV manager's queued tier copies: device pages down to the tiers, then
         tier pages into their new device pages. Called before anything else writes the

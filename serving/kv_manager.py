@@ -164,6 +164,40 @@ class KVManager:
             return tiers.prefetch(keys)
         return [tiers.prefetching[k] for k in keys if k in tiers.prefetching]
 
+    def cached_pages(self, tokens) -> list[int]:
+        """The device pages of `tokens`' cached prefix in the base namespace, as far as an
+        admission would reuse them (page-aligned, leaving one token to compute)."""
+        if self.radix is None or len(tokens) < 2:
+            return []
+        return self.radix.match_prefix(tokens[:len(tokens) - 1], touch=False)[0]
+
+    def adopt_prefix(self, tokens, num_pages: int) -> tuple[list[int], int, object]:
+        """Cache the first num_pages full pages of `tokens` in the base namespace with K/V
+        that comes from elsewhere (another engine): returns (new pages, first, node): the
+        pages from page `first` on that the tree did not hold yet, now cached (the tree
+        their only holder) and evictable, which the caller fills before any step reads
+        them, then hands `node` to `filled` (the write policy's copies down read them).
+        Raises NoFreePages when they do not fit."""
+        if self.radix is None:
+            raise ValueError("adopting a prefix needs enable_prefix_caching=True")
+        tokens = tuple(tokens[:num_pages * self.page_size])
+        pages, node = self.radix.match_prefix(tokens, touch=False)
+        first = len(pages)
+        if first == num_pages:
+            return [], first, node
+        self.radix.lock(node)  # what is cached already stays while the new pages are allocated
+        try:
+            new = self._allocate(num_pages - first)
+        finally:
+            self.radix.unlock(node)
+        leaf = self.radix.insert(tokens, pages + new)
+        self.pool.decref(new)  # the tree's reference is the one left
+        return new, first, leaf
+
+    def filled(self, node) -> None:
+        """adopt_prefix's pages now hold their K/V (write-through copies them down)."""
+        self._cached(node)
+
     def hold(self, tokens, namespace: int = 0, limit: int | None = None):
         """Lock the device pages of `tokens`' cached prefix (at most `limit` tokens) until
         `release`: the sequences a step admits hold what the scheduler counted for them

@@ -50,6 +50,7 @@ at that address; each engine lends disk_cache_bytes of host memory to the pool):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import itertools
@@ -316,10 +317,17 @@ class LLM:
             for runner in self.runners:
                 runner.params = params if runner.mesh is None else \
                     model.shard_params(params, self.config, runner.mesh)[1]
+            self.__dict__.pop("kv_fingerprint", None)  # the new weights compute other K/V
             if getattr(self.engine, "tiers", None) is not None:
                 self.engine.kv.reseed(self._fingerprint(self.runner))  # the tiers' pages are the old model's
             else:
                 self.engine.kv.flush_prefix_cache()
+
+    @functools.cached_property
+    def kv_fingerprint(self) -> bytes:
+        """The identity of the K/V this LLM computes (`_fingerprint` of its runner): equal
+        fingerprints mean one engine's pages are valid in another (serving/kv_transfer.py)."""
+        return self._fingerprint(self.runner)
 
     def _fingerprint(self, runner: ModelRunner) -> bytes:
         """The identity of the K/V a runner computes, the root of the tiers' page keys: the

@@ -623,6 +623,25 @@ class ModelRunner:
         write = _write_rows if data.rows else _write_pages
         self.pool = write(self.pool, jnp.asarray(_padded(pages)), data.arrays)
 
+    def take_pages(self, pages: list[int]):
+        """A device copy of `pages` in every layer (leaves [bucket(n), ...], page-first,
+        padded by repeating the first page), for another engine (serving/kv_transfer.py):
+        later writes to the pool do not change it."""
+        return _read_pages(self.pool, jnp.asarray(_padded(pages)))
+
+    def page_specs(self, num_pages: int):
+        """What take_pages returns for num_pages pages, as ShapeDtypeStructs placed like
+        this pool (a receiver pulls into these)."""
+        leaves, treedef = jax.tree.flatten(self.pool)
+        return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct((bucket(num_pages),) + a.shape[1:], a.dtype,
+                                                                 sharding=a.sharding) for a in leaves])
+
+    def put_pages(self, pages: list[int], data, start: int = 0) -> None:
+        """Write rows [start, start + len(pages)) of device page data (take_pages' form)
+        into `pages`."""
+        rows = jnp.asarray(_padded(range(start, start + len(pages))))
+        self.pool = _write_pages(self.pool, jnp.asarray(_padded(pages)), jax.tree.map(lambda a: a[rows], data))
+
     @functools.cached_property
     def host_memory(self) -> jax.sharding.Sharding | None:
         """Where page rows can live in host memory the device copies to directly: the

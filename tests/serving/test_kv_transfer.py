@@ -1,0 +1,184 @@
+"""KV transfer between engines (serving/kv_transfer.py): the state machine, then a prompt's
+pages moved from a prefill engine to a decode engine with jax.experimental.transfer, in
+one process and between two processes on 127.0.0.1: greedy tokens equal one colocated
+engine's, and every failure (an expired offer, another model, a pull that never gets its
+bytes) falls back to computing the prompt."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import model
+from model.config import ModelConfig
+from serving import LLM, SamplingParams
+from serving.kv_transfer import (BOOTSTRAPPING, DONE, FAILED, STATES, TRANSFERRING, WAITING, IllegalTransition,
+                                 KVHandle, KVReceiver, KVSender, Transfer)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPT = np.random.default_rng(3).integers(3, 49152, 53).tolist()  # three full pages and 5 tokens
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_transfers_move_only_along_the_state_machine():
+    allowed = {(BOOTSTRAPPING, WAITING), (WAITING, TRANSFERRING), (TRANSFERRING, DONE),
+               (BOOTSTRAPPING, FAILED), (WAITING, FAILED), (TRANSFERRING, FAILED)}
+    for a in STATES:
+        for b in STATES:
+            t = Transfer(1, a)
+            if (a, b) in allowed:
+                t.advance(b, "why" if b == FAILED else None)
+                assert t.state == b and (t.error == "why") == (b == FAILED)
+            else:
+                with pytest.raises(IllegalTransition, match=f"{a} -> {b}"):
+                    t.advance(b)
+                assert t.state == a
+
+
+def test_handles_round_trip_through_json_and_reject_garbage():
+    h = KVHandle("127.0.0.1:5", 2**61 + 3, 4, "ab")
+    assert KVHandle.from_json(json.loads(json.dumps(h.to_json()))) == h
+    for bad in ({}, {"address": "a", "uuid": "x", "num_pages": 1, "fingerprint": ""},
+                {"address": "a", "uuid": 1, "num_pages": 0, "fingerprint": ""}):
+        with pytest.raises(ValueError, match="not a KV handle"):
+            KVHandle.from_json(bad)
+
+
+CONFIG_ARGS = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8,
+                   layer_kinds=["attention"] * 2, max_position_embeddings=512, eos_token_id=2)
+CONFIG = ModelConfig(**{**CONFIG_ARGS, "layer_kinds": tuple(CONFIG_ARGS["layer_kinds"])})
+
+
+@pytest.fixture(scope="module")
+def tiny(default_tokenizer):
+    return CONFIG, model.init_params(CONFIG, jax.random.key(0)), default_tokenizer
+
+
+def make(tiny, params=None, **kw):
+    config, p, tok = tiny
+    return LLM.from_loaded(config, p if params is None else params, tok, max_model_len=128, max_num_seqs=2,
+                           num_kv_blocks=16, **kw)
+
+
+def ids(llm, prompt=PROMPT):
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0]
+    return out.outputs[0].token_ids, out.num_cached_tokens
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_prefill_engine_to_decode_engine_in_one_process(tiny):
+    """The decode engine's request is a prefix hit on the three pages that came over and
+    greedy equals a colocated engine; the sender's copy goes with the acknowledgement;
+    an expired offer, another model's pages and a pull whose bytes never come each fail
+    the transfer, cache nothing, and the prompt is computed instead."""
+    colocated, _ = ids(make(tiny, enable_prefix_caching=False))
+    prefill, decode = make(tiny), make(tiny)
+    clock = Clock()
+    sender, receiver = KVSender(prefill, ttl_s=5.0, clock=clock), KVReceiver(decode, timeout_s=2.0)
+    prefill.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=1))
+    handle = sender.offer(PROMPT)
+    assert handle.num_pages == 3 and sender.held == 1
+    transfer = receiver.receive(KVHandle.from_json(handle.to_json()), PROMPT, sender.serve)
+    assert transfer.state == DONE, transfer.error
+    sender.ack(handle.uuid)
+    assert sender.transfers[handle.uuid].state == DONE and sender.held == 0
+    assert ids(decode) == (colocated, 48)
+    decode.engine.kv.check()
+    with pytest.raises(ValueError, match="waits for a pull"):
+        sender.serve(handle.uuid)  # served once
+
+    num_pages, data = prefill.engine.export_prefix(PROMPT)  # a decode engine holding the first page already
+    partial = make(tiny)
+    partial.generate({"prompt_token_ids": PROMPT[:20]}, SamplingParams(temperature=0, max_tokens=1))
+    assert partial.engine.import_prefix(PROMPT, num_pages, data) == 2  # writes the other two only
+    assert ids(partial) == (colocated, 48)
+    partial.engine.kv.check()
+
+    other = PROMPT[:20] + PROMPT[21:] + [7]  # another prompt: a fresh decode engine computes it
+    prefill.generate({"prompt_token_ids": other}, SamplingParams(temperature=0, max_tokens=1))
+    late = sender.offer(other)
+    clock.now += 6.0  # past the time-to-live: the copy is dropped
+    assert sender.expire() == [late.uuid] and sender.held == 0
+    fresh = make(tiny)
+    transfer = KVReceiver(fresh, timeout_s=2.0).receive(late, other, sender.serve)
+    assert transfer.state == FAILED and "waits for a pull" in transfer.error
+    assert ids(fresh, other) == (ids(make(tiny, enable_prefix_caching=False), other)[0], 0)
+
+    params = jax.tree.map(lambda a: a * 2, tiny[1])  # another model refuses the pages
+    handle = sender.offer(PROMPT)
+    transfer = KVReceiver(make(tiny, params), timeout_s=2.0).receive(handle, PROMPT, sender.serve)
+    assert transfer.state == FAILED and "model" in transfer.error
+
+    stalled = make(tiny)  # the sender never serves: the pull gives up after its timeout
+    start = time.monotonic()
+    transfer = KVReceiver(stalled, timeout_s=1.0).receive(handle, PROMPT, lambda uuid: None)
+    assert transfer.state == FAILED and "within 1.0 s" in transfer.error and time.monotonic() - start < 30
+    assert ids(stalled) == (colocated, 0)
+    stalled.engine.kv.check()
+
+
+PREFILL_INSTANCE = r"""
+import json, sys
+import jax, model
+from model.config import ModelConfig
+from serving import LLM, SamplingParams
+from serving.kv_transfer import KVSender
+from tests.conftest import _synthetic_tokenizer
+
+args = json.loads(sys.argv[1])
+config = ModelConfig(**{**args, "layer_kinds": tuple(args["layer_kinds"])})
+llm = LLM.from_loaded(config, model.init_params(config, jax.random.key(0)), _synthetic_tokenizer(),
+                      max_model_len=128, max_num_seqs=2, num_kv_blocks=16)
+sender = KVSender(llm)
+for line in sys.stdin:  # the control channel: one JSON command a line, one answer a line
+    cmd = json.loads(line)
+    if cmd["op"] == "prefill":
+        llm.generate({"prompt_token_ids": cmd["prompt"]}, SamplingParams(temperature=0, max_tokens=1))
+        answer = sender.offer(cmd["prompt"]).to_json()
+    elif cmd["op"] == "serve":
+        sender.serve(cmd["uuid"])
+        answer = {}
+    else:
+        sender.ack(cmd["uuid"])
+        answer = {"state": sender.transfers[cmd["uuid"]].state, "held": sender.held}
+    print(json.dumps(answer), flush=True)
+"""
+
+
+def test_prefill_process_to_decode_process(tiny):
+    """A prefill instance in its own process (control channel: its stdin and stdout)
+    offers the prompt's pages; this process pulls them over 127.0.0.1 and decodes greedy
+    as one colocated engine does."""
+    config = json.dumps(CONFIG_ARGS)
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-c", PREFILL_INSTANCE, config], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+    def ask(**cmd):
+        proc.stdin.write(json.dumps(cmd) + "\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        assert line, "the prefill instance died"
+        return json.loads(line)
+    try:
+        handle = KVHandle.from_json(ask(op="prefill", prompt=PROMPT))
+        decode = make(tiny)
+        transfer = KVReceiver(decode).receive(handle, PROMPT, lambda uuid: ask(op="serve", uuid=uuid))
+        assert transfer.state == DONE, transfer.error
+        assert ask(op="ack", uuid=handle.uuid) == {"state": DONE, "held": 0}
+        assert ids(decode) == (ids(make(tiny, enable_prefix_caching=False))[0], 48)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
