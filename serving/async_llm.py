@@ -108,6 +108,7 @@ class AsyncLLM:
         self._adds: list[tuple[list, list[SamplingParams], asyncio.Future, float]] = []
         self._taken: list = []  # the adds the engine thread is working through
         self._aborts: list[int] = []
+        self._calls: list[tuple] = []  # (fn, args, future): run on the engine thread between steps
         self._stopping = False
         self._closed = False  # the engine thread has ended: adds are refused, not queued
         self._streams: dict[int, Stream] = {}  # only the engine thread touches it
@@ -173,6 +174,18 @@ class AsyncLLM:
             self._reserved[0] -= len(requests)
             self._reserved[1] -= num_tokens
 
+    async def call(self, fn, *args):
+        """fn(*args) on the engine thread between steps (what touches the engine's state,
+        like adopting transferred KV pages); its result, or its exception.
+        EngineDead: the engine thread is gone."""
+        future = asyncio.get_running_loop().create_future()
+        with self._wake:
+            if self._closed or not self.alive:
+                raise EngineDead("the engine is not running")
+            self._calls.append((fn, args, future))
+            self._wake.notify()
+        return await future
+
     def abort(self, stream: Stream) -> None:
         """Stop the stream's requests; their pages free before the next engine step."""
         with self._wake:
@@ -205,13 +218,21 @@ class AsyncLLM:
         try:
             while True:
                 with self._wake:
-                    while not (self._stopping or self._adds or self._aborts or engine.has_unfinished()):
+                    while not (self._stopping or self._adds or self._aborts or self._calls
+                               or engine.has_unfinished()):
                         self._wake.wait()
                     if self._stopping:
                         break
                     self._taken, self._adds = self._adds, []  # settled by _shut if a step fails
                     aborts, self._aborts = self._aborts, []
+                    calls, self._calls = self._calls, []
                 with self.llm._lock:
+                    for fn, args, future in calls:
+                        try:
+                            error, result = None, fn(*args)
+                        except Exception as e:  # noqa: BLE001 (the caller's to handle)
+                            error, result = e, None
+                        self._call(future.get_loop(), _settle, future, error, result)
                     for stream_id in aborts:
                         stream = self._streams.pop(stream_id, None)
                         if stream is not None:
@@ -303,7 +324,8 @@ class AsyncLLM:
         with self._wake:
             self._closed = True
             adds, self._adds = self._taken + self._adds, []
-        for *_, future, _ in adds:  # those already settled stay as they are
+            calls, self._calls = self._calls, []
+        for future in [f for *_, f, _ in adds] + [f for *_, f in calls]:  # those already settled stay so
             self._call(future.get_loop(), _settle, future, error, None)
         with self.llm._lock:
             for stream in self._streams.values():

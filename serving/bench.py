@@ -1066,10 +1066,6 @@ async def _serve_load(url: str, args) -> list[tuple]:
 
 def bench_serve(args) -> None:
     import asyncio
-    import socket
-    import threading
-
-    import uvicorn
 
     from serving import server
 
@@ -1078,21 +1074,9 @@ def bench_serve(args) -> None:
                                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                                  "--max-waiting-requests", str(args.max_waiting_requests)]
                                 + (["--weights-dtype", args.weights_dtype] if args.weights_dtype else []))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # log_config=None: uvicorn's default dictConfig would close every logging handler the
-    # process already has (absl's, installed by orbax, holds sys.stderr: it gets closed).
-    http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                         log_config=None))
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
+    http, thread, url = _uvicorn_thread(app)
     try:
-        while not http.started:
-            if not thread.is_alive():
-                raise SystemExit("the server did not start")
-            time.sleep(0.05)
-        rows = asyncio.run(_serve_load(f"http://127.0.0.1:{port}", args))
+        rows = asyncio.run(_serve_load(url, args))
     finally:
         http.should_exit = True
         thread.join()
@@ -1108,6 +1092,97 @@ def bench_serve(args) -> None:
               f"{_pct(tpot, 50):.4f} / {_pct(tpot, 99):.4f} | {tok_s:.1f} | {req_s:.2f} |")
         if errors:
             print(f"  errors at rate {rate:g}: {errors}")
+
+
+def _uvicorn_thread(app):
+    """Serve `app` on a free 127.0.0.1 port from a thread: (server, thread, url)."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # log_config=None: uvicorn's default dictConfig would close every logging handler the
+    # process already has (absl's, installed by orbax, holds sys.stderr: it gets closed).
+    http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                         log_config=None))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    while not http.started:
+        if not thread.is_alive():
+            raise SystemExit("the server did not start")
+        time.sleep(0.05)
+    return http, thread, f"http://127.0.0.1:{port}"
+
+
+async def _disagg_load(router_url: str, colocated_url: str, decode_url: str, args) -> dict:
+    import openai
+    import httpx
+
+    clients = {"colocated": openai.AsyncOpenAI(base_url=f"{colocated_url}/v1", api_key="unused", max_retries=0,
+                                               timeout=600),
+               "disaggregated": openai.AsyncOpenAI(base_url=f"{router_url}/v1", api_key="unused", max_retries=0,
+                                                   timeout=600)}
+    model = (await clients["colocated"].models.list()).data[0].id
+    rng = np.random.default_rng(args.seed)
+    prompts = [[int(t) for t in rng.integers(100, 30000, args.input_len)] for _ in range(args.num_prompts + 1)]
+    results = {name: [] for name in clients}
+    async with httpx.AsyncClient() as http:
+        for i, prompt in enumerate(prompts):  # one request at a time: TTFT without queueing
+            if i == 1:  # the first round compiles every step shape both paths use
+                before = (await http.get(f"{decode_url}/kv/stats")).json()
+            for name, client in clients.items():
+                r = await _streamed_completion(client, model, prompt, args.output_len, 0.0)
+                if r["outcome"] != "ok":
+                    raise SystemExit(f"{name} request failed: {r['outcome']}")
+                if i:
+                    results[name].append(r)
+        after = (await http.get(f"{decode_url}/kv/stats")).json()
+    for client in clients.values():
+        await client.close()
+    moved = {k: after.get(k, 0) - before.get(k, 0) for k in ("pages", "seconds")}
+    return {"results": results, "transfers": after["transfers"], **moved}
+
+
+def bench_disagg(args) -> None:
+    """Disaggregated prefill / decode (serving/router.py: one prefill and one decode
+    instance, each its own process, KV moved with jax.experimental.transfer) against one
+    colocated instance (a third process), one request at a time."""
+    import asyncio
+
+    from serving.router import create_router, spawn
+
+    flags = ["--model", args.model, "--max-model-len", str(args.max_model_len), "--uvicorn-log-level", "warning"]
+    flags += ["--weights-dtype", args.weights_dtype] if args.weights_dtype else []
+    with spawn(1, 1, flags) as (prefill, decode), spawn(0, 1, flags) as (_, colocated):
+        http, thread, url = _uvicorn_thread(create_router(prefill, decode))
+        try:
+            out = asyncio.run(_disagg_load(url, colocated[0], decode[0], args))
+        finally:
+            http.should_exit = True
+            thread.join()
+    res = out["results"]
+    print(f"disagg: {args.model}, {args.num_prompts} streamed completions one at a time (after one unmeasured), "
+          f"{args.input_len} prompt tokens (random ids, no prefix shared), {args.output_len} output tokens; "
+          f"three server processes on one machine ({_device()}), which the instances share")
+    print("| setup | TTFT p50 / p90 (s) | TPOT p50 (s) | TTFT ratio (colocated / this) |")
+    print("|---|---|---:|---:|")
+    ttft = {name: np.array([r["ttft"] for r in rows]) for name, rows in res.items()}
+    for name, rows in res.items():
+        tpot = np.array([r["tpot"] for r in rows if r["tpot"] is not None])
+        print(f"| {name} | {_pct(ttft[name], 50):.3f} / {_pct(ttft[name], 90):.3f} | {_pct(tpot, 50):.4f} | "
+              f"{np.median(ttft['colocated']) / np.median(ttft[name]):.2f}x |")
+    pages, seconds = out["pages"], out["seconds"]
+    if pages:
+        per_request = seconds / len(res["disaggregated"])
+        print(f"KV transfer (handshake, pull over 127.0.0.1 and write into the decode pool): {pages} pages in "
+              f"{seconds:.3f} s, {seconds / pages * 1e3:.3f} ms per page, "
+              f"{per_request / np.mean(ttft['disaggregated']):.1%} of the disaggregated TTFT; "
+              f"transfers by state: {out['transfers']}")
+    else:
+        print(f"no KV transfer completed: transfers by state {out['transfers']}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1185,6 +1260,14 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--depth", type=int, default=4)
     sp.add_argument("--top-k", type=int, default=4)
     sp.add_argument("--plot", metavar="FILE.png", help="also draw acceptance by draft position")
+    dg = sub.add_parser("disagg")
+    dg.add_argument("--model", default="default")
+    dg.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
+    dg.add_argument("--num-prompts", type=int, default=8)
+    dg.add_argument("--input-len", type=int, default=512)
+    dg.add_argument("--output-len", type=int, default=16)
+    dg.add_argument("--max-model-len", type=int, default=1024)
+    dg.add_argument("--seed", type=int, default=0)
     sv = sub.add_parser("serve")
     sv.add_argument("--model", default="default")
     sv.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
@@ -1250,6 +1333,12 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--new-tokens and batch sizes must be > 0")
         _check_plot(parser, args.plot)
         bench_speculative(args)
+    elif args.command == "disagg":
+        if args.num_prompts <= 0 or args.input_len <= 0 or args.output_len <= 0 or \
+                args.input_len + args.output_len > args.max_model_len:
+            parser.error("--num-prompts, --input-len and --output-len must be > 0, and --input-len + "
+                         "--output-len <= --max-model-len")
+        bench_disagg(args)
     elif args.command == "serve":
         if (args.num_prompts <= 0 or args.input_len <= 0 or args.output_len <= 0 or args.burstiness <= 0
                 or any(not r > 0 for r in args.rates) or args.input_len + args.output_len > args.max_model_len

@@ -188,34 +188,49 @@ class KVReceiver:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.llm, self.engine, self.timeout_s = llm, _engine(llm), timeout_s
         self.server = _server(address, transports)
-        self._connections: dict[str, object] = {}
+        self._connections: dict[str, object] = {}  # by sender address, shared by the pulls' threads
+        self._lock = threading.Lock()
         self.transfers: dict[int, Transfer] = {}
 
     def receive(self, handle: KVHandle, tokens: Sequence[int], serve: Callable[[int], None]) -> Transfer:
         """Pull `handle`'s pages and cache them for `tokens` (the prompt they were computed
         from). serve(uuid) asks the sender to serve it (the control channel). Returns the
         transfer: done, or failed with its error, in which case nothing was cached and
-        the prompt is computed here. Call it between engine steps (it writes the pool)."""
+        the prompt is computed here. Call it between engine steps (it writes the pool);
+        a server runs the steps apart (`begin`, the sender's serve, `pull` on a worker
+        thread, `adopt` on the engine thread)."""
+        transfer = self.begin(handle, tokens)
+        try:
+            if transfer.state == WAITING:
+                serve(handle.uuid)
+                self.adopt(handle, tokens, self.pull(handle))
+        except Exception as e:  # noqa: BLE001 (any failure falls back to computing the prompt)
+            self.fail(handle, e)
+        return transfer
+
+    def begin(self, handle: KVHandle, tokens: Sequence[int]) -> Transfer:
+        """Check the offer against this engine and connect to its sender: the transfer
+        waits for the sender to serve it, or has failed (nothing to pull)."""
         transfer = self.transfers[handle.uuid] = Transfer(handle.uuid)
         try:
             if handle.fingerprint != self.llm.kv_fingerprint.hex():
                 raise TransferFailed("the sender's model or KV layout differs from this engine's")
             if handle.num_pages * self.engine.kv.page_size > len(tokens):
                 raise TransferFailed(f"{handle.num_pages} pages offered for a prompt of {len(tokens)} tokens")
-            connection = self._connections.get(handle.address)
-            if connection is None:
-                connection = self._connections[handle.address] = self.server.connect(handle.address)
+            with self._lock:
+                if handle.address not in self._connections:
+                    self._connections[handle.address] = self.server.connect(handle.address)
             transfer.advance(WAITING)
-            serve(handle.uuid)
-            transfer.advance(TRANSFERRING)
-            data = self._pull(connection, handle)
-            self.engine.import_prefix(tokens, handle.num_pages, data)
-            transfer.advance(DONE)
-        except Exception as e:  # noqa: BLE001 (any failure falls back to computing the prompt)
-            transfer.advance(FAILED, f"{type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001
+            self.fail(handle, e)
         return transfer
 
-    def _pull(self, connection, handle: KVHandle):
+    def pull(self, handle: KVHandle):
+        """The served pages as device arrays (blocks; any thread); TransferFailed after
+        timeout_s without them."""
+        self.transfers[handle.uuid].advance(TRANSFERRING)
+        with self._lock:
+            connection = self._connections[handle.address]
         specs = self.engine.runner.page_specs(handle.num_pages)
         result: dict = {}
 
@@ -229,13 +244,26 @@ class KVReceiver:
         worker.join(self.timeout_s)
         if worker.is_alive():
             # The library's pull has no working timeout: closing the connection fails it.
-            self._connections.pop(handle.address, None)
+            with self._lock:
+                if self._connections.get(handle.address) is connection:
+                    del self._connections[handle.address]
             connection._poison_connection()
             worker.join(5.0)
             raise TransferFailed(f"no bytes within {self.timeout_s} s")
         if "error" in result:
             raise TransferFailed(str(result["error"]))
         return result["data"]
+
+    def adopt(self, handle: KVHandle, tokens: Sequence[int], data) -> None:
+        """Cache the pulled pages for `tokens` (on the engine's thread, between steps)."""
+        self.engine.import_prefix(tokens, handle.num_pages, data)
+        self.transfers[handle.uuid].advance(DONE)
+
+    def fail(self, handle: KVHandle, error: BaseException | str) -> None:
+        """The transfer failed (the prompt is computed here instead)."""
+        transfer = self.transfers[handle.uuid]
+        if transfer.state not in (DONE, FAILED):
+            transfer.advance(FAILED, error if isinstance(error, str) else f"{type(error).__name__}: {error}")
 
 
 __all__ = ["STATES", "TRANSITIONS", "IllegalTransition", "KVHandle", "KVReceiver", "KVSender", "Transfer",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
@@ -23,6 +24,7 @@ import secrets
 import sys
 import time
 
+import httpx
 import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,14 +35,16 @@ from model import compile_cache
 from model.weights import WEIGHTS_DTYPES
 from serving import openai_protocol as protocol
 from serving.async_llm import AsyncLLM, EngineDead, Overloaded, Stream
+from serving.kv_transfer import DEFAULT_PULL_TIMEOUT_S, WAITING, KVHandle, KVReceiver, KVSender
 from serving.kv_tiers import HOST_MEMORIES, PREFETCH_POLICIES, STORAGE_BACKENDS, WRITE_POLICIES, TierConfig
 from serving.metrics import ServerMetrics
-from serving.params import LoRARequest
+from serving.params import LoRARequest, SamplingParams
 
 DEFAULT_MAX_WAITING_REQUESTS = 256
 DEFAULT_MAX_WAITING_TOKENS = 2**18
 DEFAULT_MAX_REQUEST_BODY_BYTES = 2**20
 API_KEY_ENV = "KVFOLD_API_KEY"
+KV_ROLES = (None, "prefill", "decode")  # a disaggregated pair's sides (serving/router.py), or neither
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 
 
@@ -69,14 +73,23 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
                max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
                max_waiting_tokens: int | None = DEFAULT_MAX_WAITING_TOKENS,
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-               lora_modules: dict[str, str] | None = None) -> FastAPI:
+               lora_modules: dict[str, str] | None = None, kv_role: str | None = None,
+               kv_client=None) -> FastAPI:
     """The app over `llm` (a serving.LLM). Its lifespan starts and stops the engine thread;
     in-process callers that skip lifespan events (httpx.ASGITransport) use
     `with app.state.engine:` instead. lora_modules: {name: PEFT directory} served as
     models of their own (a request's "model" picks one; vLLM's --lora-modules); the
-    adapters are read and checked here, so a bad one stops the server from starting."""
+    adapters are read and checked here, so a bad one stops the server from starting.
+
+    kv_role: one side of a disaggregated pair (serving/router.py), or None. "prefill"
+    adds POST /kv/prefill (run a request's prompt, offer its pages: serving/kv_transfer.py),
+    /kv/serve and /kv/ack (the pull's handshake); "decode" takes `kv_transfer_params` (an
+    offer and its sender's URL, "control") in /v1 bodies and pulls the pages before the
+    request runs. kv_client: the httpx.AsyncClient a decode instance reaches senders with."""
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be a non-empty string or None")
+    if kv_role not in KV_ROLES:
+        raise ValueError(f"kv_role must be one of {list(KV_ROLES)}, got {kv_role!r}")
     loras: dict[str, LoRARequest] = {}  # served adapters by name (changed by load / unload)
     lora_ids = itertools.count(1)
 
@@ -149,9 +162,9 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
         except ValueError as e:
             raise _bad_request(e, fields) from None
 
-    async def serve(request: Request, req: protocol.Request, fields: tuple[str, ...]):
+    async def add(prompts, params, lora, fields: tuple[str, ...]) -> Stream:
         try:
-            stream = await engine.add(req.prompts, req.params, loras.get(req.model))
+            return await engine.add(prompts, params, lora)
         except ValueError as e:
             raise _bad_request(e, fields) from None
         except Overloaded as e:
@@ -159,6 +172,21 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
                            headers={"Retry-After": str(e.retry_after_s)}) from None
         except EngineDead as e:
             raise APIError(503, str(e), "server_error", "engine_dead") from None
+
+    async def prompt_ids(req: protocol.Request, fields: tuple[str, ...]) -> list[int]:
+        """The token ids of a one-prompt request, as the engine will see them."""
+        if len(req.prompts) != 1:
+            raise APIError(400, "disaggregated serving takes one prompt per request", param="prompt")
+        try:
+            ((_, ids, _, _),) = await asyncio.to_thread(llm._requests, req.prompts, req.params, None)
+        except ValueError as e:
+            raise _bad_request(e, fields) from None
+        return list(ids)
+
+    async def serve(request: Request, req: protocol.Request, fields: tuple[str, ...], kv_params=None):
+        if kv_params is not None:
+            await receive_kv(kv_params, await prompt_ids(req, fields))
+        stream = await add(req.prompts, req.params, loras.get(req.model), fields)
         responder = protocol.Responder(req, lambda t: tokenizer.decode([t]))
         if req.stream:
             return StreamingResponse(_events(engine, stream, responder, len(req.prompts)),
@@ -168,24 +196,36 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
-    @v1.post("/completions")
-    async def completions(request: Request):
-        body = await read_json(request)
-        fields = protocol.COMPLETION_FIELDS
-        req = parse(protocol.completion_request, body, (served_model_name, *loras), fields=fields)
-        return await serve(request, req, fields)
+    def kv_params_of(body):
+        """A decode instance's `kv_transfer_params`, taken out of the body (None without)."""
+        if kv_role != "decode" or not isinstance(body, dict):
+            return None
+        return body.pop("kv_transfer_params", None)
 
-    @v1.post("/chat/completions")
-    async def chat_completions(request: Request):
-        body = await read_json(request)
+    async def completion(body) -> protocol.Request:
+        return parse(protocol.completion_request, body, (served_model_name, *loras),
+                     fields=protocol.COMPLETION_FIELDS)
+
+    async def chat(body) -> protocol.Request:
         fields = protocol.CHAT_FIELDS
         body, messages = parse(protocol.chat_messages, body, (served_model_name, *loras), fields=fields)
         try:
             ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=True)
         except (ValueError, jinja2.TemplateError) as e:
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        req = parse(protocol.chat_request, body, ids, llm.max_model_len, fields=fields)
-        return await serve(request, req, fields)
+        return parse(protocol.chat_request, body, ids, llm.max_model_len, fields=fields)
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        body = await read_json(request)
+        kv_params = kv_params_of(body)
+        return await serve(request, await completion(body), protocol.COMPLETION_FIELDS, kv_params)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_json(request)
+        kv_params = kv_params_of(body)
+        return await serve(request, await chat(body), protocol.CHAT_FIELDS, kv_params)
 
     @v1.get("/models")
     async def models():
@@ -229,6 +269,109 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
             return {"lora_name": name}
 
     app.include_router(v1)
+    app.state.kv_transfers = collections.Counter()  # transfers by end state (and "offered" on a sender)
+    kv = APIRouter(prefix="/kv", dependencies=[Depends(authorize)])
+
+    app.state.kv_transfer_time = collections.Counter()  # a decode instance's done pulls: seconds, pages
+
+    @kv.get("/role")
+    async def kv_role_():
+        return {"role": kv_role}
+
+    @kv.get("/stats")
+    async def kv_stats():
+        """Transfers by end state, and the done pulls' pages and seconds (handshake, pull
+        and write into the pool)."""
+        return {"role": kv_role, "transfers": dict(app.state.kv_transfers), **app.state.kv_transfer_time}
+
+    if kv_role == "prefill":
+        sender = app.state.kv_sender = KVSender(llm)
+
+        @kv.post("/prefill")
+        async def kv_prefill(request: Request):
+            """{"kind": "completion" | "chat", "request": an OpenAI body}: run the prompt and
+            offer its pages; {"kv_transfer_params": a KVHandle's JSON or null (nothing
+            cached), "prompt_token_ids"}."""
+            body = await read_json(request)
+            kind, inner = (body.get("kind"), body.get("request")) if isinstance(body, dict) else (None, None)
+            if kind not in ("completion", "chat") or not isinstance(inner, dict):
+                raise APIError(400, 'the body must be {"kind": "completion" | "chat", "request": {...}}')
+            inner = {k: v for k, v in inner.items() if k not in ("stream", "stream_options")}
+            req = await (completion if kind == "completion" else chat)(inner)
+            fields = protocol.COMPLETION_FIELDS if kind == "completion" else protocol.CHAT_FIELDS
+            ids = await prompt_ids(req, fields)
+            stream = await add([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1), None, fields)
+            try:
+                async for _ in stream:
+                    pass
+            except EngineDead as e:
+                raise APIError(503, str(e), "server_error", "engine_dead") from None
+            handle = await engine.call(sender.offer, ids)
+            app.state.kv_transfers["offered"] += handle is not None
+            return {"kv_transfer_params": None if handle is None else handle.to_json(), "prompt_token_ids": ids}
+
+        def uuid_of(body) -> int:
+            if not isinstance(body, dict) or isinstance(body.get("uuid"), bool) or \
+                    not isinstance(body.get("uuid"), int):
+                raise APIError(400, "the body must hold an integer uuid", param="uuid")
+            return body["uuid"]
+
+        @kv.post("/serve")
+        async def kv_serve(request: Request):
+            """{"uuid"}: the decode instance pulls it now (404: unknown, expired or served)."""
+            try:
+                sender.serve(uuid_of(await read_json(request)))
+            except ValueError as e:
+                raise APIError(404, str(e), "not_found_error", param="uuid") from None
+            return {}
+
+        @kv.post("/ack")
+        async def kv_ack(request: Request):
+            """{"uuid", "ok"}: the decode instance has the pages (or gave up): drop the copy."""
+            body = await read_json(request)
+            ok = body.get("ok", True) if isinstance(body, dict) else True
+            if not isinstance(ok, bool):
+                raise APIError(400, "ok must be a boolean", param="ok")
+            try:
+                sender.ack(uuid_of(body), ok)
+            except ValueError as e:
+                raise APIError(409, str(e), param="uuid") from None
+            return {}
+
+    async def receive_kv(params, ids: list[int]) -> None:
+        """Pull a prefill instance's pages for `ids` into this engine's prefix cache. A bad
+        `kv_transfer_params` is a 400; a transfer that fails only means the prompt is
+        computed here."""
+        try:
+            if not isinstance(params, dict) or not isinstance(params.get("control"), str):
+                raise ValueError("it needs the sender's URL as control")
+            handle = KVHandle.from_json({k: v for k, v in params.items() if k != "control"})
+        except ValueError as e:
+            raise APIError(400, f"kv_transfer_params: {e}", param="kv_transfer_params") from None
+        control = params["control"].rstrip("/")
+        start = time.perf_counter()
+        transfer = receiver.begin(handle, ids)
+        if transfer.state == WAITING:
+            ok = False
+            try:
+                (await kv_http.post(f"{control}/kv/serve", json={"uuid": handle.uuid})).raise_for_status()
+                data = await asyncio.to_thread(receiver.pull, handle)
+                await engine.call(receiver.adopt, handle, ids, data)
+                ok = True
+                app.state.kv_transfer_time["seconds"] += time.perf_counter() - start
+                app.state.kv_transfer_time["pages"] += handle.num_pages
+            except Exception as e:  # noqa: BLE001 (the prompt is computed here instead)
+                receiver.fail(handle, e)
+            try:
+                await kv_http.post(f"{control}/kv/ack", json={"uuid": handle.uuid, "ok": ok})
+            except httpx.HTTPError:
+                pass  # the sender's time-to-live drops its copy
+        app.state.kv_transfers[transfer.state] += 1
+
+    if kv_role == "decode":
+        receiver = app.state.kv_receiver = KVReceiver(llm)
+        kv_http = kv_client if kv_client is not None else httpx.AsyncClient(timeout=DEFAULT_PULL_TIMEOUT_S)
+    app.include_router(kv)
 
     @app.get("/health")
     async def health():
@@ -366,6 +509,8 @@ def _parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--compile-cache-dir", default=None,
                         help="where compiled steps persist ('off' disables; default $KVFOLD_COMPILE_CACHE "
                              "or ~/.cache/kvfold/jax)")
+    parser.add_argument("--kv-role", default=None, choices=[r for r in KV_ROLES if r],
+                        help="one side of disaggregated prefill / decode (python -m serving.router starts both)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser
@@ -415,7 +560,7 @@ def build(args: argparse.Namespace) -> FastAPI:
               hicache_host_memory=args.hicache_host_memory)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return create_app(llm, args.served_model_name or args.model, api_key, args.max_waiting_requests,
-                      args.max_waiting_tokens, args.max_request_body_bytes, lora_modules)
+                      args.max_waiting_tokens, args.max_request_body_bytes, lora_modules, args.kv_role)
 
 
 def app_from_flags(argv: list[str]) -> FastAPI:

@@ -182,3 +182,99 @@ def test_prefill_process_to_decode_process(tiny):
     finally:
         proc.stdin.close()
         proc.wait(timeout=60)
+
+
+TEXT = ("The river ran past the old mill, where the miller kept his accounts in a ledger bound in green "
+        "leather, and every evening he counted the sacks of flour by lamplight before he went to sleep.")
+
+
+def test_router_sends_prefill_to_one_instance_and_decode_to_another(tiny):
+    """serving.router over a prefill and a decode instance (OpenAI servers in this process):
+    completions, streamed completions and chat answer as one colocated engine does, the
+    decode instance pulled the prompt's pages each time, the prefill instance keeps no
+    copy; with the prefill instance unreachable the decode instance computes the prompt;
+    a request the prefill instance finds bad is answered with its 400."""
+    import asyncio
+
+    import httpx
+
+    from serving.router import create_router
+    from serving.server import create_app
+
+    colocated = make(tiny, enable_prefix_caching=False)
+    prefill_app = create_app(make(tiny), "tiny", kv_role="prefill")
+    to_prefill = httpx.ASGITransport(prefill_app)
+    decode_app = create_app(make(tiny), "tiny", kv_role="decode",
+                            kv_client=httpx.AsyncClient(mounts={"http://prefill": to_prefill}))
+    instances = {"http://prefill": to_prefill, "http://decode": httpx.ASGITransport(decode_app)}
+    router = create_router(["http://prefill"], ["http://decode"], httpx.AsyncClient(mounts=instances))
+    lost = create_router(["http://127.0.0.1:1"], ["http://decode"], httpx.AsyncClient(mounts=instances))
+    chat = [{"role": "user", "content": TEXT}]
+    want_text = colocated.generate(TEXT, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    want_chat = colocated.chat(chat, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+
+    async def go(app, path, **body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://router") as c:
+            return await c.post(path, json={"model": "tiny", "temperature": 0, "max_tokens": 8, **body})
+
+    with prefill_app.state.engine, decode_app.state.engine:
+        plain = asyncio.run(go(router, "/v1/completions", prompt=TEXT))
+        streamed = asyncio.run(go(router, "/v1/completions", prompt=TEXT, stream=True))
+        chatted = asyncio.run(go(router, "/v1/chat/completions", messages=chat))
+        fallback = asyncio.run(go(lost, "/v1/completions", prompt=TEXT))
+        bad = asyncio.run(go(router, "/v1/completions", prompt=TEXT, temperature=-1))
+    assert plain.status_code == 200 and plain.json()["choices"][0]["text"] == want_text
+    pieces = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert "".join(p["choices"][0]["text"] for p in pieces if p["choices"]) == want_text
+    assert chatted.json()["choices"][0]["message"]["content"] == want_chat
+    assert fallback.status_code == 200 and fallback.json()["choices"][0]["text"] == want_text
+    assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"]
+    assert decode_app.state.kv_transfers == {"done": 3}
+    assert prefill_app.state.kv_transfers["offered"] == 3 and prefill_app.state.kv_sender.held == 0
+    assert router.state.counts == {"prefilled": 3} and lost.state.counts == {"prefill_unreachable": 1}
+
+
+def test_router_command_starts_its_instances_and_serves(tmp_path, default_tokenizer):
+    """`python -m serving.router --prefill-instances 1 --decode-instances 1` on a tiny
+    checkpoint: three processes, one OpenAI completion equal to an LLM on the same
+    checkpoint, and a KV transfer done on the decode instance."""
+    import socket
+    import urllib.request
+
+    from tests.serving.test_server import write_tiny_checkpoint
+
+    path = str(tmp_path / "tiny")
+    write_tiny_checkpoint(path, default_tokenizer)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "serving.router", "--prefill-instances", "1",
+                             "--decode-instances", "1", "--port", str(port), "--model", path,
+                             "--served-model-name", "tiny", "--max-model-len", "128",
+                             "--uvicorn-log-level", "warning"],
+                            cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, "the router exited"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    health = json.loads(r.read())
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the router did not come up"
+                time.sleep(1)
+        body = json.dumps({"model": "tiny", "prompt": TEXT, "max_tokens": 8, "temperature": 0}).encode()
+        request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as r:
+            text = json.loads(r.read())["choices"][0]["text"]
+        with urllib.request.urlopen(f"{health['decode'][0]}/kv/stats", timeout=30) as r:
+            stats = json.loads(r.read())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    want = LLM(path, max_model_len=128).generate(TEXT, SamplingParams(temperature=0, max_tokens=8))
+    assert text == want[0].outputs[0].text
+    assert stats["transfers"] == {"done": 1} and stats["pages"] >= 2

@@ -1,0 +1,236 @@
+"""Disaggregated prefill and decode behind one OpenAI endpoint (DistServe, Mooncake).
+
+    python -m serving.router --prefill-instances 1 --decode-instances 1 --port 8000 \
+        [server flags for every instance, e.g. --model default --max-model-len 2048]
+    python -m serving.router --instances http://a:8001,http://b:8002 --port 8000
+
+The first form starts each instance as its own `python -m serving.server --kv-role ...`
+process on 127.0.0.1 (flags the router does not know are passed to every instance); the
+second fronts instances started elsewhere, asking each its role (GET /kv/role).
+
+For each /v1/completions or /v1/chat/completions request the router asks a prefill
+instance to run the prompt (POST /kv/prefill), which keeps a copy of the prompt's pages
+and answers with an offer; it then sends the request, with the offer as
+`kv_transfer_params`, to the decode instance with the fewest requests in flight, which
+pulls the pages (serving/kv_transfer.py) and decodes; its answer (streamed or not) goes
+back to the client unchanged. A prefill instance that fails or cannot be reached only
+costs the decode instance the prompt's compute; a request the prefill instance rejects
+as bad (a 4xx other than 429) is answered with that error. Prefill instances take
+requests in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+DEFAULT_TIMEOUT_S = 600.0
+STARTUP_TIMEOUT_S = 900.0  # an instance loads and compiles its model before /health answers
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "server_error" if status >= 500 else
+                                   "invalid_request_error", "param": None, "code": code}}, status_code=status)
+
+
+def create_router(prefill: list[str], decode: list[str], client: httpx.AsyncClient | None = None) -> FastAPI:
+    """The router app over prefill and decode instance base URLs (`serving.server` apps
+    with kv_role "prefill" / "decode"). client: how instances are reached (default: a new
+    httpx.AsyncClient). app.state.counts: requests by how their prefill went."""
+    if not decode:
+        raise ValueError("the router needs at least one decode instance")
+    for url in prefill + decode:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"instance URLs must be http(s)://host:port, got {url!r}")
+    prefill, decode = [u.rstrip("/") for u in prefill], [u.rstrip("/") for u in decode]
+    http = client if client is not None else httpx.AsyncClient(timeout=DEFAULT_TIMEOUT_S)
+    turns = itertools.cycle(prefill) if prefill else None
+    in_flight = collections.Counter({u: 0 for u in decode})
+    counts = collections.Counter()
+
+    app = FastAPI(title="kvfold router")
+    app.state.counts, app.state.in_flight = counts, in_flight
+
+    async def prefill_on(url: str, kind: str, body: dict, headers: dict):
+        """The offer for `body` from the prefill instance at url; a JSONResponse to answer
+        the client with (the request is bad); or None (prefill failed: decode computes it)."""
+        try:
+            r = await http.post(f"{url}/kv/prefill", json={"kind": kind, "request": body}, headers=headers)
+        except httpx.HTTPError:
+            counts["prefill_unreachable"] += 1
+            return None
+        if r.status_code == 200:
+            params = r.json().get("kv_transfer_params")
+            counts["prefilled" if params else "nothing_cached"] += 1
+            return None if params is None else {**params, "control": url}
+        if 400 <= r.status_code < 500 and r.status_code != 429:
+            return JSONResponse(r.json(), status_code=r.status_code)
+        counts["prefill_failed"] += 1
+        return None
+
+    async def route(request: Request, path: str):
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "the request body is not valid JSON", "bad_json")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object", "bad_json")
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        if "kv_transfer_params" in body:
+            return _error(400, "kv_transfer_params is the router's to set", "bad_request")
+        params = await prefill_on(next(turns), ROUTES[path], body, headers) if turns is not None else None
+        if isinstance(params, Response):
+            return params
+        if params is not None:
+            body = {**body, "kv_transfer_params": params}
+        target = min(decode, key=lambda u: in_flight[u])
+        in_flight[target] += 1
+        try:
+            upstream = await http.send(http.build_request("POST", f"{target}{path}", json=body, headers=headers),
+                                       stream=True)
+        except httpx.HTTPError as e:
+            in_flight[target] -= 1
+            return _error(502, f"decode instance {target} is unreachable: {e}", "bad_gateway")
+
+        async def done():
+            await upstream.aclose()
+            in_flight[target] -= 1
+        keep = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "retry-after")}
+        return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, headers=keep,
+                                 background=BackgroundTask(done))
+
+    def endpoint(path: str):
+        async def forward(request: Request):
+            return await route(request, path)
+        return forward
+
+    for path in ROUTES:
+        app.add_api_route(path, endpoint(path), methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        r = await http.get(f"{decode[0]}/v1/models", headers=headers)
+        return JSONResponse(r.json(), status_code=r.status_code)
+
+    @app.get("/health")
+    async def health():
+        down = []
+        for url in prefill + decode:
+            try:
+                if (await http.get(f"{url}/health")).status_code != 200:
+                    down.append(url)
+            except httpx.HTTPError:
+                down.append(url)
+        if down:
+            return _error(503, f"instances not healthy: {down}", "instance_down")
+        return {"prefill": prefill, "decode": decode}
+
+    return app
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def discover(urls: list[str], timeout_s: float = 10.0) -> tuple[list[str], list[str]]:
+    """(prefill, decode) URLs among running instances, by their GET /kv/role."""
+    roles = {"prefill": [], "decode": []}
+    for url in urls:
+        try:
+            role = httpx.get(f"{url.rstrip('/')}/kv/role", timeout=timeout_s).json().get("role")
+        except (httpx.HTTPError, ValueError) as e:
+            raise ValueError(f"instance {url} does not answer GET /kv/role: {e}") from None
+        if role not in roles:
+            raise ValueError(f"instance {url} has no prefill or decode role (--kv-role), it says {role!r}")
+        roles[role].append(url)
+    return roles["prefill"], roles["decode"]
+
+
+@contextlib.contextmanager
+def spawn(num_prefill: int, num_decode: int, server_flags: list[str], timeout_s: float = STARTUP_TIMEOUT_S):
+    """Start the instances as `serving.server` processes on 127.0.0.1 and wait until each
+    answers /health; yields (prefill URLs, decode URLs); stops them on exit."""
+    procs, urls = [], {"prefill": [], "decode": []}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    try:
+        for role, n in (("prefill", num_prefill), ("decode", num_decode)):
+            for _ in range(n):
+                port = _free_port()
+                procs.append(subprocess.Popen([sys.executable, "-m", "serving.server", *server_flags,
+                                               "--kv-role", role, "--host", "127.0.0.1", "--port", str(port)],
+                                              env=env))
+                urls[role].append(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + timeout_s
+        for proc, url in zip(procs, urls["prefill"] + urls["decode"]):
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"instance {url} exited with {proc.returncode} while starting")
+                try:
+                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"instance {url} did not become healthy within {timeout_s} s")
+                time.sleep(0.5)
+        yield urls["prefill"], urls["decode"]
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m serving.router [flags] [server flags for the instances]`."""
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefill-instances", type=int, default=1)
+    parser.add_argument("--decode-instances", type=int, default=1)
+    parser.add_argument("--instances", default=None, help="URL,...: front running instances instead")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args, server_flags = parser.parse_known_args(argv)
+    if args.instances is None and (args.prefill_instances < 0 or args.decode_instances < 1):
+        sys.exit("kvfold router: --prefill-instances must be >= 0 and --decode-instances >= 1")
+    if args.instances is not None and server_flags:
+        sys.exit(f"kvfold router: {server_flags} are instance flags; --instances fronts running instances")
+    with contextlib.ExitStack() as stack:
+        try:
+            if args.instances is not None:
+                prefill, decode = discover([u for u in args.instances.split(",") if u])
+            else:
+                prefill, decode = stack.enter_context(spawn(args.prefill_instances, args.decode_instances,
+                                                            server_flags))
+            app = create_router(prefill, decode)
+        except (ValueError, RuntimeError) as e:
+            sys.exit(f"kvfold router: {e}")
+        uvicorn.run(app, host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["create_router", "discover", "spawn"]
