@@ -105,7 +105,7 @@ class AsyncLLM:
         self.llm, self.observer = llm, observer
         self.max_waiting_requests, self.max_waiting_tokens = max_waiting_requests, max_waiting_tokens
         self._wake = threading.Condition()  # guards _adds, _aborts, _stopping
-        self._adds: list[tuple[list, list[SamplingParams], asyncio.Future, float]] = []
+        self._adds: list[tuple[list, list[SamplingParams], list, list | None, asyncio.Future, float]] = []
         self._taken: list = []  # the adds the engine thread is working through
         self._aborts: list[int] = []
         self._calls: list[tuple] = []  # (fn, args, future): run on the engine thread between steps
@@ -148,10 +148,12 @@ class AsyncLLM:
     # -- asyncio side ---------------------------------------------------------------
 
     async def add(self, prompts: list, params: SamplingParams | list[SamplingParams],
-                  lora_request=None) -> Stream:
+                  lora_request=None, remote_kv: list | None = None) -> Stream:
         """Validate and queue `prompts` (all or none), under `lora_request` (a LoRARequest
-        for all, None for the base model). ValueError: a bad prompt, parameter or adapter;
-        Overloaded: over the waiting caps; EngineDead: the engine thread is gone."""
+        for all, None for the base model); remote_kv: per prompt, its K/V on its way from
+        another engine, or None (EngineCore.add_request). ValueError: a bad prompt,
+        parameter or adapter; Overloaded: over the waiting caps; EngineDead: the engine
+        thread is gone."""
         arrival = time.monotonic()
         if not self.alive:
             raise EngineDead("the engine is not running")
@@ -166,8 +168,8 @@ class AsyncLLM:
                 if self._closed:
                     raise EngineDead(f"the engine stopped: {self.error!r}" if self.error else "the server is stopping")
                 self._adds.append(([{"prompt": text, "prompt_token_ids": ids} for text, ids, _, _ in requests],
-                                   [p for _, _, p, _ in requests], [r for *_, r in requests], future,
-                                   arrival))
+                                   [p for _, _, p, _ in requests], [r for *_, r in requests], remote_kv,
+                                   future, arrival))
                 self._wake.notify()
             return await future
         finally:
@@ -247,10 +249,10 @@ class AsyncLLM:
         finally:
             self._shut(EngineDead(f"the engine stopped: {self.error!r}" if self.error else "the server is stopping"))
 
-    def _add_now(self, prompts: list, params: list[SamplingParams], loras: list, future: asyncio.Future,
-                 arrival: float) -> None:
+    def _add_now(self, prompts: list, params: list[SamplingParams], loras: list, remote_kv: list | None,
+                 future: asyncio.Future, arrival: float) -> None:
         try:
-            added = self.llm._add(prompts, params, loras)
+            added = self.llm._add(prompts, params, loras, remote_kv)
         except ValueError as e:
             future.get_loop().call_soon_threadsafe(_settle, future, e, None)
             return

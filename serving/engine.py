@@ -37,6 +37,7 @@ from serving.structured import GrammarCompiler, advance
 
 RECOMPUTE, SWAP = "recompute", "swap"
 GRAMMAR_GATHER_S = 0.5  # an idle engine waits this long for every pending grammar
+REMOTE_POLL_S = 0.05  # an engine with only remote-KV requests waits this long for one per step
 PREEMPTION_MODES = (RECOMPUTE, SWAP)
 
 # -- the engine-runner contract ------------------------------------------------------
@@ -196,6 +197,7 @@ class EngineCore:
         self.kv = KVManager(num_pages, sched_config.page_size, enable_prefix_caching, self.tiers)
         self._loading: dict[str, tuple[list, float]] = {}  # deferred seq -> (prefetch reads, deadline)
         self._prefetch_seen: set[str] = set()  # waiting sequences that started or joined their prefetch
+        self._remote: dict[str, concurrent.futures.Future] = {}  # request id -> its K/V from another engine
         # delayed hits: pages of tier loads each admission of this step started (seq -> pages),
         # and running sequences whose loads land at a later clock time (the simulator's copy
         # lane sets these; the engine's own loads land before the next step)
@@ -220,7 +222,13 @@ class EngineCore:
     # -- requests ----------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-                    arrival: float | None = None, lora_request: LoRARequest | None = None) -> None:
+                    arrival: float | None = None, lora_request: LoRARequest | None = None,
+                    remote_kv: concurrent.futures.Future | None = None) -> None:
+        """remote_kv: the prompt's K/V on its way from another engine (disaggregated
+        prefill, serving/kv_transfer.py's `KVReceiver.pull_later`): a future whose result
+        the engine calls between steps to cache the pages. The request waits until then
+        (the scheduler passes it over); if the future or the call fails, it computes its
+        prompt."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.output.check(params)
@@ -263,6 +271,8 @@ class EngineCore:
             seed = (params.seed + i) % 2**SEED_BITS if params.seed is not None else self._fresh_seed()
             self.seqs[sid] = SeqState(sid, request_id, i, params, seed, self.output.new())
         self.state = sched.add(self.state, seq)
+        if remote_kv is not None:
+            self._remote[request_id] = remote_kv
 
     def _check_adjustments(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         """Check a request's penalties and biases against this engine; returns its bad
@@ -388,7 +398,8 @@ class EngineCore:
 
     def step(self) -> set[str]:
         """Schedule and run one batch; returns the request ids that made progress."""
-        blocked = self._grammars_pending() | self._prefetches_pending() | self._loads_landing()
+        blocked = (self._grammars_pending() | self._prefetches_pending() | self._loads_landing()
+                   | self._remote_pending())
         self.step_loads = {}
         self.state, plan = sched.schedule(self.state, self.config, self._kv_view(blocked),
                                           preempt_keeps_computed=self.preemption_mode == SWAP,
@@ -573,6 +584,31 @@ class EngineCore:
             for sid, matcher in zip(req.seq_ids, matchers):
                 self.seqs[sid].matcher = matcher
         return frozenset(blocked)
+
+    def _remote_pending(self) -> frozenset[str]:
+        """Sequences whose prompt's K/V is still on its way from another engine
+        (add_request's remote_kv); what has arrived is cached now, before scheduling. When
+        nothing else can run, waits a moment for an arrival instead of spinning."""
+        if not self._remote:
+            return frozenset()
+        blocked = self._adopt_arrived()
+        if blocked and not self.state.running and len(blocked) == len(self.state.waiting):
+            concurrent.futures.wait(list(self._remote.values()), timeout=REMOTE_POLL_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            blocked = self._adopt_arrived()
+        return blocked
+
+    def _adopt_arrived(self) -> frozenset[str]:
+        for rid, future in list(self._remote.items()):
+            if rid not in self.requests or self.request_finished(rid):  # aborted meanwhile
+                del self._remote[rid]
+            elif future.done():
+                del self._remote[rid]
+                try:
+                    future.result()()
+                except Exception:  # noqa: BLE001 (the transfer recorded why; the prompt is computed)
+                    pass
+        return frozenset(sid for rid in self._remote for sid in self.requests[rid].seq_ids)
 
     def _prefetches_pending(self) -> frozenset[str]:
         """Waiting sequences deferred while their prefix loads from the tier under the host

@@ -23,6 +23,8 @@ had come.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import secrets
 import threading
@@ -55,6 +57,7 @@ class Transfer:
     state: str = BOOTSTRAPPING
     error: str | None = None
     deadline: float = float("inf")  # the sender's time-to-live, on its clock
+    started: float = dataclasses.field(default_factory=time.perf_counter)
 
     def advance(self, state: str, error: str | None = None) -> None:
         if state not in TRANSITIONS[self.state]:
@@ -119,7 +122,8 @@ class KVSender:
         self.llm, self.engine, self.ttl_s, self.clock = llm, _engine(llm), ttl_s, clock
         self.server = _server(address, transports)
         self.address = self.server.address()
-        self.transfers: dict[int, Transfer] = {}
+        self.transfers: dict[int, Transfer] = {}  # offered, until `expire` after they end
+        self.counts: collections.Counter = collections.Counter()  # "offered", then each end state
         self._copies: dict[int, object] = {}  # uuid -> the device copy offered, until done, failed or expired
         self._lock = threading.Lock()
 
@@ -135,6 +139,7 @@ class KVSender:
             transfer = self.transfers[uuid] = Transfer(uuid, deadline=self.clock() + self.ttl_s)
             self._copies[uuid] = data
             transfer.advance(WAITING)
+            self.counts["offered"] += 1
         return KVHandle(self.address, uuid, num_pages, self.llm.kv_fingerprint.hex())
 
     def serve(self, uuid: int) -> None:
@@ -159,16 +164,20 @@ class KVSender:
             if ok and transfer.state != TRANSFERRING:
                 raise ValueError(f"transfer {uuid} was never served: it cannot be done")
             transfer.advance(DONE if ok else FAILED, None if ok else (error or "the receiver gave up"))
+            self.counts[transfer.state] += 1
             self._copies.pop(uuid, None)
 
     def expire(self) -> list[int]:
-        """Fail the transfers whose time-to-live has passed and drop their copies; returns
-        their uuids."""
+        """Fail the transfers whose time-to-live has passed and drop their copies (returns
+        their uuids); forget the transfers that ended before (`counts` keeps them)."""
         now, gone = self.clock(), []
         with self._lock:
-            for uuid, transfer in self.transfers.items():
-                if transfer.state in (WAITING, TRANSFERRING) and now > transfer.deadline:
+            for uuid, transfer in list(self.transfers.items()):
+                if transfer.state in (DONE, FAILED):
+                    del self.transfers[uuid]
+                elif now > transfer.deadline:
                     transfer.advance(FAILED, f"no acknowledgement within {self.ttl_s} s")
+                    self.counts[FAILED] += 1
                     self._copies.pop(uuid, None)
                     gone.append(uuid)
         return gone
@@ -190,7 +199,9 @@ class KVReceiver:
         self.server = _server(address, transports)
         self._connections: dict[str, object] = {}  # by sender address, shared by the pulls' threads
         self._lock = threading.Lock()
-        self.transfers: dict[int, Transfer] = {}
+        self.transfers: dict[int, Transfer] = {}  # under way (an ended one is only counted)
+        self.counts: collections.Counter = collections.Counter()  # by end state
+        self.pages, self.seconds = 0, 0.0  # of the done transfers, from `begin` to the pages in the pool
 
     def receive(self, handle: KVHandle, tokens: Sequence[int], serve: Callable[[int], None]) -> Transfer:
         """Pull `handle`'s pages and cache them for `tokens` (the prompt they were computed
@@ -257,13 +268,39 @@ class KVReceiver:
     def adopt(self, handle: KVHandle, tokens: Sequence[int], data) -> None:
         """Cache the pulled pages for `tokens` (on the engine's thread, between steps)."""
         self.engine.import_prefix(tokens, handle.num_pages, data)
-        self.transfers[handle.uuid].advance(DONE)
+        transfer = self.transfers.pop(handle.uuid)
+        transfer.advance(DONE)
+        self.counts[DONE] += 1
+        self.pages += handle.num_pages
+        self.seconds += time.perf_counter() - transfer.started
 
     def fail(self, handle: KVHandle, error: BaseException | str) -> None:
         """The transfer failed (the prompt is computed here instead)."""
-        transfer = self.transfers[handle.uuid]
-        if transfer.state not in (DONE, FAILED):
+        transfer = self.transfers.pop(handle.uuid, None)
+        if transfer is not None and transfer.state not in (DONE, FAILED):
             transfer.advance(FAILED, error if isinstance(error, str) else f"{type(error).__name__}: {error}")
+            self.counts[FAILED] += 1
+
+    def pull_later(self, handle: KVHandle, tokens: Sequence[int], executor) -> "concurrent.futures.Future":
+        """Start the pull on `executor` (after the sender was asked to serve): a future
+        whose result is the callable that adopts the pages, for the engine to run between
+        steps (`EngineCore.add_request(remote_kv=...)`); it raises if the pull failed (then
+        the transfer has failed and the prompt is computed)."""
+        def pull():
+            try:
+                data = self.pull(handle)
+            except Exception as e:
+                self.fail(handle, e)
+                raise
+
+            def adopt():
+                try:
+                    self.adopt(handle, tokens, data)
+                except Exception as e:
+                    self.fail(handle, e)
+                    raise
+            return adopt
+        return executor.submit(pull)
 
 
 __all__ = ["STATES", "TRANSITIONS", "IllegalTransition", "KVHandle", "KVReceiver", "KVSender", "Transfer",

@@ -466,17 +466,22 @@ class LLM:
 
     # -- generation ------------------------------------------------------------------
 
-    def _add(self, prompts, sampling_params, lora_request=None) -> list[tuple[str, str | None]]:
-        """Validate every request, then add them all or none."""
+    def _add(self, prompts, sampling_params, lora_request=None, remote_kv=None) -> list[tuple[str, str | None]]:
+        """Validate every request, then add them all or none. remote_kv: per prompt, its
+        K/V on its way from another engine (EngineCore.add_request), or None."""
         requests = self._requests(prompts, sampling_params, lora_request)
+        remote_kv = [None] * len(requests) if remote_kv is None else list(remote_kv)
+        if len(remote_kv) != len(requests):
+            raise ValueError(f"remote_kv has {len(remote_kv)} entries for {len(requests)} prompts")
         added = []
         with self._lock:
             if self._closed:
                 raise RuntimeError("this LLM is closed")
             try:
-                for text, ids, params, lora in requests:
+                for (text, ids, params, lora), remote in zip(requests, remote_kv):
                     rid = str(next(self._ids))
-                    self.engine.add_request(rid, ids, params, lora_request=lora)
+                    self.engine.add_request(rid, ids, params, lora_request=lora,
+                                            **({"remote_kv": remote} if remote is not None else {}))
                     added.append((rid, text))
             except BaseException:
                 self._forget(added)

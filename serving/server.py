@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
+import concurrent.futures
 import contextlib
 import itertools
 import json
@@ -162,9 +162,9 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
         except ValueError as e:
             raise _bad_request(e, fields) from None
 
-    async def add(prompts, params, lora, fields: tuple[str, ...]) -> Stream:
+    async def add(prompts, params, lora, fields: tuple[str, ...], remote_kv=None) -> Stream:
         try:
-            return await engine.add(prompts, params, lora)
+            return await engine.add(prompts, params, lora, remote_kv)
         except ValueError as e:
             raise _bad_request(e, fields) from None
         except Overloaded as e:
@@ -184,9 +184,11 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
         return list(ids)
 
     async def serve(request: Request, req: protocol.Request, fields: tuple[str, ...], kv_params=None):
+        remote = None
         if kv_params is not None:
-            await receive_kv(kv_params, await prompt_ids(req, fields))
-        stream = await add(req.prompts, req.params, loras.get(req.model), fields)
+            remote = await receive_kv(kv_params, await prompt_ids(req, fields))
+        stream = await add(req.prompts, req.params, loras.get(req.model), fields,
+                           None if remote is None else [remote])
         responder = protocol.Responder(req, lambda t: tokenizer.decode([t]))
         if req.stream:
             return StreamingResponse(_events(engine, stream, responder, len(req.prompts)),
@@ -269,10 +271,7 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
             return {"lora_name": name}
 
     app.include_router(v1)
-    app.state.kv_transfers = collections.Counter()  # transfers by end state (and "offered" on a sender)
     kv = APIRouter(prefix="/kv", dependencies=[Depends(authorize)])
-
-    app.state.kv_transfer_time = collections.Counter()  # a decode instance's done pulls: seconds, pages
 
     @kv.get("/role")
     async def kv_role_():
@@ -280,9 +279,15 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
 
     @kv.get("/stats")
     async def kv_stats():
-        """Transfers by end state, and the done pulls' pages and seconds (handshake, pull
-        and write into the pool)."""
-        return {"role": kv_role, "transfers": dict(app.state.kv_transfers), **app.state.kv_transfer_time}
+        """Transfers by end state ("offered" too on a prefill instance), and on a decode
+        instance the done transfers' pages and seconds (handshake, pull, and the wait for
+        the engine to write them into its pool)."""
+        if kv_role == "prefill":
+            return {"role": kv_role, "transfers": dict(sender.counts)}
+        if kv_role == "decode":
+            return {"role": kv_role, "transfers": dict(receiver.counts), "pages": receiver.pages,
+                    "seconds": receiver.seconds}
+        return {"role": kv_role}
 
     if kv_role == "prefill":
         sender = app.state.kv_sender = KVSender(llm)
@@ -307,7 +312,6 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
             except EngineDead as e:
                 raise APIError(503, str(e), "server_error", "engine_dead") from None
             handle = await engine.call(sender.offer, ids)
-            app.state.kv_transfers["offered"] += handle is not None
             return {"kv_transfer_params": None if handle is None else handle.to_json(), "prompt_token_ids": ids}
 
         def uuid_of(body) -> int:
@@ -338,10 +342,10 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
                 raise APIError(409, str(e), param="uuid") from None
             return {}
 
-    async def receive_kv(params, ids: list[int]) -> None:
-        """Pull a prefill instance's pages for `ids` into this engine's prefix cache. A bad
-        `kv_transfer_params` is a 400; a transfer that fails only means the prompt is
-        computed here."""
+    async def receive_kv(params, ids: list[int]):
+        """Start pulling a prefill instance's pages for `ids`: the future the engine adopts
+        them from (EngineCore.add_request's remote_kv), or None when the transfer failed
+        before the pull (the prompt is computed here). A bad `kv_transfer_params` is a 400."""
         try:
             if not isinstance(params, dict) or not isinstance(params.get("control"), str):
                 raise ValueError("it needs the sender's URL as control")
@@ -349,28 +353,34 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
         except ValueError as e:
             raise APIError(400, f"kv_transfer_params: {e}", param="kv_transfer_params") from None
         control = params["control"].rstrip("/")
-        start = time.perf_counter()
-        transfer = receiver.begin(handle, ids)
-        if transfer.state == WAITING:
-            ok = False
-            try:
-                (await kv_http.post(f"{control}/kv/serve", json={"uuid": handle.uuid})).raise_for_status()
-                data = await asyncio.to_thread(receiver.pull, handle)
-                await engine.call(receiver.adopt, handle, ids, data)
-                ok = True
-                app.state.kv_transfer_time["seconds"] += time.perf_counter() - start
-                app.state.kv_transfer_time["pages"] += handle.num_pages
-            except Exception as e:  # noqa: BLE001 (the prompt is computed here instead)
-                receiver.fail(handle, e)
+
+        async def ack(ok: bool) -> None:
             try:
                 await kv_http.post(f"{control}/kv/ack", json={"uuid": handle.uuid, "ok": ok})
             except httpx.HTTPError:
                 pass  # the sender's time-to-live drops its copy
-        app.state.kv_transfers[transfer.state] += 1
+        if receiver.begin(handle, ids).state != WAITING:
+            return None
+        try:
+            (await kv_http.post(f"{control}/kv/serve", json={"uuid": handle.uuid})).raise_for_status()
+        except httpx.HTTPError as e:
+            receiver.fail(handle, e)
+            await ack(False)
+            return None
+        future = receiver.pull_later(handle, ids, pulls)
+
+        async def acknowledge():  # once the bytes are here (or not), the sender's copy can go
+            await asyncio.wait([asyncio.wrap_future(future)])
+            await ack(future.exception() is None)
+        background.add(task := asyncio.create_task(acknowledge()))
+        task.add_done_callback(background.discard)
+        return future
 
     if kv_role == "decode":
         receiver = app.state.kv_receiver = KVReceiver(llm)
         kv_http = kv_client if kv_client is not None else httpx.AsyncClient(timeout=DEFAULT_PULL_TIMEOUT_S)
+        pulls = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvfold-kv-pull")
+        background = app.state.kv_acks = set()  # the acknowledgements under way (asyncio tasks)
     app.include_router(kv)
 
     @app.get("/health")

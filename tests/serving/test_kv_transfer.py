@@ -129,6 +129,38 @@ def test_prefill_engine_to_decode_engine_in_one_process(tiny):
     stalled.engine.kv.check()
 
 
+def test_a_request_waits_for_its_remote_kv_while_others_run(tiny):
+    """The scheduler's wait for remote K/V (add_request's remote_kv): the request is passed
+    over while another runs, is a prefix hit once the pages arrive, and computes its
+    prompt when the transfer fails; greedy tokens equal a colocated engine's either way."""
+    import concurrent.futures
+
+    prefill = make(tiny)
+    prefill.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=1))
+    num_pages, data = prefill.engine.export_prefix(PROMPT)
+    other = PROMPT[::-1]
+    alone = make(tiny, enable_prefix_caching=False)
+    want = [ids(alone)[0], ids(alone, other)[0]]
+    for arrives in (True, False):
+        decode = make(tiny)
+        engine, remote = decode.engine, concurrent.futures.Future()
+        engine.add_request("remote", PROMPT, GREEDY, remote_kv=remote)
+        engine.add_request("local", other, GREEDY)
+        engine.step()
+        assert [s.seq_id for s in engine.state.running] == ["local#0"]  # remote waits for its pages
+        assert [s.seq_id for s in engine.state.waiting] == ["remote#0"]
+        if arrives:
+            remote.set_result(lambda: engine.import_prefix(PROMPT, num_pages, data))
+        else:
+            remote.set_exception(RuntimeError("the pull failed"))
+        while engine.has_unfinished():
+            engine.step()
+        got = [engine.seqs[f"{r}#0"].output.tokens for r in ("remote", "local")]
+        assert got == want
+        assert engine.requests["remote"].num_cached_tokens == (48 if arrives else 0)
+        engine.kv.check()
+
+
 PREFILL_INSTANCE = r"""
 import json, sys
 import jax, model
@@ -217,12 +249,16 @@ def test_router_sends_prefill_to_one_instance_and_decode_to_another(tiny):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://router") as c:
             return await c.post(path, json={"model": "tiny", "temperature": 0, "max_tokens": 8, **body})
 
+    async def calls():
+        out = [await go(router, "/v1/completions", prompt=TEXT),
+               await go(router, "/v1/completions", prompt=TEXT, stream=True),
+               await go(router, "/v1/chat/completions", messages=chat),
+               await go(lost, "/v1/completions", prompt=TEXT),
+               await go(router, "/v1/completions", prompt=TEXT, temperature=-1)]
+        await asyncio.gather(*decode_app.state.kv_acks)  # the decode instance acknowledges in the background
+        return out
     with prefill_app.state.engine, decode_app.state.engine:
-        plain = asyncio.run(go(router, "/v1/completions", prompt=TEXT))
-        streamed = asyncio.run(go(router, "/v1/completions", prompt=TEXT, stream=True))
-        chatted = asyncio.run(go(router, "/v1/chat/completions", messages=chat))
-        fallback = asyncio.run(go(lost, "/v1/completions", prompt=TEXT))
-        bad = asyncio.run(go(router, "/v1/completions", prompt=TEXT, temperature=-1))
+        plain, streamed, chatted, fallback, bad = asyncio.run(calls())
     assert plain.status_code == 200 and plain.json()["choices"][0]["text"] == want_text
     pieces = [json.loads(line[6:]) for line in streamed.text.splitlines()
               if line.startswith("data: {")]
@@ -230,8 +266,8 @@ def test_router_sends_prefill_to_one_instance_and_decode_to_another(tiny):
     assert chatted.json()["choices"][0]["message"]["content"] == want_chat
     assert fallback.status_code == 200 and fallback.json()["choices"][0]["text"] == want_text
     assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"]
-    assert decode_app.state.kv_transfers == {"done": 3}
-    assert prefill_app.state.kv_transfers["offered"] == 3 and prefill_app.state.kv_sender.held == 0
+    assert decode_app.state.kv_receiver.counts == {"done": 3} and not decode_app.state.kv_receiver.transfers
+    assert prefill_app.state.kv_sender.counts == {"offered": 3, "done": 3} and prefill_app.state.kv_sender.held == 0
     assert router.state.counts == {"prefilled": 3} and lost.state.counts == {"prefill_unreachable": 1}
 
 
