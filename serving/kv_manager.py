@@ -180,6 +180,9 @@ class KVManager:
         Raises NoFreePages when they do not fit."""
         if self.radix is None:
             raise ValueError("adopting a prefix needs enable_prefix_caching=True")
+        if not 0 < num_pages * self.page_size <= len(tokens):
+            raise ValueError(f"{num_pages} pages of {self.page_size} tokens do not fit a prompt of "
+                             f"{len(tokens)} tokens")
         tokens = tuple(tokens[:num_pages * self.page_size])
         pages, node = self.radix.match_prefix(tokens, touch=False)
         first = len(pages)

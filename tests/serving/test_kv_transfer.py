@@ -102,6 +102,8 @@ def test_prefill_engine_to_decode_engine_in_one_process(tiny):
     num_pages, data = prefill.engine.export_prefix(PROMPT)  # a decode engine holding the first page already
     partial = make(tiny)
     partial.generate({"prompt_token_ids": PROMPT[:20]}, SamplingParams(temperature=0, max_tokens=1))
+    with pytest.raises(ValueError, match="do not fit a prompt of 40 tokens"):
+        partial.engine.import_prefix(PROMPT[:40], num_pages, data)
     assert partial.engine.import_prefix(PROMPT, num_pages, data) == 2  # writes the other two only
     assert ids(partial) == (colocated, 48)
     partial.engine.kv.check()
