@@ -258,9 +258,20 @@ def test_router_sends_prefill_to_one_instance_and_decode_to_another(tiny):
                await go(lost, "/v1/completions", prompt=TEXT),
                await go(router, "/v1/completions", prompt=TEXT, temperature=-1)]
         await asyncio.gather(*decode_app.state.kv_acks)  # the decode instance acknowledges in the background
-        return out
+        async with httpx.AsyncClient(mounts=instances) as c:  # bad input to each side's /kv routes
+            refused = [await c.post("http://prefill/kv/serve", json={"uuid": 12345}),
+                       await c.post("http://prefill/kv/serve", json={"uuid": "x"}),
+                       await c.post("http://prefill/kv/ack", json={"uuid": 1, "ok": "yes"}),
+                       await c.post("http://prefill/kv/prefill", json={"kind": "poem", "request": {}}),
+                       await c.post("http://decode/v1/completions", json={
+                           "model": "tiny", "prompt": TEXT, "kv_transfer_params": {"uuid": 1}})]
+        refused.append(await go(router, "/v1/completions", prompt=TEXT, kv_transfer_params={}))
+        return out, [(r.status_code, r.json()["error"]["message"]) for r in refused]
     with prefill_app.state.engine, decode_app.state.engine:
-        plain, streamed, chatted, fallback, bad = asyncio.run(calls())
+        (plain, streamed, chatted, fallback, bad), refused = asyncio.run(calls())
+    assert [code for code, _ in refused] == [404, 400, 400, 400, 400, 400], refused
+    assert "no offer 12345" in refused[0][1] and "kv_transfer_params" in refused[4][1]
+    assert "router's to set" in refused[5][1]
     assert plain.status_code == 200 and plain.json()["choices"][0]["text"] == want_text
     pieces = [json.loads(line[6:]) for line in streamed.text.splitlines()
               if line.startswith("data: {")]
@@ -271,6 +282,17 @@ def test_router_sends_prefill_to_one_instance_and_decode_to_another(tiny):
     assert decode_app.state.kv_receiver.counts == {"done": 3} and not decode_app.state.kv_receiver.transfers
     assert prefill_app.state.kv_sender.counts == {"offered": 3, "done": 3} and prefill_app.state.kv_sender.held == 0
     assert router.state.counts == {"prefilled": 3} and lost.state.counts == {"prefill_unreachable": 1}
+
+
+def test_router_and_discovery_refuse_bad_instances():
+    from serving.router import create_router, discover
+
+    with pytest.raises(ValueError, match="at least one decode"):
+        create_router(["http://a:1"], [])
+    with pytest.raises(ValueError, match="http"):
+        create_router([], ["a:1"])
+    with pytest.raises(ValueError, match="does not answer GET /kv/role"):
+        discover(["http://127.0.0.1:1"], timeout_s=2)
 
 
 def test_router_command_starts_its_instances_and_serves(tmp_path, default_tokenizer):
