@@ -273,11 +273,11 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
     app.include_router(v1)
     kv = APIRouter(prefix="/kv", dependencies=[Depends(authorize)])
 
-    @kv.get("/role")
+    @app.get("/kv/role")  # no API key, like /health: a router asks it
     async def kv_role_():
         return {"role": kv_role}
 
-    @kv.get("/stats")
+    @app.get("/kv/stats")  # no API key, like /metrics
     async def kv_stats():
         """Transfers by end state ("offered" too on a prefill instance), and on a decode
         instance the done transfers' pages and seconds (handshake, pull, and the wait for
@@ -378,7 +378,8 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
 
     if kv_role == "decode":
         receiver = app.state.kv_receiver = KVReceiver(llm)
-        kv_http = kv_client if kv_client is not None else httpx.AsyncClient(timeout=DEFAULT_PULL_TIMEOUT_S)
+        kv_http = kv_client if kv_client is not None else httpx.AsyncClient(  # instances share the API key
+            timeout=DEFAULT_PULL_TIMEOUT_S, headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
         pulls = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvfold-kv-pull")
         background = app.state.kv_acks = set()  # the acknowledgements under way (asyncio tasks)
     app.include_router(kv)

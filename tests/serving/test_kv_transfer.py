@@ -297,8 +297,9 @@ def test_router_and_discovery_refuse_bad_instances():
 
 def test_router_command_starts_its_instances_and_serves(tmp_path, default_tokenizer):
     """`python -m serving.router --prefill-instances 1 --decode-instances 1` on a tiny
-    checkpoint: three processes, one OpenAI completion equal to an LLM on the same
-    checkpoint, and a KV transfer done on the decode instance."""
+    checkpoint behind an API key: three processes, one OpenAI completion equal to an LLM
+    on the same checkpoint, and a KV transfer done on the decode instance (which sends
+    the key to the prefill instance)."""
     import socket
     import urllib.request
 
@@ -311,7 +312,7 @@ def test_router_command_starts_its_instances_and_serves(tmp_path, default_tokeni
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "serving.router", "--prefill-instances", "1",
                              "--decode-instances", "1", "--port", str(port), "--model", path,
-                             "--served-model-name", "tiny", "--max-model-len", "128",
+                             "--served-model-name", "tiny", "--max-model-len", "128", "--api-key", "k",
                              "--uvicorn-log-level", "warning"],
                             cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     url = f"http://127.0.0.1:{port}"
@@ -327,7 +328,8 @@ def test_router_command_starts_its_instances_and_serves(tmp_path, default_tokeni
                 assert time.monotonic() < deadline, "the router did not come up"
                 time.sleep(1)
         body = json.dumps({"model": "tiny", "prompt": TEXT, "max_tokens": 8, "temperature": 0}).encode()
-        request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json",
+                                                                         "Authorization": "Bearer k"})
         with urllib.request.urlopen(request, timeout=300) as r:
             text = json.loads(r.read())["choices"][0]["text"]
         with urllib.request.urlopen(f"{health['decode'][0]}/kv/stats", timeout=30) as r:
