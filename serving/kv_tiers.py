@@ -220,7 +220,8 @@ class HostTier:
         assert len(used) + len(self._free) == self.capacity, "host slot leaked"
         assert set(self.origin) == set(self.slots)
         if self.memory is not None:
-            assert all((self.rows[slot] is None) == (slot in self._free) for slot in range(self.capacity)), \
+            free = set(self._free)
+            assert all((self.rows[slot] is None) == (slot in free) for slot in range(self.capacity)), \
                 "a free host slot holds a row"
 
 
@@ -673,5 +674,6 @@ class Tiers:
             self.disk.close()
 
 
-__all__ = ["HOST_MEMORIES", "PREFETCH_POLICIES", "host_rows_memory", "SELECTIVE_HITS", "STORAGE_BACKENDS", "TIERS", "WRITE_POLICIES", "DiskTier",
-           "HostTier", "MooncakeTier", "PageCodec", "TierConfig", "Tiers", "chain", "root_hash"]
+__all__ = ["DiskTier", "HOST_MEMORIES", "HostTier", "MooncakeTier", "PREFETCH_POLICIES", "PageCodec",
+           "SELECTIVE_HITS", "STORAGE_BACKENDS", "TIERS", "TierConfig", "Tiers", "WRITE_POLICIES", "chain",
+           "host_rows_memory", "root_hash"]

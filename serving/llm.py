@@ -319,7 +319,7 @@ class LLM:
                     model.shard_params(params, self.config, runner.mesh)[1]
             self.__dict__.pop("kv_fingerprint", None)  # the new weights compute other K/V
             if getattr(self.engine, "tiers", None) is not None:
-                self.engine.kv.reseed(self._fingerprint(self.runner))  # the tiers' pages are the old model's
+                self.engine.kv.reseed(self.kv_fingerprint)  # the tiers' pages are the old model's
             else:
                 self.engine.kv.flush_prefix_cache()
 

@@ -485,7 +485,8 @@ def _parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         choices=PREFETCH_POLICIES, help="how long a request waits for its prefix's prefetch from "
                         "the tier under the host: never, until done, or a timeout growing with its tokens")
     parser.add_argument("--hicache-host-memory", default=TierConfig.host_memory, choices=HOST_MEMORIES,
-                        help="the host tier's rows: JAX pinned_host memory (auto: on accelerators that have it), or numpy")
+                        help="the host tier's rows: JAX pinned_host memory (auto: on accelerators that have it) "
+                             "or numpy")
     parser.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
                         help="the mooncake_master of --hicache-storage-backend mooncake")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
