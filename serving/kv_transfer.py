@@ -95,9 +95,12 @@ class KVHandle:
 def _server(address: str, transports: int):
     from jax.experimental import transfer
 
+    host, _, port = str(address).rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"a KV transfer address is host:port, got {address!r}")
+
     # Transport addresses must be given: an empty list aborts the process at connect.
-    return transfer.start_transfer_server(jax.devices()[0].client, address, [address.rsplit(":", 1)[0] + ":0"]
-                                          * transports)
+    return transfer.start_transfer_server(jax.devices()[0].client, address, [f"{host}:0"] * transports)
 
 
 def _engine(llm):

@@ -74,7 +74,7 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
                max_waiting_tokens: int | None = DEFAULT_MAX_WAITING_TOKENS,
                max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
                lora_modules: dict[str, str] | None = None, kv_role: str | None = None,
-               kv_client=None) -> FastAPI:
+               kv_client=None, kv_address: str = "127.0.0.1:0") -> FastAPI:
     """The app over `llm` (a serving.LLM). Its lifespan starts and stops the engine thread;
     in-process callers that skip lifespan events (httpx.ASGITransport) use
     `with app.state.engine:` instead. lora_modules: {name: PEFT directory} served as
@@ -85,7 +85,9 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
     adds POST /kv/prefill (run a request's prompt, offer its pages: serving/kv_transfer.py),
     /kv/serve and /kv/ack (the pull's handshake); "decode" takes `kv_transfer_params` (an
     offer and its sender's URL, "control") in /v1 bodies and pulls the pages before the
-    request runs. kv_client: the httpx.AsyncClient a decode instance reaches senders with."""
+    request runs. kv_client: the httpx.AsyncClient a decode instance reaches senders with.
+    kv_address: where this instance's KV transfer server listens (host:port; port 0 picks
+    one), an address the other side can reach."""
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be a non-empty string or None")
     if kv_role not in KV_ROLES:
@@ -290,7 +292,7 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
         return {"role": kv_role}
 
     if kv_role == "prefill":
-        sender = app.state.kv_sender = KVSender(llm)
+        sender = app.state.kv_sender = KVSender(llm, kv_address)
 
         @kv.post("/prefill")
         async def kv_prefill(request: Request):
@@ -377,7 +379,7 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
         return future
 
     if kv_role == "decode":
-        receiver = app.state.kv_receiver = KVReceiver(llm)
+        receiver = app.state.kv_receiver = KVReceiver(llm, kv_address)
         kv_http = kv_client if kv_client is not None else httpx.AsyncClient(  # instances share the API key
             timeout=DEFAULT_PULL_TIMEOUT_S, headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
         pulls = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvfold-kv-pull")
@@ -523,6 +525,8 @@ def _parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "or ~/.cache/kvfold/jax)")
     parser.add_argument("--kv-role", default=None, choices=[r for r in KV_ROLES if r],
                         help="one side of disaggregated prefill / decode (python -m serving.router starts both)")
+    parser.add_argument("--kv-transfer-address", default="127.0.0.1:0", metavar="HOST:PORT",
+                        help="where a --kv-role instance's KV transfer server listens (port 0: any free port)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser
@@ -572,7 +576,8 @@ def build(args: argparse.Namespace) -> FastAPI:
               hicache_host_memory=args.hicache_host_memory)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return create_app(llm, args.served_model_name or args.model, api_key, args.max_waiting_requests,
-                      args.max_waiting_tokens, args.max_request_body_bytes, lora_modules, args.kv_role)
+                      args.max_waiting_tokens, args.max_request_body_bytes, lora_modules, args.kv_role,
+                      kv_address=args.kv_transfer_address)
 
 
 def app_from_flags(argv: list[str]) -> FastAPI:

@@ -284,8 +284,14 @@ def test_router_sends_prefill_to_one_instance_and_decode_to_another(tiny):
     assert router.state.counts == {"prefilled": 3} and lost.state.counts == {"prefill_unreachable": 1}
 
 
-def test_router_and_discovery_refuse_bad_instances():
+def test_router_and_discovery_refuse_bad_instances(tiny):
     from serving.router import create_router, discover
+    from serving.server import create_app
+
+    with pytest.raises(ValueError, match="host:port"):
+        create_app(make(tiny), kv_role="decode", kv_address="localhost")
+    with pytest.raises(ValueError, match="kv_role"):
+        create_app(make(tiny), kv_role="both")
 
     with pytest.raises(ValueError, match="at least one decode"):
         create_router(["http://a:1"], [])
