@@ -12,12 +12,15 @@ hit count and whether its pages were copied down (`backed`) for the write policy
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 
 import numpy as np
 
 from serving.kv_tiers import chain, root_hash
+
+EVENTS_KEPT = 65536  # stored / removed events a cache keeps for readers that poll them
 
 
 class NoFreePages(RuntimeError):
@@ -90,6 +93,20 @@ class RadixCache:
         self.evictable_pages = 0  # pages in unlocked nodes
         self.protected_pages = 0  # pages in locked nodes
         self._clock = itertools.count(1)
+        # Block stored / removed events of the base namespace (a router's prefix index,
+        # Mooncake's Conductor): (number, "stored" | "removed", chained page keys), the
+        # last EVENTS_KEPT of them, once `record_events` turns them on.
+        self.events: collections.deque | None = None
+        self.num_events = 0
+
+    def record_events(self) -> None:
+        if self.events is None:
+            self.events = collections.deque(maxlen=EVENTS_KEPT)
+
+    def _event(self, kind: str, node: Node) -> None:
+        if self.events is not None and self.namespace_of(node) == 0:
+            self.num_events += 1
+            self.events.append((self.num_events, kind, node.page_keys(self.page_size)))
 
     def _root(self, namespace: int) -> Node:
         root = self.roots.get(namespace)
@@ -164,6 +181,7 @@ class RadixCache:
             self.pool.incref(new_pages)
             self.holds[new_pages] = True
             self.evictable_pages += len(new_pages)  # a fresh leaf is unlocked
+            self._event("stored", leaf)
             node = leaf
         return node
 
@@ -221,6 +239,7 @@ class RadixCache:
             parent = leaf.parent
             if self.on_evict is not None:
                 self.on_evict(leaf)
+            self._event("removed", leaf)
             del parent.children[self._child_key(leaf.key, 0)]
             self.pool.decref(leaf.pages)
             self.holds[leaf.pages] = False
@@ -242,12 +261,23 @@ class RadixCache:
         while stack:
             node = stack.pop()
             assert node.lock_ref == 0, "dropping a namespace a sequence still holds"
+            if namespace == 0 and self.events is not None:
+                self.num_events += 1
+                self.events.append((self.num_events, "removed", node.page_keys(self.page_size)))
             self.pool.decref(node.pages)
             self.holds[node.pages] = False
             self.evictable_pages -= len(node.pages)
             freed += len(node.pages)
             stack.extend(node.children.values())
         return freed
+
+    def nodes(self, namespace: int):
+        """Every node holding pages in `namespace`."""
+        stack = list(self.roots[namespace].children.values()) if namespace in self.roots else []
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
 
     def _nodes(self):
         stack = [c for root in self.roots.values() for c in root.children.values()]

@@ -15,13 +15,19 @@ and answers with an offer; it then sends the request, with the offer as
 pulls the pages (serving/kv_transfer.py) and decodes; its answer (streamed or not) goes
 back to the client unchanged. A prefill instance that fails or cannot be reached only
 costs the decode instance the prompt's compute; a request the prefill instance rejects
-as bad (a 4xx other than 429) is answered with that error. Prefill instances take
-requests in turn.
+as bad (a 4xx other than 429) is answered with that error.
+
+Of several prefill instances, a request goes to the one whose prefix cache holds the
+longest prefix of its prompt (Mooncake's Conductor: `PrefixIndex`, kept from each
+instance's block stored / removed events, GET /kv/events, read before each choice; the
+router tokenizes prompts with the instances' tokenizer); with no prefix held anywhere,
+instances take requests in turn.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import contextlib
 import itertools
@@ -36,6 +42,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from serving.kv_tiers import chain
+
 ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 DEFAULT_TIMEOUT_S = 600.0
 STARTUP_TIMEOUT_S = 900.0  # an instance loads and compiles its model before /health answers
@@ -46,10 +54,64 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
                                    "invalid_request_error", "param": None, "code": code}}, status_code=status)
 
 
-def create_router(prefill: list[str], decode: list[str], client: httpx.AsyncClient | None = None) -> FastAPI:
+class PrefixIndex:
+    """Which prefill instance caches which pages (Mooncake's Conductor), kept from each
+    instance's block stored / removed events (GET /kv/events)."""
+
+    def __init__(self, urls: list[str]):
+        self.keys = {u: set() for u in urls}
+        self.after = {u: 0 for u in urls}
+        self.root: dict[str, tuple[bytes, int]] = {}  # url -> (its chain's root, page size)
+
+    def apply(self, url: str, update: dict) -> None:
+        """One /kv/events answer of instance `url`."""
+        self.root[url] = (bytes.fromhex(update["root"]), int(update["page_size"]))
+        if update.get("reset"):
+            self.keys[url] = {bytes.fromhex(k) for k in update["keys"]}
+        for _, kind, keys in update.get("events", []):
+            (self.keys[url].update if kind == "stored" else self.keys[url].difference_update)(
+                bytes.fromhex(k) for k in keys)
+        self.after[url] = int(update["next"])
+
+    def matched_pages(self, url: str, ids: list[int]) -> int:
+        """Pages of the prompt `ids` instance `url` holds (from its first page on, as an
+        admission would reuse them)."""
+        if url not in self.root:
+            return 0
+        root, page_size = self.root[url]
+        n = 0
+        for key in chain(root, ids[:len(ids) - 1], page_size):
+            if key not in self.keys[url]:
+                break
+            n += 1
+        return n
+
+
+def _prompt_ids(tokenizer, kind: str, body: dict) -> list[int] | None:
+    """The prompt's token ids as an instance would see them, or None (not one plain prompt)."""
+    try:
+        if kind == "chat":
+            return list(tokenizer.apply_chat_template(body["messages"], tokenize=True))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return list(tokenizer.encode(prompt))
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+    except Exception:  # noqa: BLE001 (the instance reports a bad request; routing just goes in turn)
+        return None
+    return None
+
+
+def create_router(prefill: list[str], decode: list[str], client: httpx.AsyncClient | None = None,
+                  tokenizer=None) -> FastAPI:
     """The router app over prefill and decode instance base URLs (`serving.server` apps
     with kv_role "prefill" / "decode"). client: how instances are reached (default: a new
-    httpx.AsyncClient). app.state.counts: requests by how their prefill went."""
+    httpx.AsyncClient). tokenizer (a model.Tokenizer): with it, a request goes to the
+    prefill instance that caches the longest prefix of its prompt (`PrefixIndex`), in
+    turn among equals; without it, prefill instances take requests in turn.
+    app.state.counts: requests by how their prefill went."""
     if not decode:
         raise ValueError("the router needs at least one decode instance")
     for url in prefill + decode:
@@ -60,9 +122,34 @@ def create_router(prefill: list[str], decode: list[str], client: httpx.AsyncClie
     turns = itertools.cycle(prefill) if prefill else None
     in_flight = collections.Counter({u: 0 for u in decode})
     counts = collections.Counter()
+    index = PrefixIndex(prefill)
 
     app = FastAPI(title="kvfold router")
-    app.state.counts, app.state.in_flight = counts, in_flight
+    app.state.counts, app.state.in_flight, app.state.index = counts, in_flight, index
+
+    async def refresh(url: str) -> None:
+        try:
+            r = await http.get(f"{url}/kv/events", params={"after": index.after[url]})
+            if r.status_code == 200:
+                update = r.json()
+                if update["next"] < index.after[url]:  # the instance restarted: read it whole
+                    index.after[url], index.keys[url] = 0, set()
+                    update = (await http.get(f"{url}/kv/events", params={"after": 0})).json()
+                index.apply(url, update)
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass  # an instance that does not answer keeps its last index
+
+    async def choose_prefill(kind: str, body: dict) -> str:
+        ids = _prompt_ids(tokenizer, kind, body) if tokenizer is not None and len(prefill) > 1 else None
+        if ids is None:
+            return next(turns)
+        await asyncio.gather(*(refresh(u) for u in prefill))
+        matched = {u: index.matched_pages(u, ids) for u in prefill}
+        best = max(matched.values())
+        if best == 0:
+            return next(turns)
+        counts["prefix_routed"] += 1
+        return next(u for u in prefill if matched[u] == best)
 
     async def prefill_on(url: str, kind: str, body: dict, headers: dict):
         """The offer for `body` from the prefill instance at url; a JSONResponse to answer
@@ -91,7 +178,9 @@ def create_router(prefill: list[str], decode: list[str], client: httpx.AsyncClie
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         if "kv_transfer_params" in body:
             return _error(400, "kv_transfer_params is the router's to set", "bad_request")
-        params = await prefill_on(next(turns), ROUTES[path], body, headers) if turns is not None else None
+        params = None
+        if turns is not None:
+            params = await prefill_on(await choose_prefill(ROUTES[path], body), ROUTES[path], body, headers)
         if isinstance(params, Response):
             return params
         if params is not None:
@@ -201,6 +290,13 @@ def spawn(num_prefill: int, num_decode: int, server_flags: list[str], timeout_s:
                 proc.kill()
 
 
+def _instance_model(server_flags: list[str]) -> str:
+    """The --model the instances are started with (the server's default: "default")."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--model", default="default")
+    return parser.parse_known_args(server_flags)[0].model
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m serving.router [flags] [server flags for the instances]`."""
     import uvicorn
@@ -209,6 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-instances", type=int, default=1)
     parser.add_argument("--decode-instances", type=int, default=1)
     parser.add_argument("--instances", default=None, help="URL,...: front running instances instead")
+    parser.add_argument("--tokenizer", default=None,
+                        help="the instances' model (as --model names it), for routing a prompt to the prefill "
+                             "instance that caches its prefix (default: the instances' --model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     args, server_flags = parser.parse_known_args(argv)
@@ -223,7 +322,15 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 prefill, decode = stack.enter_context(spawn(args.prefill_instances, args.decode_instances,
                                                             server_flags))
-            app = create_router(prefill, decode)
+            name = args.tokenizer
+            if name is None and args.instances is None:
+                name = _instance_model(server_flags)
+            tokenizer = None
+            if name is not None and len(prefill) > 1:
+                import model
+
+                tokenizer = model.load_tokenizer(name)
+            app = create_router(prefill, decode, tokenizer=tokenizer)
         except (ValueError, RuntimeError) as e:
             sys.exit(f"kvfold router: {e}")
         uvicorn.run(app, host=args.host, port=args.port)
@@ -233,4 +340,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["create_router", "discover", "spawn"]
+__all__ = ["PrefixIndex", "create_router", "discover", "spawn"]

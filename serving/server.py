@@ -291,8 +291,33 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
                     "seconds": receiver.seconds}
         return {"role": kv_role}
 
+    @app.get("/kv/events")  # no API key: chained page hashes only
+    async def kv_events(after: int = 0):
+        """The prefix cache's block stored / removed events after number `after` (a
+        router's prefix index): {"root", "page_size", "next", "events": [[n, kind, [key hex]]]};
+        when events after `after` were dropped, "reset": true and "keys": every cached
+        page's key instead."""
+        radix = llm.engine.kv.radix
+        if radix is None or radix.events is None:
+            raise APIError(404, "this instance records no prefix-cache events (a prefill instance does)",
+                           "not_found_error")
+
+        def read():  # on the engine thread, which changes the cache
+            head = {"root": radix.root.hash.hex(), "page_size": radix.page_size, "next": radix.num_events}
+            if radix.events and radix.events[0][0] > after + 1:
+                return {**head, "reset": True, "keys": [k.hex() for n in radix.nodes(0) for k in
+                                                        n.page_keys(radix.page_size)]}
+            return {**head, "events": [[n, kind, [k.hex() for k in keys]] for n, kind, keys in radix.events
+                                       if n > after]}
+        try:
+            return await engine.call(read)
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_error", "engine_dead") from None
+
     if kv_role == "prefill":
         sender = app.state.kv_sender = KVSender(llm, kv_address)
+        if llm.engine.kv.radix is not None:
+            llm.engine.kv.radix.record_events()
 
         @kv.post("/prefill")
         async def kv_prefill(request: Request):

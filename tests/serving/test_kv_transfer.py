@@ -237,12 +237,14 @@ def test_router_sends_prefill_to_one_instance_and_decode_to_another(tiny):
 
     colocated = make(tiny, enable_prefix_caching=False)
     prefill_app = create_app(make(tiny), "tiny", kv_role="prefill")
-    to_prefill = httpx.ASGITransport(prefill_app)
-    decode_app = create_app(make(tiny), "tiny", kv_role="decode",
-                            kv_client=httpx.AsyncClient(mounts={"http://prefill": to_prefill}))
-    instances = {"http://prefill": to_prefill, "http://decode": httpx.ASGITransport(decode_app)}
+    second_app = create_app(make(tiny), "tiny", kv_role="prefill")  # a second prefill instance, for the index
+    senders = {"http://prefill": httpx.ASGITransport(prefill_app), "http://second": httpx.ASGITransport(second_app)}
+    decode_app = create_app(make(tiny), "tiny", kv_role="decode", kv_client=httpx.AsyncClient(mounts=senders))
+    instances = {**senders, "http://decode": httpx.ASGITransport(decode_app)}
     router = create_router(["http://prefill"], ["http://decode"], httpx.AsyncClient(mounts=instances))
     lost = create_router(["http://127.0.0.1:1"], ["http://decode"], httpx.AsyncClient(mounts=instances))
+    conductor = create_router(["http://second", "http://prefill"], ["http://decode"],
+                              httpx.AsyncClient(mounts=instances), tokenizer=tiny[2])
     chat = [{"role": "user", "content": TEXT}]
     want_text = colocated.generate(TEXT, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
     want_chat = colocated.chat(chat, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
@@ -266,9 +268,19 @@ def test_router_sends_prefill_to_one_instance_and_decode_to_another(tiny):
                        await c.post("http://decode/v1/completions", json={
                            "model": "tiny", "prompt": TEXT, "kv_transfer_params": {"uuid": 1}})]
         refused.append(await go(router, "/v1/completions", prompt=TEXT, kv_transfer_params={}))
+        # "prefill" caches TEXT by now: a prompt extending it goes there although "second" has the turn;
+        # prompts nobody caches take turns
+        routed = [await go(conductor, "/v1/completions", prompt=TEXT + " Then he slept.")]
+        routed += [await go(conductor, "/v1/completions", prompt=t * 4) for t in (
+            "A second story about a lighthouse keeper. ", "A third story about the sea and the gulls. ")]
+        await asyncio.gather(*decode_app.state.kv_acks)
+        assert all(r.status_code == 200 for r in routed)
         return out, [(r.status_code, r.json()["error"]["message"]) for r in refused]
-    with prefill_app.state.engine, decode_app.state.engine:
+    with prefill_app.state.engine, decode_app.state.engine, second_app.state.engine:
         (plain, streamed, chatted, fallback, bad), refused = asyncio.run(calls())
+    assert conductor.state.counts == {"prefilled": 3, "prefix_routed": 1}
+    assert prefill_app.state.kv_sender.counts["offered"] == 3 + 2  # TEXT's three, then the extension, then one turn
+    assert second_app.state.kv_sender.counts["offered"] == 1
     assert [code for code, _ in refused] == [404, 400, 400, 400, 400, 400], refused
     assert "no offer 12345" in refused[0][1] and "kv_transfer_params" in refused[4][1]
     assert "router's to set" in refused[5][1]
@@ -279,8 +291,8 @@ def test_router_sends_prefill_to_one_instance_and_decode_to_another(tiny):
     assert chatted.json()["choices"][0]["message"]["content"] == want_chat
     assert fallback.status_code == 200 and fallback.json()["choices"][0]["text"] == want_text
     assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"]
-    assert decode_app.state.kv_receiver.counts == {"done": 3} and not decode_app.state.kv_receiver.transfers
-    assert prefill_app.state.kv_sender.counts == {"offered": 3, "done": 3} and prefill_app.state.kv_sender.held == 0
+    assert decode_app.state.kv_receiver.counts == {"done": 6} and not decode_app.state.kv_receiver.transfers
+    assert prefill_app.state.kv_sender.counts == {"offered": 5, "done": 5} and prefill_app.state.kv_sender.held == 0
     assert router.state.counts == {"prefilled": 3} and lost.state.counts == {"prefill_unreachable": 1}
 
 
@@ -346,3 +358,33 @@ def test_router_command_starts_its_instances_and_serves(tmp_path, default_tokeni
     want = LLM(path, max_model_len=128).generate(TEXT, SamplingParams(temperature=0, max_tokens=8))
     assert text == want[0].outputs[0].text
     assert stats["transfers"] == {"done": 1} and stats["pages"] >= 2
+
+
+def test_prefix_cache_events_follow_stores_and_evictions():
+    """The radix cache's block events: stored pages carry the same chained keys a router
+    computes from the tokens, evicted ones come back as removed."""
+    from serving.kv_tiers import chain, root_hash
+    from serving.radix_cache import PagePool, RadixCache
+    from serving.router import PrefixIndex
+
+    cache = RadixCache(PagePool(8), 4)
+    cache.record_events()
+    tokens = list(range(1, 13))
+    pool_pages = cache.pool.allocate(3)
+    cache.insert(tokens, pool_pages)
+    cache.pool.decref(pool_pages)
+    cache.insert(tokens[:4] + [99, 98, 97, 96], [pool_pages[0], cache.pool.allocate(1)[0]])
+    keys = chain(root_hash(b"", 0), tokens, 4)
+    assert [(n, kind) for n, kind, _ in cache.events] == [(1, "stored"), (2, "stored")]
+    assert cache.events[0][2] == keys
+    index = PrefixIndex(["a"])
+    update = {"root": cache.root.hash.hex(), "page_size": 4, "next": cache.num_events,
+              "events": [[n, kind, [k.hex() for k in ks]] for n, kind, ks in cache.events]}
+    index.apply("a", update)
+    assert index.matched_pages("a", tokens + [5]) == 3 and index.matched_pages("a", tokens[:4] + [99] * 5) == 1
+    cache.evict(8)
+    removed = [ks for _, kind, ks in cache.events if kind == "removed"]
+    assert sorted(k for ks in removed for k in ks) == sorted(keys + chain(keys[0], [99, 98, 97, 96], 4))
+    index.apply("a", {**update, "next": cache.num_events,
+                      "events": [[n, kind, [k.hex() for k in ks]] for n, kind, ks in cache.events if n > 2]})
+    assert index.matched_pages("a", tokens + [5]) == 0 and not index.keys["a"]
