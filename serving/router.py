@@ -140,16 +140,17 @@ def create_router(prefill: list[str], decode: list[str], client: httpx.AsyncClie
             pass  # an instance that does not answer keeps its last index
 
     async def choose_prefill(kind: str, body: dict) -> str:
-        ids = _prompt_ids(tokenizer, kind, body) if tokenizer is not None and len(prefill) > 1 else None
+        if tokenizer is None or len(prefill) == 1:
+            return next(turns)
+        ids = await asyncio.to_thread(_prompt_ids, tokenizer, kind, body)
         if ids is None:
             return next(turns)
         await asyncio.gather(*(refresh(u) for u in prefill))
         matched = {u: index.matched_pages(u, ids) for u in prefill}
         best = max(matched.values())
-        if best == 0:
-            return next(turns)
-        counts["prefix_routed"] += 1
-        return next(u for u in prefill if matched[u] == best)
+        if best > 0:
+            counts["prefix_routed"] += 1
+        return next(u for u in turns if matched[u] == best)  # in turn among the best
 
     async def prefill_on(url: str, kind: str, body: dict, headers: dict):
         """The offer for `body` from the prefill instance at url; a JSONResponse to answer
@@ -164,7 +165,10 @@ def create_router(prefill: list[str], decode: list[str], client: httpx.AsyncClie
             counts["prefilled" if params else "nothing_cached"] += 1
             return None if params is None else {**params, "control": url}
         if 400 <= r.status_code < 500 and r.status_code != 429:
-            return JSONResponse(r.json(), status_code=r.status_code)
+            try:
+                return JSONResponse(r.json(), status_code=r.status_code)
+            except ValueError:
+                return _error(r.status_code, r.text, "prefill_rejected")
         counts["prefill_failed"] += 1
         return None
 
