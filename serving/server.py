@@ -175,21 +175,23 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
         except EngineDead as e:
             raise APIError(503, str(e), "server_error", "engine_dead") from None
 
-    async def prompt_ids(req: protocol.Request, fields: tuple[str, ...]) -> list[int]:
-        """The token ids of a one-prompt request, as the engine will see them."""
+    async def tokenized(req: protocol.Request, fields: tuple[str, ...]) -> dict:
+        """A one-prompt request's prompt as the engine will see it: {"prompt", "prompt_token_ids"}
+        (tokenized once: adding it does not tokenize again)."""
         if len(req.prompts) != 1:
             raise APIError(400, "disaggregated serving takes one prompt per request", param="prompt")
         try:
-            ((_, ids, _, _),) = await asyncio.to_thread(llm._requests, req.prompts, req.params, None)
+            ((text, ids, _, _),) = await asyncio.to_thread(llm._requests, req.prompts, req.params, None)
         except ValueError as e:
             raise _bad_request(e, fields) from None
-        return list(ids)
+        return {"prompt": text, "prompt_token_ids": list(ids)}
 
     async def serve(request: Request, req: protocol.Request, fields: tuple[str, ...], kv_params=None):
-        remote = None
+        prompts, remote = req.prompts, None
         if kv_params is not None:
-            remote = await receive_kv(kv_params, await prompt_ids(req, fields))
-        stream = await add(req.prompts, req.params, loras.get(req.model), fields,
+            prompt = await tokenized(req, fields)
+            prompts, remote = [prompt], await receive_kv(kv_params, prompt["prompt_token_ids"])
+        stream = await add(prompts, req.params, loras.get(req.model), fields,
                            None if remote is None else [remote])
         responder = protocol.Responder(req, lambda t: tokenizer.decode([t]))
         if req.stream:
@@ -331,8 +333,9 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
             inner = {k: v for k, v in inner.items() if k not in ("stream", "stream_options")}
             req = await (completion if kind == "completion" else chat)(inner)
             fields = protocol.COMPLETION_FIELDS if kind == "completion" else protocol.CHAT_FIELDS
-            ids = await prompt_ids(req, fields)
-            stream = await add([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1), None, fields)
+            prompt = await tokenized(req, fields)
+            ids = prompt["prompt_token_ids"]
+            stream = await add([prompt], SamplingParams(temperature=0, max_tokens=1), None, fields)
             try:
                 async for _ in stream:
                     pass
