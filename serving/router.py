@@ -22,6 +22,14 @@ longest prefix of its prompt (Mooncake's Conductor: `PrefixIndex`, kept from eac
 instance's block stored / removed events, GET /kv/events, read before each choice; the
 router tokenizes prompts with the instances' tokenizer); with no prefix held anywhere,
 instances take requests in turn.
+
+With a cost model (`--cost FILE`, the JSON `python -m serving.placement --cost FILE`
+writes), the router dispatches as Mooncake's Conductor does (serving/placement.py's
+`Conductor`): the prefill instance with the lowest predicted TTFT (the prefill work it has
+queued, the prefill of the part of the prompt it does not cache, the transfer, the decode
+instance's first step), the decode instance with the shortest predicted decode step; and
+with --ttft-slo / --tpot-slo it answers 429 at once when the prediction breaks one (early
+rejection), before any instance spends work on the request.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from serving.kv_tiers import chain
+from serving.placement import Conductor, Rejection
 
 ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 DEFAULT_TIMEOUT_S = 600.0
@@ -88,7 +97,10 @@ class PrefixIndex:
 
 
 def _prompt_ids(tokenizer, kind: str, body: dict) -> list[int] | None:
-    """The prompt's token ids as an instance would see them, or None (not one plain prompt)."""
+    """The prompt's token ids as an instance would see them, or None (not one plain prompt,
+    or text without a tokenizer)."""
+    if tokenizer is None and (kind == "chat" or isinstance(body.get("prompt"), str)):
+        return None
     try:
         if kind == "chat":
             return list(tokenizer.apply_chat_template(body["messages"], tokenize=True))
@@ -105,15 +117,26 @@ def _prompt_ids(tokenizer, kind: str, body: dict) -> list[int] | None:
 
 
 def create_router(prefill: list[str], decode: list[str], client: httpx.AsyncClient | None = None,
-                  tokenizer=None) -> FastAPI:
+                  tokenizer=None, cost=None, ttft_slo: float | None = None, tpot_slo: float | None = None,
+                  transfer_s_per_page: float = 0.0) -> FastAPI:
     """The router app over prefill and decode instance base URLs (`serving.server` apps
     with kv_role "prefill" / "decode"). client: how instances are reached (default: a new
     httpx.AsyncClient). tokenizer (a model.Tokenizer): with it, a request goes to the
     prefill instance that caches the longest prefix of its prompt (`PrefixIndex`), in
-    turn among equals; without it, prefill instances take requests in turn.
+    turn among equals; without it, prefill instances take requests in turn (prompts given
+    as token ids need no tokenizer).
+
+    cost (a serving.simulator.CostModel of one instance's steps): dispatch by predicted
+    TTFT and decode step time instead (`Conductor`, app.state.conductor); ttft_slo /
+    tpot_slo (seconds, need cost): reject a request whose prediction breaks one with 429
+    before any instance sees it. transfer_s_per_page: what the prediction charges for
+    moving a page from a prefill to a decode instance. A prompt the router cannot count
+    (several prompts, or text without a tokenizer) is dispatched as without a cost model.
     app.state.counts: requests by how their prefill went."""
     if not decode:
         raise ValueError("the router needs at least one decode instance")
+    if cost is None and (ttft_slo is not None or tpot_slo is not None):
+        raise ValueError("rejecting by SLO predicts with a cost model: pass cost (--cost)")
     for url in prefill + decode:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"instance URLs must be http(s)://host:port, got {url!r}")
@@ -123,9 +146,15 @@ def create_router(prefill: list[str], decode: list[str], client: httpx.AsyncClie
     in_flight = collections.Counter({u: 0 for u in decode})
     counts = collections.Counter()
     index = PrefixIndex(prefill)
+    conductor = None
+    if cost is not None and prefill:
+        conductor = Conductor(cost, prefill, decode, page_size=16, transfer_s_per_page=transfer_s_per_page,
+                              ttft_slo=ttft_slo, tpot_slo=tpot_slo)
+    tickets = itertools.count()
 
     app = FastAPI(title="kvfold router")
     app.state.counts, app.state.in_flight, app.state.index = counts, in_flight, index
+    app.state.conductor = conductor
 
     async def refresh(url: str) -> None:
         try:
@@ -139,18 +168,29 @@ def create_router(prefill: list[str], decode: list[str], client: httpx.AsyncClie
         except (httpx.HTTPError, ValueError, KeyError):
             pass  # an instance that does not answer keeps its last index
 
-    async def choose_prefill(kind: str, body: dict) -> str:
-        if tokenizer is None or len(prefill) == 1:
-            return next(turns)
+    async def choose(kind: str, body: dict):
+        """(prefill URL, decode URL or None: by load, Conductor ticket or None), or a 429."""
+        if conductor is None and (tokenizer is None or len(prefill) == 1):
+            return next(turns), None, None
         ids = await asyncio.to_thread(_prompt_ids, tokenizer, kind, body)
         if ids is None:
-            return next(turns)
+            return next(turns), None, None
         await asyncio.gather(*(refresh(u) for u in prefill))
         matched = {u: index.matched_pages(u, ids) for u in prefill}
-        best = max(matched.values())
-        if best > 0:
+        if conductor is None:
+            best = max(matched.values())
+            if best > 0:
+                counts["prefix_routed"] += 1
+            return next(u for u in turns if matched[u] == best), None, None  # in turn among the best
+        conductor.page_size = next(iter(index.root.values()), (None, conductor.page_size))[1]
+        ticket = next(tickets)
+        decision = conductor.admit(ticket, time.monotonic(), len(ids), matched)
+        if isinstance(decision, Rejection):
+            counts["rejected_early"] += 1
+            return _error(429, f"the router rejects the request: {decision.reason}", "slo_unreachable"), None, None
+        if matched[decision.prefill] > 0:
             counts["prefix_routed"] += 1
-        return next(u for u in turns if matched[u] == best)  # in turn among the best
+        return decision.prefill, decision.decode, ticket
 
     async def prefill_on(url: str, kind: str, body: dict, headers: dict):
         """The offer for `body` from the prefill instance at url; a JSONResponse to answer
@@ -182,25 +222,40 @@ def create_router(prefill: list[str], decode: list[str], client: httpx.AsyncClie
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         if "kv_transfer_params" in body:
             return _error(400, "kv_transfer_params is the router's to set", "bad_request")
-        params = None
+        params = target = ticket = None
         if turns is not None:
-            params = await prefill_on(await choose_prefill(ROUTES[path], body), ROUTES[path], body, headers)
+            chosen, target, ticket = await choose(ROUTES[path], body)
+            if isinstance(chosen, Response):
+                return chosen
+            try:
+                params = await prefill_on(chosen, ROUTES[path], body, headers)
+            finally:
+                if ticket is not None:
+                    conductor.prefill_done(ticket, time.monotonic())
         if isinstance(params, Response):
+            if ticket is not None:
+                conductor.finished(ticket, time.monotonic())
             return params
         if params is not None:
             body = {**body, "kv_transfer_params": params}
-        target = min(decode, key=lambda u: in_flight[u])
+        if target is None:
+            target = min(decode, key=lambda u: in_flight[u])
         in_flight[target] += 1
+
+        def leave():
+            in_flight[target] -= 1
+            if ticket is not None:
+                conductor.finished(ticket, time.monotonic())
         try:
             upstream = await http.send(http.build_request("POST", f"{target}{path}", json=body, headers=headers),
                                        stream=True)
         except httpx.HTTPError as e:
-            in_flight[target] -= 1
+            leave()
             return _error(502, f"decode instance {target} is unreachable: {e}", "bad_gateway")
 
         async def done():
             await upstream.aclose()
-            in_flight[target] -= 1
+            leave()
         keep = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "retry-after")}
         return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, headers=keep,
                                  background=BackgroundTask(done))
@@ -312,11 +367,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="the instances' model (as --model names it), for routing a prompt to the prefill "
                              "instance that caches its prefix (default: the instances' --model)")
+    parser.add_argument("--cost", default=None,
+                        help="a cost model JSON file (python -m serving.placement --cost FILE writes one): dispatch "
+                             "by predicted TTFT and decode step time (Mooncake's Conductor)")
+    parser.add_argument("--ttft-slo", type=float, default=None, help="seconds: 429 at once above it (needs --cost)")
+    parser.add_argument("--tpot-slo", type=float, default=None, help="seconds: 429 at once above it (needs --cost)")
+    parser.add_argument("--transfer-ms-per-page", type=float, default=5.3,
+                        help="the predicted KV transfer per page (default: bench disagg on a 2-core CPU)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     args, server_flags = parser.parse_known_args(argv)
     if args.instances is None and (args.prefill_instances < 0 or args.decode_instances < 1):
         sys.exit("kvfold router: --prefill-instances must be >= 0 and --decode-instances >= 1")
+    if args.transfer_ms_per_page < 0:
+        sys.exit("kvfold router: --transfer-ms-per-page must be >= 0")
+    if any(slo is not None and not slo > 0 for slo in (args.ttft_slo, args.tpot_slo)):
+        sys.exit("kvfold router: --ttft-slo and --tpot-slo must be > 0 seconds")
+    if args.cost is None and (args.ttft_slo is not None or args.tpot_slo is not None):
+        sys.exit("kvfold router: --ttft-slo and --tpot-slo reject by a predicted time: they need --cost")
+    cost = None
+    if args.cost is not None:
+        from serving.simulator import CostModel
+
+        try:
+            cost = CostModel.load(args.cost)
+        except ValueError as e:
+            sys.exit(f"kvfold router: {e}")
     if args.instances is not None and server_flags:
         sys.exit(f"kvfold router: {server_flags} are instance flags; --instances fronts running instances")
     with contextlib.ExitStack() as stack:
@@ -330,11 +406,12 @@ def main(argv: list[str] | None = None) -> None:
             if name is None and args.instances is None:
                 name = _instance_model(server_flags)
             tokenizer = None
-            if name is not None and len(prefill) > 1:
+            if name is not None and (len(prefill) > 1 or cost is not None):
                 import model
 
                 tokenizer = model.load_tokenizer(name)
-            app = create_router(prefill, decode, tokenizer=tokenizer)
+            app = create_router(prefill, decode, tokenizer=tokenizer, cost=cost, ttft_slo=args.ttft_slo,
+                                tpot_slo=args.tpot_slo, transfer_s_per_page=args.transfer_ms_per_page / 1e3)
         except (ValueError, RuntimeError) as e:
             sys.exit(f"kvfold router: {e}")
         uvicorn.run(app, host=args.host, port=args.port)

@@ -20,6 +20,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
+import json
 import math
 import time
 
@@ -29,6 +30,7 @@ from serving import scheduler as sched
 from serving.engine import EngineCore, Row, RowResult
 from serving.kv_manager import pages_for
 from serving.kv_tiers import TierConfig
+from serving.radix_cache import NoFreePages
 from serving.params import SamplingParams
 
 
@@ -68,6 +70,25 @@ class CostModel:
 
     def decode_per_token(self, batch: int, context: int = 512) -> float:
         return self.decode_time([context] * batch) / batch
+
+    def save(self, path: str) -> None:
+        """Write the coefficients as JSON: {"prefill": [a, b, c], "decode": [a, b, c]}."""
+        with open(path, "w") as f:
+            json.dump({"prefill": list(self.prefill), "decode": list(self.decode)}, f)
+
+    @classmethod
+    def load(cls, path: str) -> CostModel:
+        """A cost model `save` wrote; ValueError naming the file when it is not one."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            model = cls(tuple(float(x) for x in data["prefill"]), tuple(float(x) for x in data["decode"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} is not a cost model file ({{'prefill': [a, b, c], 'decode': [a, b, c]}}): "
+                             f"{e}") from None
+        if len(model.prefill) != 3 or len(model.decode) != 3 or min(model.prefill + model.decode) < 0:
+            raise ValueError(f"{path}: a cost model has three non-negative coefficients per kind, got {data}")
+        return model
 
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -168,6 +189,12 @@ class SimRunner:
             for page, row in zip(pages, data):
                 self.pages[page] = np.array(row)
 
+    def put_pages(self, pages, data, first: int = 0) -> None:
+        """Pages from another engine (EngineCore.import_prefix): read_pages' form, or None
+        (a disaggregated simulation moves no stand-in K/V)."""
+        if data is not None:
+            self.write_pages(pages, data[first:first + len(pages)])
+
     def kv_tokens(self, block_table, num_tokens: int) -> list[int]:
         """The stand-in K/V of positions [0, num_tokens) through a block table."""
         return [int(self._page(block_table[i // self.page_size])[i % self.page_size]) for i in range(num_tokens)]
@@ -228,6 +255,9 @@ class SimRequest:
     arrival_s: float
     prompt: tuple[int, ...]
     output_len: int
+    # full pages of the prompt whose K/V comes with the request from a prefill instance
+    # (disaggregated serving): cached on arrival, as a decode instance imports them
+    remote_pages: int = 0
 
 
 @dataclasses.dataclass
@@ -247,6 +277,8 @@ class SimResult:
     # with tiers: prompt tokens served by tier, and the seconds spent moving pages
     hits: dict = dataclasses.field(default_factory=dict)
     io_s: float = 0.0
+    # per request, in the order given to simulate: the simulated times of its tokens
+    token_times: list = dataclasses.field(default_factory=list)
 
 
 def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, num_pages: int,
@@ -264,6 +296,11 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
     deferred meanwhile by the prefetch policy, whose timeouts count simulated seconds.
     Smaller disk hits, which the engine reads on its own thread, and copies down add
     their time to the step.
+
+    A request with remote_pages (a decode instance's, in disaggregated serving:
+    serving/placement.py) has that many full pages of its prompt cached on arrival, as the
+    engine imports another engine's pages (EngineCore.import_prefix); they take room in the
+    pool as they do there, and when they do not fit the prompt is computed instead.
 
     Time advances by each step's predicted cost. A step that schedules nothing (an idle
     engine, or every request blocked) costs nothing; when it changed nothing either, the
@@ -283,7 +320,8 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
         engine.tiers.reader, engine.wait_for_reads = reads, reads.wait
     io_s = 0.0
     lane = 0.0  # when the copy lane finishes the loads it has been given
-    pending = sorted(requests, key=lambda r: r.arrival_s)
+    order = sorted(range(len(requests)), key=lambda k: requests[k].arrival_s)
+    pending = [requests[k] for k in order]
     token_times: dict[str, list[float]] = {}
     arrivals: dict[str, float] = {}
     cached = 0
@@ -291,7 +329,12 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
     while (i < len(pending) or engine.has_unfinished()) and taken < max_steps:
         while i < len(pending) and pending[i].arrival_s <= now[0]:
             r = pending[i]
-            rid = str(i)
+            rid = str(order[i])
+            if r.remote_pages:
+                try:
+                    engine.import_prefix(r.prompt, r.remote_pages, None)
+                except NoFreePages:  # as a decode instance does: the prompt is computed here
+                    pass
             engine.add_request(rid, list(r.prompt),
                                SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True),
                                arrival=r.arrival_s)
@@ -350,7 +393,7 @@ def simulate(requests: list[SimRequest], sched_config: sched.SchedulerConfig, nu
     return SimResult(np.array(ttft), np.array(tpot), np.array(itl), np.array(e2e),
                      sum(len(t) for t in token_times.values()), sum(len(r.prompt) for r in requests),
                      cached, now[0], engine.num_preemptions, runner.num_steps, np.array(request_tpot),
-                     dict(engine.kv.hits), io_s)
+                     dict(engine.kv.hits), io_s, [token_times.get(str(k), []) for k in range(len(requests))])
 
 
 def measure_tier_cost(llm, directory: str, num_pages: int = 64, repeats: int = 3,
@@ -464,3 +507,37 @@ def measure_engine_steps(llm, prefill_steps: list[tuple[int, int]] | None = None
     prefill = [([n], [s + n], t) for (n, s), t in zip(prefill_steps, best)]
     decode = [([c] * b, t) for (b, c), t in zip(decode_steps, best[len(prefill_steps):])]
     return prefill, decode
+
+
+def replay(engine, requests: list[SimRequest], tag: str = "replay") -> list[list[float]]:
+    """Run `requests` on a real engine (an EngineCore, e.g. LLM(...).engine) in real time:
+    each is added once the wall clock passes its arrival (seconds from the start), and
+    steps run back to back while any is unfinished. Returns per request, in the order
+    given, the seconds from the start at which each of its tokens was sampled: what
+    `simulate`'s token_times predicts for the same requests (the simulator's validation)."""
+    order = sorted(range(len(requests)), key=lambda k: requests[k].arrival_s)
+    times: list[list[float]] = [[] for _ in requests]
+    live: dict[str, int] = {}
+    i, start = 0, time.perf_counter()
+    while i < len(order) or live:
+        now = time.perf_counter() - start
+        while i < len(order) and requests[order[i]].arrival_s <= now:
+            k = order[i]
+            r = requests[k]
+            live[f"{tag}-{k}"] = k
+            engine.add_request(f"{tag}-{k}", list(r.prompt),
+                               SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True))
+            i += 1
+        if not live:
+            time.sleep(max(requests[order[i]].arrival_s - now, 0.0))
+            continue
+        progressed = engine.step()
+        now = time.perf_counter() - start
+        for rid in progressed & live.keys():
+            k = live[rid]
+            made = len(engine.seqs[engine.requests[rid].seq_ids[0]].output.tokens)
+            times[k] += [now] * (made - len(times[k]))
+        for rid in [rid for rid in live if engine.request_finished(rid)]:
+            engine.release(rid)
+            del live[rid]
+    return times
