@@ -198,6 +198,7 @@ class EngineCore:
         self._loading: dict[str, tuple[list, float]] = {}  # deferred seq -> (prefetch reads, deadline)
         self._prefetch_seen: set[str] = set()  # waiting sequences that started or joined their prefetch
         self._remote: dict[str, concurrent.futures.Future] = {}  # request id -> its K/V from another engine
+        self._orphans: list[concurrent.futures.Future] = []  # K/V still coming for aborted requests
         # delayed hits: pages of tier loads each admission of this step started (seq -> pages),
         # and running sequences whose loads land at a later clock time (the simulator's copy
         # lane sets these; the engine's own loads land before the next step)
@@ -589,6 +590,8 @@ class EngineCore:
         """Sequences whose prompt's K/V is still on its way from another engine
         (add_request's remote_kv); what has arrived is cached now, before scheduling. When
         nothing else can run, waits a moment for an arrival instead of spinning."""
+        if self._orphans:
+            self._adopt_orphans()
         if not self._remote:
             return frozenset()
         blocked = self._adopt_arrived()
@@ -598,10 +601,21 @@ class EngineCore:
             blocked = self._adopt_arrived()
         return blocked
 
+    def _adopt_orphans(self) -> None:
+        """K/V pulled for requests aborted meanwhile is cached all the same when it lands
+        (a later prompt may hit it), which also ends its transfer."""
+        for future in [f for f in self._orphans if f.done()]:
+            self._orphans.remove(future)
+            try:
+                future.result()()
+            except Exception:  # noqa: BLE001 (the transfer recorded why; nobody waits for it)
+                pass
+
     def _adopt_arrived(self) -> frozenset[str]:
         for rid, future in list(self._remote.items()):
             if rid not in self.requests or self.request_finished(rid):  # aborted meanwhile
                 del self._remote[rid]
+                self._orphans.append(future)
             elif future.done():
                 del self._remote[rid]
                 try:

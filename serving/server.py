@@ -69,6 +69,15 @@ def _bad_request(e: ValueError, fields: tuple[str, ...]) -> APIError:
     return APIError(400, message, param=first if first in fields else None)
 
 
+async def expire_offers(sender, period_s: float | None = None) -> None:
+    """Drop a prefill instance's offered copies whose time-to-live has passed, every
+    period_s (default: a quarter of the TTL, at most 5 s), also while no request comes."""
+    period = min(sender.ttl_s / 4, 5.0) if period_s is None else period_s
+    while True:
+        await asyncio.sleep(period)
+        sender.expire()
+
+
 def create_app(llm, served_model_name: str = "default", api_key: str | None = None,
                max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
                max_waiting_tokens: int | None = DEFAULT_MAX_WAITING_TOKENS,
@@ -115,7 +124,13 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         with engine:
-            yield
+            sender = getattr(app.state, "kv_sender", None)
+            expiring = asyncio.create_task(expire_offers(sender)) if sender is not None else None
+            try:
+                yield
+            finally:
+                if expiring is not None:
+                    expiring.cancel()
 
     app = FastAPI(title="kvfold", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.llm = engine, metrics, llm

@@ -4,6 +4,8 @@ one process and between two processes on 127.0.0.1: greedy tokens equal one colo
 engine's, and every failure (an expired offer, another model, a pull that never gets its
 bytes) falls back to computing the prompt."""
 
+import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -19,6 +21,7 @@ from model.config import ModelConfig
 from serving import LLM, SamplingParams
 from serving.kv_transfer import (BOOTSTRAPPING, DONE, FAILED, STATES, TRANSFERRING, WAITING, IllegalTransition,
                                  KVHandle, KVReceiver, KVSender, Transfer)
+from serving.server import expire_offers
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = np.random.default_rng(3).integers(3, 49152, 53).tolist()  # three full pages and 5 tokens
@@ -111,8 +114,14 @@ def test_prefill_engine_to_decode_engine_in_one_process(tiny):
     other = PROMPT[:20] + PROMPT[21:] + [7]  # another prompt: a fresh decode engine computes it
     prefill.generate({"prompt_token_ids": other}, SamplingParams(temperature=0, max_tokens=1))
     late = sender.offer(other)
-    clock.now += 6.0  # past the time-to-live: the copy is dropped
-    assert sender.expire() == [late.uuid] and sender.held == 0
+    clock.now += 6.0  # past the time-to-live: the copy is dropped, by the server's loop with no request coming
+    failed = sender.counts["failed"]
+
+    async def briefly():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(expire_offers(sender, period_s=0.01), 0.2)
+    asyncio.run(briefly())
+    assert sender.held == 0 and sender.counts["failed"] == failed + 1 and late.uuid not in sender.transfers
     fresh = make(tiny)
     transfer = KVReceiver(fresh, timeout_s=2.0).receive(late, other, sender.serve)
     assert transfer.state == FAILED and "waits for a pull" in transfer.error
@@ -134,7 +143,8 @@ def test_prefill_engine_to_decode_engine_in_one_process(tiny):
 def test_a_request_waits_for_its_remote_kv_while_others_run(tiny):
     """The scheduler's wait for remote K/V (add_request's remote_kv): the request is passed
     over while another runs, is a prefix hit once the pages arrive, and computes its
-    prompt when the transfer fails; greedy tokens equal a colocated engine's either way."""
+    prompt when the transfer fails; greedy tokens equal a colocated engine's either way.
+    Pages for a request aborted meanwhile are cached when they land."""
     import concurrent.futures
 
     prefill = make(tiny)
@@ -161,6 +171,19 @@ def test_a_request_waits_for_its_remote_kv_while_others_run(tiny):
         assert got == want
         assert engine.requests["remote"].num_cached_tokens == (48 if arrives else 0)
         engine.kv.check()
+    # a request aborted while its pages are on the way: they are cached when they land
+    # (which ends the transfer), not dropped with the request
+    engine, remote = decode.engine, concurrent.futures.Future()
+    engine.kv.flush_prefix_cache()
+    engine.add_request("gone", PROMPT, GREEDY, remote_kv=remote)
+    engine.add_request("stays", other, GREEDY)
+    engine.step()
+    engine.abort("gone")
+    engine.step()
+    remote.set_result(lambda: engine.import_prefix(PROMPT, num_pages, data))
+    engine.step()
+    assert len(engine.kv.cached_pages(PROMPT)) == num_pages and not engine._orphans
+    engine.kv.check()
 
 
 PREFILL_INSTANCE = r"""
