@@ -855,10 +855,11 @@ def bench_trace(args) -> None:
     print(f"cost model fitted on {_device()} from {len(prefill)} prefill and {len(decode)} decode steps "
           f"(these and {len(held_prefill) + len(held_decode)} held-out steps measured in "
           f"{time.perf_counter() - start:.0f} s):")
-    a, b, c = cost.prefill
-    print(f"  prefill: {a * 1e3:.2f} ms + {b * 1e3:.3f} ms/token + {c * 1e6:.3f} us per token x context")
+    a, b, c, d = cost.prefill
+    print(f"  prefill: {a * 1e3:.2f} ms + {b * 1e3:.3f} ms/padded token + {c * 1e6:.3f} us per token x context "
+          f"+ {d * 1e3:.3f} ms/padded token with several chunks")
     a, b, c = cost.decode
-    print(f"  decode:  {a * 1e3:.2f} ms + {b * 1e6:.2f} us/context token + {c * 1e3:.2f} ms/row")
+    print(f"  decode:  {a * 1e3:.2f} ms + {b * 1e6:.2f} us/context token + {c * 1e3:.2f} ms/padded row")
     print("held-out steps (not in the fit): measured vs predicted")
     print("| step | measured ms | predicted ms | error |")
     print("|---|---:|---:|---:|")

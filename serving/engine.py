@@ -43,6 +43,16 @@ PREEMPTION_MODES = (RECOMPUTE, SWAP)
 # -- the engine-runner contract ------------------------------------------------------
 
 
+def bucket(n: int, minimum: int = 1) -> int:
+    """n rounded up to a power of two, at least `minimum`: how the runner pads a step's
+    tokens and rows (so a warm engine meets few shapes)."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+# The fewest tokens a step with a prefill chunk is padded to.
+MIN_CHUNK_TOKENS = 16
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One sequence's work in a step."""

@@ -39,6 +39,8 @@ from serving.simulator import CostModel, SimRequest, simulate
 
 ATTAINMENT = 0.9  # DistServe's goodput: the highest rate at which 90% of requests meet both SLOs
 _ROOT = b"placement"
+# what every simulated instance schedules with, and the engine the cost model is fitted on
+SCHEDULER = sched.SchedulerConfig(page_size=16, max_num_seqs=32, max_num_batched_tokens=1024)
 
 
 # -- the Conductor ------------------------------------------------------------------
@@ -398,22 +400,25 @@ def validate(llm, requests: Sequence[SimRequest], setup: InstanceSetup, repeats:
     return {"real": runs, "sim": latencies(res.token_times, requests), "warmups": warmups}
 
 
-def _print_validation(args, cost: CostModel) -> None:
+def _print_validation(args) -> None:
     from serving.bench import load_trace
     from serving.llm import LLM
+    from serving.simulator import fit_cost_model, measure_engine_steps
 
     config = sched.SchedulerConfig(page_size=16, max_num_seqs=16, max_num_batched_tokens=512)
-    setup = InstanceSetup(cost, config, 512, 2048)
     requests, _, _ = load_trace(args.trace, args.validate, 8, 1024, 1 / 32)
     requests = at_rate(requests, args.validate_rate)
-    llm = LLM(args.model, max_model_len=setup.max_model_len, max_num_seqs=config.max_num_seqs,
-              max_num_batched_tokens=config.max_num_batched_tokens, num_kv_blocks=setup.num_pages, precompile=True)
-    out = validate(llm, requests, setup)
+    llm = LLM(args.model, max_model_len=2048, max_num_seqs=config.max_num_seqs,
+              max_num_batched_tokens=config.max_num_batched_tokens, num_kv_blocks=512, precompile=True)
+    cost = fit_cost_model(*measure_engine_steps(llm))  # this engine's own steps
+    out = validate(llm, requests, InstanceSetup(cost, config, 512, 2048))
     print(f"validation: {len(requests)} requests of the trace (prompts at 8 tokens per 512-token block, mean "
           f"{np.mean([len(r.prompt) for r in requests]):.0f} tokens; outputs x1/32, mean "
           f"{np.mean([r.output_len for r in requests]):.1f}), Poisson arrivals at {args.validate_rate} req/s, one "
-          f"engine of {args.model}: real (replayed in real time, after {out['warmups']} unmeasured runs that "
-          f"compiled) vs simulated")
+          f"engine of {args.model} (max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
+          f"{config.max_num_batched_tokens}): replayed in real time after {out['warmups']} unmeasured runs "
+          f"that compiled, vs simulated with a cost model fitted on the same engine (prefill {cost.prefill}, "
+          f"decode {cost.decode})")
     print("| run | TTFT mean (s) | TTFT p90 (s) | TPOT mean (s) | TPOT p90 (s) |")
     print("|---|---:|---:|---:|---:|")
     sim = out["sim"]
@@ -441,7 +446,8 @@ def _cost(args) -> CostModel:
     from serving.simulator import fit_cost_model, measure_engine_steps
 
     print(f"fitting the cost model on {args.model} (each step shape compiles once) ...", file=sys.stderr)
-    llm = LLM(args.model, max_model_len=2048, max_num_seqs=16, num_kv_blocks=256)
+    llm = LLM(args.model, max_model_len=2048, max_num_seqs=SCHEDULER.max_num_seqs,
+              max_num_batched_tokens=SCHEDULER.max_num_batched_tokens, num_kv_blocks=256)
     cost = fit_cost_model(*measure_engine_steps(llm))
     if args.cost:
         cost.save(args.cost)
@@ -485,11 +491,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("SLOs and --output-scale must be > 0, --transfer-ms-per-page and --overload >= 0")
     if args.validate < 0 or not args.validate_rate > 0:
         parser.error("--validate must be >= 0 and --validate-rate > 0")
-    cost = _cost(args)
     if args.validate:
-        _print_validation(args, cost)
-    config = sched.SchedulerConfig(page_size=16, max_num_seqs=32, max_num_batched_tokens=1024)
-    setup = InstanceSetup(cost, config, args.kv_pages, args.max_model_len, args.transfer_ms_per_page / 1e3)
+        _print_validation(args)
+    cost = _cost(args)
+    setup = InstanceSetup(cost, SCHEDULER, args.kv_pages, args.max_model_len, args.transfer_ms_per_page / 1e3)
     requests, _, _ = load_trace(args.trace, args.num_requests, args.block_tokens, args.max_model_len - 64,
                                 args.output_scale)
     slo = (args.ttft_slo, args.tpot_slo)

@@ -50,7 +50,7 @@ from model.kv_cache import KVCache
 from model.transformer import lm_head
 from pallas_kernels.tree_mask import TreeMask, pack_mask
 from serving.draft_tree import DraftTree, TreeSpec
-from serving.engine import Row, RowResult
+from serving.engine import MIN_CHUNK_TOKENS, Row, RowResult, bucket
 from serving.lora import LoRAManager
 from serving.params import LoRARequest
 from serving.params import MAX_LOGPROBS
@@ -142,12 +142,6 @@ class StepShape(typing.NamedTuple):
     max_chunks: int
 
 
-def bucket(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
-
-
-# The fewest tokens a step with a prefill chunk is padded to.
-MIN_CHUNK_TOKENS = 16
 
 
 @functools.partial(jax.jit, static_argnames=("config", "page_size", "want_logprobs",

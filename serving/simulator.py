@@ -4,14 +4,19 @@ instead of the model.
 The pure scheduler and the host-side KV bookkeeping are exactly the engine's
 (EngineCore); only the runner changes: SimRunner returns tokens from a seeded hash and
 charges each step the time the cost model predicts (the form of DistServe, Zhong et al.,
-OSDI 2024):
+OSDI 2024, on the step as the runner pads it):
 
-    prefill: a + b * sum(len) + c * sum(len * end)      decode: a + b * sum(context) + c * batch
+    prefill: a + b * N + c * sum(len * end) + d * N [several chunks]
+    decode:  a + b * sum(context) + c * rows
 
 where a prefill chunk of `len` tokens ends at position `end` (its attention reads that
-much context). The coefficients are fitted by least squares (`fit_cost_model`) from the
-real engine's measured steps (`measure_engine_steps`); a step with both kinds of rows
-pays both.
+much context), N is the step's tokens padded to the runner's bucket (`bucket`, at least
+MIN_CHUNK_TOKENS), the last prefill term is paid by steps of several chunks (the runner's
+variant whose attention tiles every row slot), and rows is the decode batch padded to
+its bucket. A step with chunks and decode rows is one padded step: the decode rows add
+their tokens to N and their context reads (decode's b). The coefficients are fitted by
+least squares (`fit_cost_model`) from the real engine's measured steps
+(`measure_engine_steps`).
 """
 
 from __future__ import annotations
@@ -27,30 +32,41 @@ import time
 import numpy as np
 
 from serving import scheduler as sched
-from serving.engine import EngineCore, Row, RowResult
+from serving.engine import MIN_CHUNK_TOKENS, EngineCore, Row, RowResult, bucket
 from serving.kv_manager import pages_for
 from serving.kv_tiers import TierConfig
 from serving.radix_cache import NoFreePages
 from serving.params import SamplingParams
 
 
-def prefill_features(lens: list[int], ends: list[int]) -> list[float]:
-    """The prefill cost model's regressors for one step's chunks: [1, sum(len), sum(len * end)]."""
-    return [1.0, float(sum(lens)), float(sum(n * e for n, e in zip(lens, ends)))]
+def prefill_features(lens: list[int], ends: list[int], decode_rows: int = 0) -> list[float]:
+    """The prefill cost model's regressors for one step's chunks (and decode_rows rows of
+    one token beside them): [1, N, sum(len * end), N if several chunks else 0], N the
+    step's tokens padded as the runner pads them."""
+    n = float(bucket(sum(lens) + decode_rows, MIN_CHUNK_TOKENS))
+    return [1.0, n, float(sum(k * e for k, e in zip(lens, ends))), n if len(lens) > 1 else 0.0]
 
 
 def decode_features(contexts: list[int]) -> list[float]:
-    """The decode cost model's regressors for one step's rows: [1, sum(context), batch]."""
-    return [1.0, float(sum(contexts)), float(len(contexts))]
+    """The decode cost model's regressors for one step's rows: [1, sum(context), rows
+    padded to the runner's bucket]."""
+    return [1.0, float(sum(contexts)), float(bucket(len(contexts)))]
 
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    prefill: tuple[float, float, float]  # a, b, c (seconds) of prefill_features
+    prefill: tuple[float, ...]  # a, b, c, d (seconds) of prefill_features; given a, b, c: d = 0
     decode: tuple[float, float, float]  # a, b, c (seconds) of decode_features
 
-    def prefill_time(self, lens: list[int], ends: list[int]) -> float:
-        return float(np.dot(self.prefill, prefill_features(lens, ends)))
+    def __post_init__(self):
+        if len(self.prefill) == 3:
+            object.__setattr__(self, "prefill", (*self.prefill, 0.0))
+        if len(self.prefill) != 4 or len(self.decode) != 3:
+            raise ValueError(f"a cost model has 4 (or 3) prefill and 3 decode coefficients, got {self.prefill}, "
+                             f"{self.decode}")
+
+    def prefill_time(self, lens: list[int], ends: list[int], decode_rows: int = 0) -> float:
+        return float(np.dot(self.prefill, prefill_features(lens, ends, decode_rows)))
 
     def decode_time(self, contexts: list[int]) -> float:
         return float(np.dot(self.decode, decode_features(contexts)))
@@ -58,12 +74,10 @@ class CostModel:
     def step_time(self, rows: list[Row]) -> float:
         chunks = [r for r in rows if len(r.tokens) > 1]
         decodes = [r for r in rows if len(r.tokens) == 1]
-        t = 0.0
-        if chunks:
-            t += self.prefill_time([len(r.tokens) for r in chunks], [r.start + len(r.tokens) for r in chunks])
-        if decodes:
-            t += self.decode_time([r.start + 1 for r in decodes])
-        return t
+        if not chunks:
+            return self.decode_time([r.start + 1 for r in decodes])
+        return (self.prefill_time([len(r.tokens) for r in chunks], [r.start + len(r.tokens) for r in chunks],
+                                  len(decodes)) + self.decode[1] * sum(r.start + 1 for r in decodes))
 
     def step_time_for_prefill(self, n: int) -> float:
         return self.prefill_time([n], [n])
@@ -72,7 +86,7 @@ class CostModel:
         return self.decode_time([context] * batch) / batch
 
     def save(self, path: str) -> None:
-        """Write the coefficients as JSON: {"prefill": [a, b, c], "decode": [a, b, c]}."""
+        """Write the coefficients as JSON: {"prefill": [a, b, c, d], "decode": [a, b, c]}."""
         with open(path, "w") as f:
             json.dump({"prefill": list(self.prefill), "decode": list(self.decode)}, f)
 
@@ -84,10 +98,10 @@ class CostModel:
                 data = json.load(f)
             model = cls(tuple(float(x) for x in data["prefill"]), tuple(float(x) for x in data["decode"]))
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path} is not a cost model file ({{'prefill': [a, b, c], 'decode': [a, b, c]}}): "
+            raise ValueError(f"{path} is not a cost model file ({{'prefill': [a, b, c, d], 'decode': [a, b, c]}}): "
                              f"{e}") from None
-        if len(model.prefill) != 3 or len(model.decode) != 3 or min(model.prefill + model.decode) < 0:
-            raise ValueError(f"{path}: a cost model has three non-negative coefficients per kind, got {data}")
+        if min(model.prefill + model.decode) < 0:
+            raise ValueError(f"{path}: a cost model's coefficients are non-negative, got {data}")
         return model
 
 
@@ -106,7 +120,7 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
-def _fit(features: list[list[float]], seconds: list[float]) -> tuple[float, float, float]:
+def _fit(features: list[list[float]], seconds: list[float]) -> tuple[float, ...]:
     # Weighted by 1 / t: step times span orders of magnitude, and what the simulation
     # needs is a small relative error on every step, not on the slowest ones only.
     x, y = np.array(features), np.array(seconds)
@@ -119,9 +133,10 @@ def fit_cost_model(prefill_samples: list[tuple[list[int], list[int], float]],
     """Least-squares fit of non-negative coefficients, minimising relative error.
 
     prefill_samples: (chunk lengths, chunk ends, seconds) per step; decode_samples:
-    (contexts, seconds) per step. Each design needs rank 3: decode samples must vary
-    the context at a fixed batch, or sum(context) is a multiple of the batch column and
-    the per-token and per-row costs cannot be told apart (see `decode_layout`)."""
+    (contexts, seconds) per step. The prefill design needs rank 4 (steps of several
+    chunks among them), the decode design rank 3: decode samples must vary the context
+    at a fixed batch, or sum(context) is a multiple of the batch column and the
+    per-token and per-row costs cannot be told apart (see `decode_layout`)."""
     pre = _fit([prefill_features(n, e) for n, e, _ in prefill_samples], [t for *_, t in prefill_samples])
     dec = _fit([decode_features(c) for c, _ in decode_samples], [t for _, t in decode_samples])
     return CostModel(pre, dec)
@@ -437,33 +452,35 @@ def measure_tier_cost(llm, directory: str, num_pages: int = 64, repeats: int = 3
 # -- measuring the real engine ---------------------------------------------------------
 
 
-def prefill_layout(max_model_len: int) -> list[tuple[int, int]]:
-    """(chunk length, start) of the prefill steps measured for the fit: three prompt
-    lengths from position 0 (so len and len * end are told apart) and a chunk behind a
-    long cached context (its attention reads far past its own tokens)."""
-    if max_model_len < 16:
-        raise ValueError(f"measuring needs max_model_len >= 16, got {max_model_len}")
+def prefill_layout(max_model_len: int) -> list[tuple[int, int, int]]:
+    """(chunk length, start, chunks) of the prefill steps measured for the fit: three
+    prompt lengths from position 0 (so len and len * end are told apart), a chunk behind
+    a long cached context (its attention reads far past its own tokens), and a step of
+    two chunks (the runner's several-chunks variant)."""
+    if max_model_len < 64:
+        raise ValueError(f"measuring needs max_model_len >= 64, got {max_model_len}")
     top = min(256, max_model_len // 2)
-    return [(top // 16 or 2, 0), (top // 4, 0), (top, 0), (top // 4, max_model_len // 2)]
+    return [(top // 16, 0, 1), (top // 4, 0, 1), (top, 0, 1), (top // 4, max_model_len // 2, 1), (top // 4, 0, 2)]
 
 
 def decode_layout(max_model_len: int) -> list[tuple[int, int]]:
     """(batch, context) of the decode steps measured for the fit: short and long contexts
     at a small and a large batch, and a point between. Every batch is measured at more
     than one context, so sum(context) and batch are not collinear."""
-    if max_model_len < 16:
-        raise ValueError(f"measuring needs max_model_len >= 16, got {max_model_len}")
+    if max_model_len < 64:
+        raise ValueError(f"measuring needs max_model_len >= 64, got {max_model_len}")
     hi = min(2048, max_model_len - 1)
     lo = max(1, hi // 32)
     return [(1, lo), (1, hi), (16, lo), (16, hi), (4, hi // 4)]
 
 
-def measure_engine_steps(llm, prefill_steps: list[tuple[int, int]] | None = None,
+def measure_engine_steps(llm, prefill_steps: list[tuple[int, ...]] | None = None,
                          decode_steps: list[tuple[int, int]] | None = None, repeats: int = 3,
                          seed: int = 0) -> tuple[list, list]:
     """Time real engine steps on `llm` (a serving.LLM) in fit_cost_model's sample format.
 
-    prefill_steps: (chunk length, start) per step, default `prefill_layout`; decode_steps:
+    prefill_steps: (chunk length, start[, chunks]) per step (chunks of that length, one
+    sequence each, default one), default `prefill_layout`; decode_steps:
     (batch, context) per step, default `decode_layout`, contexts at most max_model_len - 1.
     Each step runs once to compile, then once in each of `repeats` rounds over all the
     steps; its fastest run is kept (other work on the machine only ever adds time). Each
@@ -475,7 +492,8 @@ def measure_engine_steps(llm, prefill_steps: list[tuple[int, int]] | None = None
         prefill_steps = prefill_layout(llm.max_model_len)
     if decode_steps is None:
         decode_steps = decode_layout(llm.max_model_len)
-    if any(n < 2 or s + n > llm.max_model_len for n, s in prefill_steps):
+    prefill_steps = [(n, s, *k) if k else (n, s, 1) for n, s, *k in prefill_steps]
+    if any(n < 2 or s + n > llm.max_model_len or k < 1 for n, s, k in prefill_steps):
         raise ValueError(f"prefill steps need 2 <= length and start + length <= {llm.max_model_len}, "
                          f"got {prefill_steps}")
     if any(b < 1 or not 1 <= c < llm.max_model_len for b, c in decode_steps):
@@ -490,8 +508,8 @@ def measure_engine_steps(llm, prefill_steps: list[tuple[int, int]] | None = None
         first_page = (first_page + need) % pool
         return pages
 
-    steps = [[Row(tuple(rng.integers(0, llm.config.vocab_size, n).tolist()), s, table(s + n), sample=True)]
-             for n, s in prefill_steps]
+    steps = [[Row(tuple(rng.integers(0, llm.config.vocab_size, n).tolist()), s, table(s + n), sample=True)
+              for _ in range(k)] for n, s, k in prefill_steps]
     steps += [[Row((int(rng.integers(0, llm.config.vocab_size)),), c - 1, table(c), sample=True)
                for _ in range(b)] for b, c in decode_steps]
     for rows in steps:  # compile
@@ -504,7 +522,7 @@ def measure_engine_steps(llm, prefill_steps: list[tuple[int, int]] | None = None
             start = time.perf_counter()
             runner.execute(rows)
             best[k] = min(best[k], time.perf_counter() - start)
-    prefill = [([n], [s + n], t) for (n, s), t in zip(prefill_steps, best)]
+    prefill = [([n] * k, [s + n] * k, t) for (n, s, k), t in zip(prefill_steps, best)]
     decode = [([c] * b, t) for (b, c), t in zip(decode_steps, best[len(prefill_steps):])]
     return prefill, decode
 

@@ -52,11 +52,11 @@ def test_conductor_predicts_queue_prefix_transfer_and_first_step():
 
 
 def test_conductor_rejects_early_without_recording():
-    c = Conductor(COST, ["p0"], ["d0", "d1"], PS, ttft_slo=1.0, tpot_slo=0.1)
-    assert isinstance(c.admit("a", 0.0, 300), Decision)  # ~0.68 s of prefill
+    c = Conductor(COST, ["p0"], ["d0", "d1"], PS, ttft_slo=1.5, tpot_slo=0.1)
+    assert isinstance(c.admit("a", 0.0, 300), Decision)  # ~1 s of prefill
     before = dict(c.busy_until)
-    r = c.admit("b", 0.0, 300)  # behind a: ~1.4 s
-    assert isinstance(r, Rejection) and "TTFT" in r.reason and r.ttft_s > 1.0
+    r = c.admit("b", 0.0, 300)  # behind a: ~2 s
+    assert isinstance(r, Rejection) and "TTFT" in r.reason and r.ttft_s > 1.5
     assert c.busy_until == before and "b" not in c.where and c.counts["rejected_ttft"] == 1
     # decode: each request goes where the predicted step is shortest; a step over 0.1 s is rejected
     c = Conductor(COST, ["p0"], ["d0", "d1"], PS, tpot_slo=COST.decode_time([50] * 2) * 1.001)
