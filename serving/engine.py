@@ -54,6 +54,17 @@ MIN_CHUNK_TOKENS = 16
 
 
 @dataclasses.dataclass(frozen=True)
+class RemoteKV:
+    """A prompt's K/V on its way from another engine (disaggregated prefill,
+    serving/kv_transfer.py's `KVReceiver.pull_later`). future: its result is the callable
+    that caches the pages, which the engine calls between steps with the key of the pages
+    it reserved (EngineCore.import_prefix's reservation); num_pages: the full pages it
+    brings, reserved in the pool when the request is added."""
+    future: concurrent.futures.Future
+    num_pages: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Row:
     """One sequence's work in a step."""
 
@@ -234,12 +245,12 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                     arrival: float | None = None, lora_request: LoRARequest | None = None,
-                    remote_kv: concurrent.futures.Future | None = None) -> None:
-        """remote_kv: the prompt's K/V on its way from another engine (disaggregated
-        prefill, serving/kv_transfer.py's `KVReceiver.pull_later`): a future whose result
-        the engine calls between steps to cache the pages. The request waits until then
-        (the scheduler passes it over); if the future or the call fails, it computes its
-        prompt."""
+                    remote_kv: RemoteKV | concurrent.futures.Future | None = None) -> None:
+        """remote_kv: the prompt's K/V on its way from another engine (a `RemoteKV`, or
+        its future alone: nothing reserved). Its pages are reserved in the pool now (when
+        they fit), so the K/V lands in pages allocated beforehand; the request waits until
+        it has landed (the scheduler passes it over); if the transfer or the write fails,
+        the reservation goes back and the request computes its prompt."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.output.check(params)
@@ -283,7 +294,11 @@ class EngineCore:
             self.seqs[sid] = SeqState(sid, request_id, i, params, seed, self.output.new())
         self.state = sched.add(self.state, seq)
         if remote_kv is not None:
-            self._remote[request_id] = remote_kv
+            if not isinstance(remote_kv, RemoteKV):
+                remote_kv = RemoteKV(remote_kv)
+            self._remote[request_id] = remote_kv.future
+            if remote_kv.num_pages and self.kv.radix is not None:
+                self.kv.reserve(request_id, min(remote_kv.num_pages, (len(prompt) - 1) // self.kv.page_size))
 
     def _check_adjustments(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         """Check a request's penalties and biases against this engine; returns its bad
@@ -488,11 +503,12 @@ class EngineCore:
         pages = self.kv.cached_pages(tuple(tokens))
         return len(pages), (self.runner.take_pages(pages) if pages else None)
 
-    def import_prefix(self, tokens: Sequence[int], num_pages: int, data) -> int:
+    def import_prefix(self, tokens: Sequence[int], num_pages: int, data, reservation=None) -> int:
         """Cache the first num_pages full pages of `tokens` from another engine's
         export_prefix data, so a request for them is a prefix hit; returns the pages
-        written (those not cached here already). Call it between steps."""
-        pages, first, node = self.kv.adopt_prefix(tuple(tokens), num_pages)
+        written (those not cached here already), into the pages reserved under
+        `reservation` first (a request id: add_request's remote_kv). Call it between steps."""
+        pages, first, node = self.kv.adopt_prefix(tuple(tokens), num_pages, reservation)
         if self.tiers is not None:
             self._move_tiered_pages()  # copies down of what the allocation evicted read it before the write
         if pages:
@@ -617,7 +633,7 @@ class EngineCore:
         for future in [f for f in self._orphans if f.done()]:
             self._orphans.remove(future)
             try:
-                future.result()()
+                future.result()(None)
             except Exception:  # noqa: BLE001 (the transfer recorded why; nobody waits for it)
                 pass
 
@@ -625,13 +641,16 @@ class EngineCore:
         for rid, future in list(self._remote.items()):
             if rid not in self.requests or self.request_finished(rid):  # aborted meanwhile
                 del self._remote[rid]
+                self.kv.unreserve(rid)
                 self._orphans.append(future)
             elif future.done():
                 del self._remote[rid]
                 try:
-                    future.result()()
+                    future.result()(rid)
                 except Exception:  # noqa: BLE001 (the transfer recorded why; the prompt is computed)
                     pass
+                finally:
+                    self.kv.unreserve(rid)  # what the write did not take
         return frozenset(sid for rid in self._remote for sid in self.requests[rid].seq_ids)
 
     def _prefetches_pending(self) -> frozenset[str]:

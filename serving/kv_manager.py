@@ -48,6 +48,7 @@ class KVManager:
         self.tables: dict[str, list[int]] = {}
         self._locks: dict[str, object] = {}  # seq_id -> radix node it keeps locked
         self._namespaces: dict[str, int] = {}  # seq_id -> its prefix-cache namespace (LoRA id)
+        self.reserved: dict[object, list[int]] = {}  # key -> pages held for K/V on its way (`reserve`)
 
     # -- capacity ------------------------------------------------------------
 
@@ -171,13 +172,34 @@ class KVManager:
             return []
         return self.radix.match_prefix(tokens[:len(tokens) - 1], touch=False)[0]
 
-    def adopt_prefix(self, tokens, num_pages: int) -> tuple[list[int], int, object]:
+    def reserve(self, key, num_pages: int) -> int:
+        """Hold num_pages pages for K/V on its way from elsewhere (a disaggregated
+        request's prompt), evicting cached ones if needed, so that its arrival does not
+        depend on room then: adopt_prefix(..., reservation=key) writes into them. All or
+        none: returns the pages held (0 when they do not fit now)."""
+        if key in self.reserved:
+            raise ValueError(f"{key!r} already holds a reservation")
+        try:
+            self.reserved[key] = self._allocate(num_pages) if num_pages > 0 else []
+        except NoFreePages:
+            return 0
+        return num_pages
+
+    def unreserve(self, key) -> None:
+        """Give back what is left of key's reservation (none left: nothing happens)."""
+        pages = self.reserved.pop(key, [])
+        if pages:
+            self.pool.decref(pages)
+
+    def adopt_prefix(self, tokens, num_pages: int, reservation=None) -> tuple[list[int], int, object]:
         """Cache the first num_pages full pages of `tokens` in the base namespace with K/V
         that comes from elsewhere (another engine): returns (new pages, first, node): the
         pages from page `first` on that the tree did not hold yet, now cached (the tree
         their only holder) and evictable, which the caller fills before any step reads
         them, then hands `node` to `filled` (the write policy's copies down read them).
-        Raises NoFreePages when they do not fit."""
+        reservation: a `reserve` key whose pages are used first (what they do not cover
+        is allocated; what is not needed goes back). Raises NoFreePages when they do not
+        fit."""
         if self.radix is None:
             raise ValueError("adopting a prefix needs enable_prefix_caching=True")
         if not 0 < num_pages * self.page_size <= len(tokens):
@@ -186,11 +208,20 @@ class KVManager:
         tokens = tuple(tokens[:num_pages * self.page_size])
         pages, node = self.radix.match_prefix(tokens, touch=False)
         first = len(pages)
+        held = self.reserved.pop(reservation, [])
+        need = num_pages - first
+        if len(held) > need:
+            self.pool.decref(held[need:])
+            held = held[:need]
         if first == num_pages:
             return [], first, node
         self.radix.lock(node)  # what is cached already stays while the new pages are allocated
         try:
-            new = self._allocate(num_pages - first)
+            new = held + self._allocate(need - len(held))
+        except NoFreePages:
+            if held:
+                self.pool.decref(held)
+            raise
         finally:
             self.radix.unlock(node)
         leaf = self.radix.insert(tokens, pages + new)
@@ -380,6 +411,9 @@ class KVManager:
         holders = [0] * self.pool.num_pages
         for table in self.tables.values():
             for p in table:
+                holders[p] += 1
+        for pages in self.reserved.values():
+            for p in pages:
                 holders[p] += 1
         if self.radix is not None:
             for p in self.radix.cached_pages():

@@ -24,7 +24,6 @@ had come.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import secrets
 import threading
@@ -32,6 +31,8 @@ import time
 from typing import Callable, Sequence
 
 import jax
+
+from serving.engine import RemoteKV
 
 BOOTSTRAPPING, WAITING, TRANSFERRING, DONE, FAILED = "bootstrapping", "waiting", "transferring", "done", "failed"
 STATES = (BOOTSTRAPPING, WAITING, TRANSFERRING, DONE, FAILED)
@@ -268,9 +269,10 @@ class KVReceiver:
             raise TransferFailed(str(result["error"]))
         return result["data"]
 
-    def adopt(self, handle: KVHandle, tokens: Sequence[int], data) -> None:
-        """Cache the pulled pages for `tokens` (on the engine's thread, between steps)."""
-        self.engine.import_prefix(tokens, handle.num_pages, data)
+    def adopt(self, handle: KVHandle, tokens: Sequence[int], data, reservation=None) -> None:
+        """Cache the pulled pages for `tokens` (on the engine's thread, between steps),
+        into the pages the engine reserved under `reservation` (EngineCore.import_prefix)."""
+        self.engine.import_prefix(tokens, handle.num_pages, data, reservation)
         transfer = self.transfers.pop(handle.uuid)
         transfer.advance(DONE)
         self.counts[DONE] += 1
@@ -284,10 +286,11 @@ class KVReceiver:
             transfer.advance(FAILED, error if isinstance(error, str) else f"{type(error).__name__}: {error}")
             self.counts[FAILED] += 1
 
-    def pull_later(self, handle: KVHandle, tokens: Sequence[int], executor) -> "concurrent.futures.Future":
-        """Start the pull on `executor` (after the sender was asked to serve): a future
-        whose result is the callable that adopts the pages, for the engine to run between
-        steps (`EngineCore.add_request(remote_kv=...)`); it raises if the pull failed (then
+    def pull_later(self, handle: KVHandle, tokens: Sequence[int], executor) -> RemoteKV:
+        """Start the pull on `executor` (after the sender was asked to serve), for
+        `EngineCore.add_request(remote_kv=...)`, which reserves the handle's pages: a
+        RemoteKV whose future's result is the callable that adopts the pages into them,
+        for the engine to run between steps; the future raises if the pull failed (then
         the transfer has failed and the prompt is computed)."""
         def pull():
             try:
@@ -296,14 +299,14 @@ class KVReceiver:
                 self.fail(handle, e)
                 raise
 
-            def adopt():
+            def adopt(reservation=None):
                 try:
-                    self.adopt(handle, tokens, data)
+                    self.adopt(handle, tokens, data, reservation)
                 except Exception as e:
                     self.fail(handle, e)
                     raise
             return adopt
-        return executor.submit(pull)
+        return RemoteKV(executor.submit(pull), handle.num_pages)
 
 
 __all__ = ["STATES", "TRANSITIONS", "IllegalTransition", "KVHandle", "KVReceiver", "KVSender", "Transfer",

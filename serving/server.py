@@ -388,7 +388,7 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
             return {}
 
     async def receive_kv(params, ids: list[int]):
-        """Start pulling a prefill instance's pages for `ids`: the future the engine adopts
+        """Start pulling a prefill instance's pages for `ids`: the RemoteKV the engine adopts
         them from (EngineCore.add_request's remote_kv), or None when the transfer failed
         before the pull (the prompt is computed here). A bad `kv_transfer_params` is a 400."""
         try:
@@ -412,14 +412,14 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
             receiver.fail(handle, e)
             await ack(False)
             return None
-        future = receiver.pull_later(handle, ids, pulls)
+        remote = receiver.pull_later(handle, ids, pulls)
 
         async def acknowledge():  # once the bytes are here (or not), the sender's copy can go
-            await asyncio.wait([asyncio.wrap_future(future)])
-            await ack(future.exception() is None)
+            await asyncio.wait([asyncio.wrap_future(remote.future)])
+            await ack(remote.future.exception() is None)
         background.add(task := asyncio.create_task(acknowledge()))
         task.add_done_callback(background.discard)
-        return future
+        return remote
 
     if kv_role == "decode":
         receiver = app.state.kv_receiver = KVReceiver(llm, kv_address)

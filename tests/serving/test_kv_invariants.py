@@ -249,3 +249,38 @@ def test_parallel_samples_are_reserved_under_the_reserving_policies():
             assert "all n=3 samples" in str(e)
         else:
             raise AssertionError("a request whose samples cannot fit the pool was accepted")
+
+
+def test_reserved_pages_receive_remote_kv_and_nothing_leaks():
+    """KVManager.reserve holds pages for K/V on its way (all or none); adopt_prefix writes
+    into them, gives back those a cached prefix makes unneeded, and allocates what they do
+    not cover; a write that cannot fit gives them back; unreserve gives back the rest."""
+    from serving.kv_manager import KVManager
+    from serving.radix_cache import NoFreePages
+
+    kv = KVManager(num_pages=8, page_size=PAGE)
+    tokens = tuple(range(40, 61))  # 5 full pages and a token
+    assert kv.reserve("a", 5) == 5 and kv.pool.num_free == 3
+    assert kv.reserve("b", 4) == 0 and "b" not in kv.reserved  # does not fit: nothing held
+    held = list(kv.reserved["a"])
+    new, first, node = kv.adopt_prefix(tokens, 5, reservation="a")
+    kv.filled(node)
+    assert (new, first) == (held, 0) and not kv.reserved and kv.cached_pages(tokens) == held
+    kv.check()
+    longer = tokens[:20] + tuple(range(90, 94))  # 6 full pages, the first 5 those cached
+    assert kv.reserve("c", 3) == 3 and kv.pool.num_free == 0
+    held = list(kv.reserved["c"])
+    new, first, node = kv.adopt_prefix(longer, 6, reservation="c")  # 1 of the 3 is written, 2 go back
+    kv.filled(node)
+    assert (new, first) == (held[:1], 5) and not kv.reserved and kv.pool.num_free == 2
+    kv.check()
+    assert kv.reserve("d", 2) == 2
+    with pytest.raises(NoFreePages):  # 9 pages: the 2 reserved and the 6 cached are not enough
+        kv.adopt_prefix(tuple(range(200, 240)), 9, reservation="d")
+    assert not kv.reserved and kv.pool.num_free + kv.radix.evictable_pages == 8
+    kv.check()
+    assert kv.reserve("e", 1) == 1
+    kv.unreserve("e")
+    kv.unreserve("never")
+    assert kv.pool.num_free + kv.radix.evictable_pages == 8
+    kv.check()

@@ -19,6 +19,7 @@ import pytest
 import model
 from model.config import ModelConfig
 from serving import LLM, SamplingParams
+from serving.engine import RemoteKV
 from serving.kv_transfer import (BOOTSTRAPPING, DONE, FAILED, STATES, TRANSFERRING, WAITING, IllegalTransition,
                                  KVHandle, KVReceiver, KVSender, Transfer)
 from serving.server import expire_offers
@@ -156,15 +157,22 @@ def test_a_request_waits_for_its_remote_kv_while_others_run(tiny):
     for arrives in (True, False):
         decode = make(tiny)
         engine, remote = decode.engine, concurrent.futures.Future()
-        engine.add_request("remote", PROMPT, GREEDY, remote_kv=remote)
+        engine.add_request("remote", PROMPT, GREEDY, remote_kv=RemoteKV(remote, num_pages))
+        reserved = list(engine.kv.reserved["remote"])  # its pages are allocated before any byte comes
+        assert len(reserved) == num_pages and engine.kv.pool.num_free == engine.kv.pool.num_pages - num_pages
         engine.add_request("local", other, GREEDY)
         engine.step()
         assert [s.seq_id for s in engine.state.running] == ["local#0"]  # remote waits for its pages
         assert [s.seq_id for s in engine.state.waiting] == ["remote#0"]
+        engine.kv.check()
         if arrives:
-            remote.set_result(lambda: engine.import_prefix(PROMPT, num_pages, data))
+            remote.set_result(lambda key: engine.import_prefix(PROMPT, num_pages, data, key))
         else:
             remote.set_exception(RuntimeError("the pull failed"))
+        engine.step()
+        assert not engine.kv.reserved  # taken by the write, or given back
+        if arrives:
+            assert engine.kv.cached_pages(PROMPT) == reserved  # the K/V landed in the reserved pages
         while engine.has_unfinished():
             engine.step()
         got = [engine.seqs[f"{r}#0"].output.tokens for r in ("remote", "local")]
@@ -175,12 +183,13 @@ def test_a_request_waits_for_its_remote_kv_while_others_run(tiny):
     # (which ends the transfer), not dropped with the request
     engine, remote = decode.engine, concurrent.futures.Future()
     engine.kv.flush_prefix_cache()
-    engine.add_request("gone", PROMPT, GREEDY, remote_kv=remote)
+    engine.add_request("gone", PROMPT, GREEDY, remote_kv=RemoteKV(remote, num_pages))
     engine.add_request("stays", other, GREEDY)
     engine.step()
     engine.abort("gone")
     engine.step()
-    remote.set_result(lambda: engine.import_prefix(PROMPT, num_pages, data))
+    assert not engine.kv.reserved  # the reservation went with the request
+    remote.set_result(lambda key: engine.import_prefix(PROMPT, num_pages, data, key))
     engine.step()
     assert len(engine.kv.cached_pages(PROMPT)) == num_pages and not engine._orphans
     engine.kv.check()
