@@ -411,7 +411,7 @@ def _print_validation(args) -> None:
     llm = LLM(args.model, max_model_len=2048, max_num_seqs=config.max_num_seqs,
               max_num_batched_tokens=config.max_num_batched_tokens, num_kv_blocks=512, precompile=True)
     cost = fit_cost_model(*measure_engine_steps(llm))  # this engine's own steps
-    out = validate(llm, requests, InstanceSetup(cost, config, 512, 2048))
+    out = validate(llm, requests, InstanceSetup(cost, config, 512, 2048), repeats=3)
     print(f"validation: {len(requests)} requests of the trace (prompts at 8 tokens per 512-token block, mean "
           f"{np.mean([len(r.prompt) for r in requests]):.0f} tokens; outputs x1/32, mean "
           f"{np.mean([r.output_len for r in requests]):.1f}), Poisson arrivals at {args.validate_rate} req/s, one "
