@@ -94,9 +94,13 @@ class Conductor:
         self._turn = 0  # rotates the choice among equal predictions
         self.counts = collections.Counter()
 
-    def _ttft(self, url: str, now: float, prompt_len: int, matched_pages: int) -> float:
+    def _prefill_s(self, prompt_len: int, matched_pages: int) -> float:
+        """The prefill of the prompt after the pages an instance caches (one token at least)."""
         cached = min(matched_pages * self.page_size, prompt_len - 1)
-        t = max(self.busy_until[url] - now, 0.0) + self.cost.prefill_time([prompt_len - cached], [prompt_len])
+        return self.cost.prefill_time([prompt_len - cached], [prompt_len])
+
+    def _ttft(self, url: str, now: float, prompt_len: int, matched_pages: int) -> float:
+        t = max(self.busy_until[url] - now, 0.0) + self._prefill_s(prompt_len, matched_pages)
         if not self.colocated:  # the transfer, then the decode instance's step over the last partial page
             pages = (prompt_len - 1) // self.page_size
             tail = prompt_len - pages * self.page_size
@@ -135,8 +139,7 @@ class Conductor:
         if self.tpot_slo is not None and tpot > self.tpot_slo:
             self.counts["rejected_tpot"] += 1
             return Rejection(f"predicted TPOT {tpot:.4f} s exceeds the {self.tpot_slo} s SLO", ttft[p], tpot)
-        seconds = self.cost.prefill_time([prompt_len - min(matched.get(p, 0) * self.page_size, prompt_len - 1)],
-                                         [prompt_len])
+        seconds = self._prefill_s(prompt_len, matched.get(p, 0))
         self.queued[p][ticket] = seconds
         self.busy_until[p] = max(self.busy_until[p], now) + seconds
         self.running[d][ticket] = prompt_len
