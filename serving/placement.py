@@ -376,62 +376,90 @@ def latencies(token_times: Sequence[Sequence[float]], requests: Sequence[SimRequ
     return ttft, tpot
 
 
-def validate(llm, requests: Sequence[SimRequest], setup: InstanceSetup, repeats: int = 2, max_warmups: int = 4
-             ) -> dict:
-    """The simulator against the real engine: `requests` replayed in real time on `llm`
-    (a serving.LLM built with setup's scheduler and pool) until a replay compiles nothing
-    new (at most max_warmups times; a simulator has no compile stalls), then `repeats`
-    measured times, the prefix cache flushed before each; against `simulate` on the same
-    requests with setup's cost model. Returns {"real": [(ttft, tpot) per measured run],
-    "sim": (ttft, tpot), "warmups": replays before the measured ones}."""
+def _warm(llm, requests: Sequence[SimRequest], max_runs: int, tag: str) -> int:
+    """Replay `requests` on llm's engine until a replay compiles no new step (a simulator
+    has no compile stalls), at most max_runs times; returns the replays that compiled."""
     from serving.simulator import replay
 
-    engine, runner = llm.engine, getattr(llm, "runner", None)
-    runs, warmups = [], 0
-    while True:
+    runner = getattr(llm, "runner", None)
+    for n in range(max_runs):
         compiled = runner.num_compilations() if runner is not None else 0
-        engine.kv.flush_prefix_cache()
-        times = replay(engine, list(requests), tag=f"validate{warmups}-{len(runs)}")
-        if runs or (runner is not None and runner.num_compilations() == compiled) or warmups >= max_warmups:
-            runs.append(latencies(times, requests))
-            if len(runs) == repeats:
-                break
-        else:
-            warmups += 1
-    res = simulate(list(requests), setup.sched_config, setup.num_pages, setup.max_model_len, setup.cost,
-                   enable_prefix_caching=setup.enable_prefix_caching)
-    return {"real": runs, "sim": latencies(res.token_times, requests), "warmups": warmups}
+        llm.engine.kv.flush_prefix_cache()
+        replay(llm.engine, list(requests), tag=f"{tag}{n}")
+        if runner is None or runner.num_compilations() == compiled:
+            return n
+    return max_runs
+
+
+def validate(llm, requests: Sequence[SimRequest], setups: Mapping[str, InstanceSetup], repeats: int = 2,
+             max_warmups: int = 4) -> dict:
+    """The simulator against the real engine: `requests` replayed in real time on `llm`
+    (a serving.LLM built with the setups' scheduler and pool), after replays until one
+    compiles nothing new (at most max_warmups), `repeats` times with the prefix cache
+    flushed before each; against `simulate` on the same requests under each setup (its
+    cost model). Returns {"real": [(ttft, tpot) per run], "sim": {name: (ttft, tpot)},
+    "warmups": the replays that compiled}."""
+    from serving.simulator import replay
+
+    warmups = _warm(llm, requests, max_warmups, "validate-warm")
+    runs = []
+    for n in range(repeats):
+        llm.engine.kv.flush_prefix_cache()
+        runs.append(latencies(replay(llm.engine, list(requests), tag=f"validate{n}"), requests))
+    sims = {}
+    for name, setup in setups.items():
+        res = simulate(list(requests), setup.sched_config, setup.num_pages, setup.max_model_len, setup.cost,
+                       enable_prefix_caching=setup.enable_prefix_caching)
+        sims[name] = latencies(res.token_times, requests)
+    return {"real": runs, "sim": sims, "warmups": warmups}
 
 
 def _print_validation(args) -> None:
     from serving.bench import load_trace
     from serving.llm import LLM
-    from serving.simulator import fit_cost_model, measure_engine_steps
+    from serving.simulator import fit_cost_model, measure_engine_steps, replay
 
     config = sched.SchedulerConfig(page_size=16, max_num_seqs=16, max_num_batched_tokens=512)
-    requests, _, _ = load_trace(args.trace, args.validate, 8, 1024, 1 / 32)
+    trace, _, _ = load_trace(args.trace, 2 * args.validate, 8, 1024, 1 / 32)
+    # fitted on the first half of the requests, validated on the second, other arrivals
+    fit_on, requests = at_rate(trace[:args.validate], args.validate_rate, seed=1), trace[args.validate:]
     requests = at_rate(requests, args.validate_rate)
     llm = LLM(args.model, max_model_len=2048, max_num_seqs=config.max_num_seqs,
               max_num_batched_tokens=config.max_num_batched_tokens, num_kv_blocks=512, precompile=True)
-    cost = fit_cost_model(*measure_engine_steps(llm))  # this engine's own steps
-    out = validate(llm, requests, InstanceSetup(cost, config, 512, 2048), repeats=3)
+    isolated = fit_cost_model(*measure_engine_steps(llm))
+    _warm(llm, fit_on, 4, "fit-warm")
+    record = ([], [])
+    llm.engine.kv.flush_prefix_cache()
+    replay(llm.engine, fit_on, tag="fit", record=record)
+    served = fit_cost_model(*record)
+    setups = {"isolated steps": InstanceSetup(isolated, config, 512, 2048),
+              "served steps": InstanceSetup(served, config, 512, 2048)}
+    out = validate(llm, requests, setups, repeats=3)
     print(f"validation: {len(requests)} requests of the trace (prompts at 8 tokens per 512-token block, mean "
           f"{np.mean([len(r.prompt) for r in requests]):.0f} tokens; outputs x1/32, mean "
           f"{np.mean([r.output_len for r in requests]):.1f}), Poisson arrivals at {args.validate_rate} req/s, one "
           f"engine of {args.model} (max_num_seqs {config.max_num_seqs}, max_num_batched_tokens "
-          f"{config.max_num_batched_tokens}): replayed in real time after {out['warmups']} unmeasured runs "
-          f"that compiled, vs simulated with a cost model fitted on the same engine (prefill {cost.prefill}, "
-          f"decode {cost.decode})")
+          f"{config.max_num_batched_tokens}), replayed in real time after {out['warmups']} more replays that "
+          f"compiled; simulated with two cost models fitted on this engine: on its isolated steps "
+          f"(measure_engine_steps: prefill {_coefficients(isolated.prefill)}, decode "
+          f"{_coefficients(isolated.decode)}) and on the {len(record[0]) + len(record[1])} steps it served for the "
+          f"trace's previous {len(fit_on)} requests (prefill {_coefficients(served.prefill)}, decode "
+          f"{_coefficients(served.decode)})")
     print("| run | TTFT mean (s) | TTFT p90 (s) | TPOT mean (s) | TPOT p90 (s) |")
     print("|---|---:|---:|---:|---:|")
-    sim = out["sim"]
     stats = [lambda t: np.nanmean(t[0]), lambda t: _pct(t[0], 90), lambda t: np.nanmean(t[1][t[1] > 0]),
              lambda t: _pct(t[1][t[1] > 0], 90)]
     for n, run in enumerate(out["real"]):
         print(f"| real engine, run {n + 1} | " + " | ".join(f"{f(run):.3f}" for f in stats) + " |")
-    print("| simulator | " + " | ".join(f"{f(sim):.3f}" for f in stats) + " |")
-    for n, run in enumerate(out["real"]):
-        print(f"| error vs run {n + 1} | " + " | ".join(f"{f(sim) / f(run) - 1:+.1%}" for f in stats) + " |")
+    real = [float(np.median([f(run) for run in out["real"]])) for f in stats]
+    for name, sim in out["sim"].items():
+        print(f"| simulator, {name} | " + " | ".join(f"{f(sim):.3f}" for f in stats) + " |")
+        print("| error vs the median run | " + " | ".join(f"{f(sim) / r - 1:+.1%}" for f, r in zip(stats, real))
+              + " |")
+
+
+def _coefficients(values) -> str:
+    return "(" + ", ".join(f"{v:.3g}" for v in values) + ")"
 
 
 def _pct(x: np.ndarray, q: float) -> float:

@@ -128,18 +128,27 @@ def _fit(features: list[list[float]], seconds: list[float]) -> tuple[float, ...]
     return tuple(map(float, _nonnegative_lstsq(x * w[:, None], y * w)))
 
 
-def fit_cost_model(prefill_samples: list[tuple[list[int], list[int], float]],
-                   decode_samples: list[tuple[list[int], float]]) -> CostModel:
+def fit_cost_model(prefill_samples: list[tuple], decode_samples: list[tuple[list[int], float]]) -> CostModel:
     """Least-squares fit of non-negative coefficients, minimising relative error.
 
-    prefill_samples: (chunk lengths, chunk ends, seconds) per step; decode_samples:
-    (contexts, seconds) per step. The prefill design needs rank 4 (steps of several
-    chunks among them), the decode design rank 3: decode samples must vary the context
-    at a fixed batch, or sum(context) is a multiple of the batch column and the
-    per-token and per-row costs cannot be told apart (see `decode_layout`)."""
-    pre = _fit([prefill_features(n, e) for n, e, _ in prefill_samples], [t for *_, t in prefill_samples])
-    dec = _fit([decode_features(c) for c, _ in decode_samples], [t for _, t in decode_samples])
-    return CostModel(pre, dec)
+    prefill_samples: (chunk lengths, chunk ends, seconds) per step, or (chunk lengths,
+    chunk ends, decode contexts, seconds) for a step that also ran decode rows (a served
+    step, `replay`'s record); decode_samples: (contexts, seconds) per step. One joint fit:
+    decode rows beside chunks share decode's per-context-token cost. The prefill design
+    needs rank 4 (steps of several chunks among them), the decode design rank 3: decode
+    samples must vary the context at a fixed batch, or sum(context) is a multiple of the
+    batch column and the per-token and per-row costs cannot be told apart (see
+    `decode_layout`)."""
+    features, seconds = [], []
+    for *shape, t in prefill_samples:
+        lens, ends, contexts = (*shape, [])[:3]
+        features.append(prefill_features(lens, ends, len(contexts)) + [0.0, float(sum(contexts)), 0.0])
+        seconds.append(t)
+    for contexts, t in decode_samples:
+        features.append([0.0] * 4 + decode_features(contexts))
+        seconds.append(t)
+    w = _fit(features, seconds)
+    return CostModel(w[:4], w[4:])
 
 
 class SimRunner:
@@ -527,12 +536,41 @@ def measure_engine_steps(llm, prefill_steps: list[tuple[int, ...]] | None = None
     return prefill, decode
 
 
-def replay(engine, requests: list[SimRequest], tag: str = "replay") -> list[list[float]]:
+def replay(engine, requests: list[SimRequest], tag: str = "replay",
+           record: tuple[list, list] | None = None) -> list[list[float]]:
     """Run `requests` on a real engine (an EngineCore, e.g. LLM(...).engine) in real time:
     each is added once the wall clock passes its arrival (seconds from the start), and
     steps run back to back while any is unfinished. Returns per request, in the order
     given, the seconds from the start at which each of its tokens was sampled: what
-    `simulate`'s token_times predicts for the same requests (the simulator's validation)."""
+    `simulate`'s token_times predicts for the same requests (the simulator's validation).
+
+    record: (prefill samples, decode samples) lists to append every step the runner ran
+    to, timed, in fit_cost_model's format (the runner's execute is wrapped meanwhile):
+    a cost model fitted on served steps rather than on isolated ones."""
+    if record is not None:
+        execute = engine.runner.execute
+
+        def timed(rows):
+            start = time.perf_counter()
+            out = execute(rows)
+            t = time.perf_counter() - start
+            chunks = [r for r in rows if len(r.tokens) > 1]
+            contexts = [r.start + 1 for r in rows if len(r.tokens) == 1]
+            if chunks:
+                record[0].append(([len(r.tokens) for r in chunks], [r.start + len(r.tokens) for r in chunks],
+                                  contexts, t))
+            else:
+                record[1].append((contexts, t))
+            return out
+        patched = "execute" in vars(engine.runner)
+        engine.runner.execute = timed
+        try:
+            return replay(engine, requests, tag)
+        finally:
+            if patched:
+                engine.runner.execute = execute
+            else:
+                del engine.runner.execute
     order = sorted(range(len(requests)), key=lambda k: requests[k].arrival_s)
     times: list[list[float]] = [[] for _ in requests]
     live: dict[str, int] = {}

@@ -219,8 +219,9 @@ def test_router_dispatches_by_predicted_ttft_and_rejects_early():
 
 
 def test_replay_runs_requests_in_real_time_and_validate_compares_it():
-    """serving.simulator.replay adds each request once its arrival has passed and records
-    one time per sampled token; validate pairs such runs with the simulator's prediction."""
+    """serving.simulator.replay adds each request once its arrival has passed, records
+    one time per sampled token and, asked to, every step the runner ran; validate pairs
+    such runs with the simulator's prediction."""
     import time
     import types
 
@@ -232,11 +233,18 @@ def test_replay_runs_requests_in_real_time_and_validate_compares_it():
         return EngineCore(SimRunner(COST), CONFIG, 64, 256, eos_token_id=None)
     requests = [SimRequest(0.15, tuple(range(3, 40)), 3), SimRequest(0.0, tuple(range(50, 60)), 5)]
     start = time.perf_counter()
-    times = replay(engine(), requests)
+    record = ([], [])
+    times = replay(engine(), requests, record=record)
     assert [len(t) for t in times] == [3, 5]
     assert times[0][0] >= 0.15 and time.perf_counter() - start >= 0.15
     assert all(np.all(np.diff(t) >= 0) for t in times)
-    out = validate(types.SimpleNamespace(engine=engine()), requests, InstanceSetup(COST, CONFIG, 64, 256), repeats=2)
+    # every step was recorded in fit_cost_model's format: the two prompts, then decode rows
+    prefill, decode = record
+    assert sorted(n for lens, *_ in prefill for n in lens) == [10, 37]
+    assert all(len(s) == 4 and s[3] >= 0 for s in prefill) and all(c and t >= 0 for c, t in decode)
+    assert sum(len(c) for c, _ in decode) + sum(len(s[2]) for s in prefill) == (3 - 1) + (5 - 1)
+    out = validate(types.SimpleNamespace(engine=engine()), requests, {"c": InstanceSetup(COST, CONFIG, 64, 256)},
+                   repeats=2)
     assert len(out["real"]) == 2 and all(np.all(np.isfinite(run[0])) for run in out["real"])
-    ttft, tpot = out["sim"]  # the simulator charges the cost model: a 10-token prompt alone in a step
+    ttft, tpot = out["sim"]["c"]  # the simulator charges the cost model: a 10-token prompt alone in a step
     assert ttft[1] == pytest.approx(COST.prefill_time([10], [10]), rel=1e-9) and np.all(tpot > 0)

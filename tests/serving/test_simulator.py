@@ -327,3 +327,28 @@ def test_trace_loader_counts_the_optimum_and_the_working_set_by_brute_force(tmp_
         seen.add(b)
     assert optimum == pytest.approx(reused / len(blocks)) and 0 < optimum < 1
     assert [len(r.prompt) for r in requests] == [max(1, int(r["input_length"] * block_tokens / 512)) for r in lines]
+
+
+def test_fit_on_served_steps_with_decode_rows_beside_chunks():
+    """fit_cost_model on steps as an engine serves them (replay's record): chunks with
+    decode rows beside them share decode's per-context-token cost, one joint fit; the
+    fit recovers the model that timed them and predicts step_time of mixed steps."""
+    from serving.engine import Row
+
+    rng = np.random.default_rng(5)
+    prefill, decode = random_samples(rng, 150, noise=0.02)
+    mixed = []
+    for _ in range(150):
+        lens = rng.integers(2, 300, int(rng.integers(1, 3))).tolist()
+        ends = [n + int(s) for n, s in zip(lens, rng.integers(0, 1000, len(lens)))]
+        contexts = rng.integers(1, 2048, int(rng.integers(1, 12))).tolist()
+        rows = [Row((0,) * n, e - n, (0,), True) for n, e in zip(lens, ends)]
+        rows += [Row((0,), c - 1, (0,), True) for c in contexts]
+        mixed.append((lens, ends, contexts, _noisy(TRUE.step_time(rows), rng, 0.02)))
+    cost = fit_cost_model(prefill + mixed, decode)
+    assert_close(cost.prefill, TRUE.prefill, 0.15)
+    assert_close(cost.decode, TRUE.decode, 0.15)
+    # without mixed steps the joint fit is the two separate ones
+    joint = fit_cost_model(prefill, decode)
+    np.testing.assert_allclose(joint.prefill, fit_cost_model(prefill, []).prefill, rtol=1e-9)
+    np.testing.assert_allclose(joint.decode, fit_cost_model([], decode).decode, rtol=1e-9)
