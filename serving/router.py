@@ -229,9 +229,12 @@ def create_router(prefill: list[str], decode: list[str], client: httpx.AsyncClie
                 return chosen
             try:
                 params = await prefill_on(chosen, ROUTES[path], body, headers)
-            finally:
+            except BaseException:  # cancelled, or failed past what prefill_on answers: the request ends here
                 if ticket is not None:
-                    conductor.prefill_done(ticket, time.monotonic())
+                    conductor.finished(ticket, time.monotonic())
+                raise
+            if ticket is not None:
+                conductor.prefill_done(ticket, time.monotonic())
         if isinstance(params, Response):
             if ticket is not None:
                 conductor.finished(ticket, time.monotonic())

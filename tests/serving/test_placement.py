@@ -248,3 +248,30 @@ def test_replay_runs_requests_in_real_time_and_validate_compares_it():
     assert len(out["real"]) == 2 and all(np.all(np.isfinite(run[0])) for run in out["real"])
     ttft, tpot = out["sim"]["c"]  # the simulator charges the cost model: a 10-token prompt alone in a step
     assert ttft[1] == pytest.approx(COST.prefill_time([10], [10]), rel=1e-9) and np.all(tpot > 0)
+
+
+def test_router_forgets_a_request_whose_prefill_call_fails():
+    """A prefill call that raises past what the router answers (here a bug in the
+    transport; in serving, a cancelled request) leaves no prediction behind."""
+    import asyncio
+
+    import httpx
+
+    from serving.router import create_router
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/kv/events":
+            return httpx.Response(200, json={"root": "00" * 16, "page_size": PS, "reset": True, "keys": [],
+                                             "events": [], "next": 1})
+        raise RuntimeError("broken transport")
+
+    router = create_router(["http://p0"], ["http://d0"], httpx.AsyncClient(transport=httpx.MockTransport(handler)),
+                           cost=COST)
+
+    async def call():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(router), base_url="http://router") as c:
+            with pytest.raises(RuntimeError, match="broken transport"):
+                await c.post("/v1/completions", json={"model": "m", "prompt": list(range(5, 105)), "max_tokens": 2})
+    asyncio.run(call())
+    conductor = router.state.conductor
+    assert conductor.counts["admitted"] == 1 and not conductor.where and not any(conductor.running.values())
