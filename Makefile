@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup run test bench gpu-check oracle-fixtures notebooks
+.PHONY: setup run test bench gpu-check gpu-wheels oracle-fixtures notebooks
 
 # Root installs Debian packages itself; anyone else through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -47,6 +47,14 @@ notebooks: setup
 # packages (.venv's Python if there is one), installing wheels from .whl/ if present.
 gpu-check:
 	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pallas_kernels.gpu_check $(GPU_CHECK_ARGS)
+
+# Wheels for a GPU machine without a package registry (Python 3.12, x86-64): what its
+# image lacks of what the checked code imports. gpu-check installs .whl/* first.
+GPU_WHEELS ?= gguf==0.19.0 llguidance==1.9.1
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_17_x86_64 -d .whl $(GPU_WHEELS)
 
 # Regenerate tests/model/fixtures from transformers (installs torch==2.13.0 CPU + transformers).
 oracle-fixtures: setup

@@ -20,11 +20,14 @@ processes sharing the GPU (`--serial` to not). Without a GPU it exits
 with status 2 saying so. `--dry-run` prints the plan and runs nothing.
 
 The GPU machine needs jax with CUDA, flax, optax, orbax-checkpoint, tokenizers, jinja2,
-safetensors, ml_dtypes and pytest, and nothing of this repository installed (it runs from
-the repository root). A package it lacks can travel as wheels in `.whl/` at the root:
-when that folder holds any, they are installed first with
+safetensors, ml_dtypes, gguf (the quantized-matmul tests' oracle), llguidance (imported by
+the engine) and pytest, and nothing of this repository installed (it runs from the
+repository root). A package it lacks can travel as wheels in `.whl/` at the root (`make
+gpu-wheels` downloads gguf's and llguidance's for Python 3.12, which the lent H200 image
+lacks): when that folder holds any, they are installed first with
 `pip install --no-index --no-deps --target <tmp>/kvfold-gpu-check-site` and put on the
-steps' PYTHONPATH.
+steps' PYTHONPATH. On a GPU the tests run float32 matmuls at full precision
+(tests/conftest.py sets jax_default_matmul_precision=highest; JAX's GPU default is TF32).
 
 On a GPU machine with jax (CUDA) and the packages above but no package registry, from
 the repository root (copy a .whl folder along when wheels must travel):

@@ -32,6 +32,7 @@ from quant.formats import (
     E4M3_MAX,
     e2m1_decode,
     e2m1_encode,
+    e2m1_encode_scaled,
     e4m3_decode,
     e4m3_encode,
     pow2,
@@ -112,9 +113,7 @@ def _nvfp4_quantize(x: jax.Array, ts: jax.Array | None) -> NVFP4:
         ts = jnp.where(ts > 0, ts, 1.0)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
     scales = e4m3_encode(amax / (E2M1_MAX * ts))
-    denom = (e4m3_decode(scales) * ts)[..., None]
-    safe = jnp.where(denom > 0, denom, 1.0)
-    codes = e2m1_encode(jnp.where(denom > 0, blocks / safe, 0.0))
+    codes = e2m1_encode_scaled(blocks, (e4m3_decode(scales) * ts)[..., None])
     return NVFP4(pack_nibbles(_unblock(codes)), scales, ts)
 
 

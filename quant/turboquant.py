@@ -267,19 +267,22 @@ def _qjl_scale(p: _Params) -> float:
 @jax.jit
 def _quantize(p: _Params, x: jax.Array) -> TurboCodes:
     norm = jnp.linalg.norm(x, axis=-1)
-    u = x / jnp.where(norm > 0, norm, 1.0)[..., None]
-    y = u @ p.rotation.T
+    safe = jnp.where(norm > 0, norm, 1.0)[..., None]
+    # Codes of the rotated unit vector (x R^T) / norm, found by comparing x R^T with
+    # boundary * norm: no division, whose rounding on GPUs depends on the fusion (see
+    # quant.formats.e2m1_encode_scaled), and full float32 for the rotation (not TF32).
+    y = jnp.dot(x, p.rotation.T, precision=jax.lax.Precision.HIGHEST)
     packed = []
     for (start, size, bits), c in zip(p.layout, p.centroids):
         if bits == 0:
             continue
         boundaries = 0.5 * (c[:-1] + c[1:])
-        codes = jnp.sum(y[..., start : start + size, None] > boundaries, axis=-1, dtype=jnp.int32)
+        codes = jnp.sum(y[..., start : start + size, None] > boundaries * safe[..., None], axis=-1, dtype=jnp.int32)
         packed.append(pack_bits(codes, bits))
     idx = jnp.concatenate(packed, axis=-1) if packed else jnp.zeros((*x.shape[:-1], 0), jnp.uint8)
     if p.mode == "mse":
         return TurboCodes(idx, norm)
-    r = u - _rotated_centroids(p, idx) @ p.rotation
+    r = x / safe - _rotated_centroids(p, idx) @ p.rotation
     signs = (r @ p.projection.T) >= 0
     return TurboCodes(idx, norm, pack_bits(signs, 1), jnp.linalg.norm(r, axis=-1))
 

@@ -119,6 +119,24 @@ def test_pow2_exponent_floor_and_ceil():
     np.testing.assert_array_equal(np.asarray(formats.pow2(jnp.asarray(e))), 2.0**e)
 
 
+def test_e2m1_encode_scaled_is_the_exact_nearest_code_of_the_quotient():
+    """Codes of x / scale without dividing: ml_dtypes rounds the float64 quotient (exact for
+    these scales) to float4_e2m1fn; ties planted at midpoint * scale go to the even code."""
+    rng = np.random.default_rng(2)
+    scales = np.abs(rng.standard_normal(4000)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    scales[:8] = [0.0, 448.0, 2.0**-9, 0.75, 1.0, 3.5, 0.0, 1e-3]
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+    x = (rng.standard_normal(4000) * 3 * scales).astype(np.float32)
+    x[8:15] = mids * scales[8:15]  # exact ties
+    x[15:22] = -np.nextafter(mids * scales[15:22], np.float32(np.inf))
+    x[22:25] = [7.0 * scales[22], -100.0 * scales[23], 0.0]
+    got = np.asarray(formats.e2m1_encode_scaled(jnp.asarray(x), jnp.asarray(scales)))
+    live = scales > 0
+    q = np.clip(x[live].astype(np.float64) / scales[live], -6, 6)
+    np.testing.assert_array_equal(got[live], q.astype(ml_dtypes.float4_e2m1fn).view(np.uint8))
+    np.testing.assert_array_equal(got[~live], 0)
+
+
 def test_e2m1_arithmetic_decode_equals_table_decode_on_every_code():
     codes = jnp.asarray(np.arange(256, dtype=np.uint8))  # high nibble must be ignored
     table = np.asarray(formats.e2m1_decode(codes))
