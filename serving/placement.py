@@ -52,6 +52,8 @@ class Decision:
     decode: str
     ttft_s: float  # predicted
     tpot_s: float  # predicted
+    source: str | None = None  # a prefill instance whose longer cached prefix `prefill` pulls first
+    source_pages: int = 0  # the prompt pages pulled from source (all it caches of the prompt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +69,15 @@ class Conductor:
     prefill and decode: instance names (router: base URLs). With colocated=True the two
     lists are the same instances, and a request's prefill and decode instance is one
     (its TTFT there counts no transfer). cost: the fitted step cost model of one instance;
-    transfer_s_per_page: moving one page from a prefill to a decode instance. A request's
-    bookkeeping (`admit` ... `prefill_done` ... `finished`) is the caller's to keep: the
-    router calls them as responses come back, the simulator at predicted times."""
+    transfer_s_per_page: moving one page between instances. A request's bookkeeping
+    (`admit` ... `prefill_done` ... `finished`) is the caller's to keep: the router calls
+    them as responses come back, the simulator at predicted times.
+
+    Disaggregated, an instance may also pull a prompt's cached prefix from the prefill
+    instance that holds the longest one (Mooncake's remote prefix reuse): its TTFT is then
+    the longer of its queue and the pull (the holder's cached pages of the prompt x
+    transfer_s_per_page; they come while the queue drains), plus the prefill after them. It pulls
+    when that is the lower prediction (Decision.source)."""
 
     def __init__(self, cost: CostModel, prefill: Sequence[str], decode: Sequence[str], page_size: int,
                  transfer_s_per_page: float = 0.0, ttft_slo: float | None = None, tpot_slo: float | None = None,
@@ -99,8 +107,11 @@ class Conductor:
         cached = min(matched_pages * self.page_size, prompt_len - 1)
         return self.cost.prefill_time([prompt_len - cached], [prompt_len])
 
-    def _ttft(self, url: str, now: float, prompt_len: int, matched_pages: int) -> float:
-        t = max(self.busy_until[url] - now, 0.0) + self._prefill_s(prompt_len, matched_pages)
+    def _ttft(self, url: str, now: float, prompt_len: int, matched_pages: int, pulled: int = 0) -> float:
+        """Predicted TTFT on prefill instance url, which caches matched_pages of the prompt
+        and first pulls the `pulled` pages another instance caches (all of them move)."""
+        queue = max(self.busy_until[url] - now, 0.0)
+        t = max(queue, pulled * self.transfer_s) + self._prefill_s(prompt_len, max(matched_pages, pulled))
         if not self.colocated:  # the transfer, then the decode instance's step over the last partial page
             pages = (prompt_len - 1) // self.page_size
             tail = prompt_len - pages * self.page_size
@@ -126,6 +137,13 @@ class Conductor:
             raise ValueError(f"ticket {ticket!r} is already admitted")
         matched = matched or {}
         ttft = {u: self._ttft(u, now, prompt_len, matched.get(u, 0)) for u in self.prefill}
+        pull: dict[str, tuple[str, int]] = {}  # instance -> (holder, pages) where pulling predicts less
+        holder = max(self.prefill, key=lambda u: matched.get(u, 0))
+        if not self.colocated and matched.get(holder, 0):
+            for u in self.prefill:
+                if matched.get(u, 0) < matched[holder] and \
+                        (t := self._ttft(u, now, prompt_len, matched.get(u, 0), matched[holder])) < ttft[u]:
+                    ttft[u], pull[u] = t, (holder, matched[holder])
         if self.colocated:  # one instance does both: the lowest TTFT, its TPOT
             p = d = self._best(ttft, self.prefill)
         else:
@@ -139,13 +157,18 @@ class Conductor:
         if self.tpot_slo is not None and tpot > self.tpot_slo:
             self.counts["rejected_tpot"] += 1
             return Rejection(f"predicted TPOT {tpot:.4f} s exceeds the {self.tpot_slo} s SLO", ttft[p], tpot)
-        seconds = self._prefill_s(prompt_len, matched.get(p, 0))
+        source, source_pages = pull.get(p, (None, 0))
+        seconds = self._prefill_s(prompt_len, source_pages or matched.get(p, 0))
+        start = max(self.busy_until[p], now)
+        if source is not None:
+            start = max(start, now + source_pages * self.transfer_s)
+            self.counts["pulled"] += 1
         self.queued[p][ticket] = seconds
-        self.busy_until[p] = max(self.busy_until[p], now) + seconds
+        self.busy_until[p] = start + seconds
         self.running[d][ticket] = prompt_len
         self.where[ticket] = (p, d)
         self.counts["admitted"] += 1
-        return Decision(p, d, ttft[p], tpot)
+        return Decision(p, d, ttft[p], tpot, source, source_pages)
 
     def prefill_done(self, ticket, now: float) -> None:
         """The prefill of `ticket` ended (answered, or failed): its instance's queue is what
@@ -233,23 +256,27 @@ class _CachedPages:
 def dispatch(requests: Sequence[SimRequest], conductor: Conductor, setup: InstanceSetup
              ) -> list[Decision | Rejection]:
     """The Conductor's choice for each request (in arrival order), with its bookkeeping
-    advanced at predicted times: a prefill ends when its instance's predicted queue does,
-    a request leaves its decode instance after output_len predicted steps."""
+    advanced at predicted times: a prefill ends when its instance's predicted queue does
+    (its prompt's pages are cached there from then on, as the router's index learns of
+    stored pages), a request leaves its decode instance after output_len predicted steps."""
     ps = setup.sched_config.page_size
     caches = {u: _CachedPages(setup.num_pages) for u in conductor.prefill}
     order = sorted(range(len(requests)), key=lambda k: requests[k].arrival_s)
     events: list[tuple[float, int, int, int]] = []  # (time, kind 0 prefill done / 1 finished, seq, ticket)
     out: list[Decision | Rejection | None] = [None] * len(requests)
+    prompt_keys: dict[int, list[bytes]] = {}
     for seq, k in enumerate(order):
         r = requests[k]
         while events and events[0][0] <= r.arrival_s:
             t, kind, _, ticket = heapq.heappop(events)
+            if kind == 0:
+                caches[out[ticket].prefill].add(prompt_keys.pop(ticket))
             (conductor.prefill_done if kind == 0 else conductor.finished)(ticket, t)
         keys = chain(_ROOT, r.prompt[:len(r.prompt) - 1], ps)
         choice = conductor.admit(k, r.arrival_s, len(r.prompt), {u: c.matched(keys) for u, c in caches.items()})
         out[k] = choice
         if isinstance(choice, Decision):
-            caches[choice.prefill].add(keys)
+            prompt_keys[k] = keys
             ready = conductor.busy_until[choice.prefill]
             heapq.heappush(events, (ready, 0, seq, k))
             done = r.arrival_s + choice.ttft_s + max(r.output_len - 1, 0) * choice.tpot_s
@@ -265,10 +292,22 @@ def _instance(requests: list[SimRequest], setup: InstanceSetup) -> list[list[flo
     return res.token_times
 
 
+def _prefill_request(r: SimRequest, choice: Decision, setup: InstanceSetup) -> SimRequest:
+    """r as its prefill instance runs it: one token; a pulled prefix arrives with it, the
+    pull's time later (the real instance overlaps the pull with its queue: the simulator
+    is the more pessimistic of the two)."""
+    r = dataclasses.replace(r, output_len=1)
+    if choice.source is None or not setup.enable_prefix_caching:
+        return r
+    return dataclasses.replace(r, arrival_s=r.arrival_s + choice.source_pages * setup.transfer_s_per_page,
+                               remote_pages=choice.source_pages)
+
+
 def serve(requests: Sequence[SimRequest], placement: Placement, setup: InstanceSetup,
           ttft_slo: float | None = None, tpot_slo: float | None = None) -> Served:
     """Simulate `requests` on `placement`, dispatched by a Conductor (early rejection when
-    SLOs are given). A prefill instance runs each of its requests for one token; the
+    SLOs are given). A prefill instance runs each of its requests for one token, after
+    pulling the prefix the Conductor chose to pull from another (Decision.source); the
     request reaches its decode instance when that prefill ends plus its pages' transfer,
     with the prompt's full pages cached there (SimRequest.remote_pages)."""
     colocated = placement.prefill == 0
@@ -285,7 +324,7 @@ def serve(requests: Sequence[SimRequest], placement: Placement, setup: InstanceS
     if not colocated:
         for u in names_p:
             mine = [k for k, c in enumerate(choices) if isinstance(c, Decision) and c.prefill == u]
-            times = _instance([dataclasses.replace(requests[k], output_len=1) for k in mine], setup)
+            times = _instance([_prefill_request(requests[k], choices[k], setup) for k in mine], setup)
             first.update((k, t[0]) for k, t in zip(mine, times) if t)
     ps = setup.sched_config.page_size
     for u in names_d:

@@ -29,7 +29,11 @@ writes), the router dispatches as Mooncake's Conductor does (serving/placement.p
 queued, the prefill of the part of the prompt it does not cache, the transfer, the decode
 instance's first step), the decode instance with the shortest predicted decode step; and
 with --ttft-slo / --tpot-slo it answers 429 at once when the prediction breaks one (early
-rejection), before any instance spends work on the request.
+rejection), before any instance spends work on the request. When another prefill
+instance holds a longer prefix of the prompt and pulling it predicts the lower TTFT (the
+holder is busy, the chosen instance is not), the router asks the holder to offer it
+(POST /kv/offer) and the chosen instance pulls it before it runs the rest of the prompt
+(Mooncake's remote prefix reuse; app.state.counts["prefix_pulled"]).
 """
 
 from __future__ import annotations
@@ -169,34 +173,54 @@ def create_router(prefill: list[str], decode: list[str], client: httpx.AsyncClie
             pass  # an instance that does not answer keeps its last index
 
     async def choose(kind: str, body: dict):
-        """(prefill URL, decode URL or None: by load, Conductor ticket or None), or a 429."""
+        """(prefill URL, decode URL or None: by load, Conductor ticket or None, (holder URL,
+        prompt ids) of a prefix to pull first or None), or a 429."""
         if conductor is None and (tokenizer is None or len(prefill) == 1):
-            return next(turns), None, None
+            return next(turns), None, None, None
         ids = await asyncio.to_thread(_prompt_ids, tokenizer, kind, body)
         if ids is None:
-            return next(turns), None, None
+            return next(turns), None, None, None
         await asyncio.gather(*(refresh(u) for u in prefill))
         matched = {u: index.matched_pages(u, ids) for u in prefill}
         if conductor is None:
             best = max(matched.values())
             if best > 0:
                 counts["prefix_routed"] += 1
-            return next(u for u in turns if matched[u] == best), None, None  # in turn among the best
+            return next(u for u in turns if matched[u] == best), None, None, None  # in turn among the best
         conductor.page_size = next(iter(index.root.values()), (None, conductor.page_size))[1]
         ticket = next(tickets)
         decision = conductor.admit(ticket, time.monotonic(), len(ids), matched)
         if isinstance(decision, Rejection):
             counts["rejected_early"] += 1
-            return _error(429, f"the router rejects the request: {decision.reason}", "slo_unreachable"), None, None
+            return (_error(429, f"the router rejects the request: {decision.reason}", "slo_unreachable"),
+                    None, None, None)
         if matched[decision.prefill] > 0:
             counts["prefix_routed"] += 1
-        return decision.prefill, decision.decode, ticket
+        pull = None if decision.source is None else (decision.source, ids)
+        return decision.prefill, decision.decode, ticket, pull
 
-    async def prefill_on(url: str, kind: str, body: dict, headers: dict):
-        """The offer for `body` from the prefill instance at url; a JSONResponse to answer
-        the client with (the request is bad); or None (prefill failed: decode computes it)."""
+    async def offer_of(pull) -> dict | None:
+        """The holder's offer of its cached prefix of the prompt (kv_transfer_params for the
+        chosen prefill instance), or None (nothing cached there now, or it failed: the
+        chosen instance computes the prompt)."""
+        holder, ids = pull
         try:
-            r = await http.post(f"{url}/kv/prefill", json={"kind": kind, "request": body}, headers=headers)
+            r = await http.post(f"{holder}/kv/offer", json={"prompt_token_ids": ids})
+            params = r.json().get("kv_transfer_params") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            params = None
+        counts["prefix_pulled" if params else "pull_unavailable"] += 1
+        return None if params is None else {**params, "control": holder}
+
+    async def prefill_on(url: str, kind: str, body: dict, headers: dict, pull=None):
+        """The offer for `body` from the prefill instance at url (which first pulls the
+        prefix `pull` names, if any); a JSONResponse to answer the client with (the request
+        is bad); or None (prefill failed: decode computes it)."""
+        outer = {"kind": kind, "request": body}
+        if pull is not None and (offer := await offer_of(pull)) is not None:
+            outer["kv_transfer_params"] = offer
+        try:
+            r = await http.post(f"{url}/kv/prefill", json=outer, headers=headers)
         except httpx.HTTPError:
             counts["prefill_unreachable"] += 1
             return None
@@ -224,11 +248,11 @@ def create_router(prefill: list[str], decode: list[str], client: httpx.AsyncClie
             return _error(400, "kv_transfer_params is the router's to set", "bad_request")
         params = target = ticket = None
         if turns is not None:
-            chosen, target, ticket = await choose(ROUTES[path], body)
+            chosen, target, ticket, pull = await choose(ROUTES[path], body)
             if isinstance(chosen, Response):
                 return chosen
             try:
-                params = await prefill_on(chosen, ROUTES[path], body, headers)
+                params = await prefill_on(chosen, ROUTES[path], body, headers, pull)
             except BaseException:  # cancelled, or failed past what prefill_on answers: the request ends here
                 if ticket is not None:
                     conductor.finished(ticket, time.monotonic())

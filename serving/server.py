@@ -91,10 +91,12 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
     adapters are read and checked here, so a bad one stops the server from starting.
 
     kv_role: one side of a disaggregated pair (serving/router.py), or None. "prefill"
-    adds POST /kv/prefill (run a request's prompt, offer its pages: serving/kv_transfer.py),
-    /kv/serve and /kv/ack (the pull's handshake); "decode" takes `kv_transfer_params` (an
-    offer and its sender's URL, "control") in /v1 bodies and pulls the pages before the
-    request runs. kv_client: the httpx.AsyncClient a decode instance reaches senders with.
+    adds POST /kv/prefill (run a request's prompt, offer its pages: serving/kv_transfer.py;
+    with `kv_transfer_params` it first pulls another prefill instance's cached prefix),
+    /kv/offer (offer a prompt's cached prefix without running it), /kv/serve and /kv/ack
+    (the pull's handshake); "decode" takes `kv_transfer_params` (an offer and its sender's
+    URL, "control") in /v1 bodies and pulls the pages before the request runs. kv_client:
+    the httpx.AsyncClient an instance reaches senders with.
     kv_address: where this instance's KV transfer server listens (host:port; port 0 picks
     one), an address the other side can reach."""
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
@@ -298,15 +300,16 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
 
     @app.get("/kv/stats")  # no API key, like /metrics
     async def kv_stats():
-        """Transfers by end state ("offered" too on a prefill instance), and on a decode
-        instance the done transfers' pages and seconds (handshake, pull, and the wait for
-        the engine to write them into its pool)."""
+        """Transfers by end state: on a prefill instance those it offered ("offered" too)
+        and, as "pulled", those it pulled from other prefill instances; on a decode
+        instance those it pulled. "pages" and "seconds": the pulled transfers' pages and
+        time (handshake, pull, and the wait for the engine to write them into its pool)."""
+        if kv_role is None:
+            return {"role": kv_role}
+        pulled = {"pages": receiver.pages, "seconds": receiver.seconds}
         if kv_role == "prefill":
-            return {"role": kv_role, "transfers": dict(sender.counts)}
-        if kv_role == "decode":
-            return {"role": kv_role, "transfers": dict(receiver.counts), "pages": receiver.pages,
-                    "seconds": receiver.seconds}
-        return {"role": kv_role}
+            return {"role": kv_role, "transfers": dict(sender.counts), "pulled": dict(receiver.counts), **pulled}
+        return {"role": kv_role, "transfers": dict(receiver.counts), **pulled}
 
     @app.get("/kv/events")  # no API key: chained page hashes only
     async def kv_events(after: int = 0):
@@ -350,7 +353,10 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
             fields = protocol.COMPLETION_FIELDS if kind == "completion" else protocol.CHAT_FIELDS
             prompt = await tokenized(req, fields)
             ids = prompt["prompt_token_ids"]
-            stream = await add([prompt], SamplingParams(temperature=0, max_tokens=1), None, fields)
+            pulled = body.get("kv_transfer_params")  # another prefill instance's cached prefix
+            remote = None if pulled is None else await receive_kv(pulled, ids)
+            stream = await add([prompt], SamplingParams(temperature=0, max_tokens=1), None, fields,
+                               None if remote is None else [remote])
             try:
                 async for _ in stream:
                     pass
@@ -358,6 +364,20 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
                 raise APIError(503, str(e), "server_error", "engine_dead") from None
             handle = await engine.call(sender.offer, ids)
             return {"kv_transfer_params": None if handle is None else handle.to_json(), "prompt_token_ids": ids}
+
+        @kv.post("/offer")
+        async def kv_offer(request: Request):
+            """{"prompt_token_ids"}: offer the pages cached here for a prompt's prefix (to
+            another prefill instance, which the router sends the request to); no prompt
+            runs. {"kv_transfer_params": a KVHandle's JSON or null (nothing cached)}."""
+            body = await read_json(request)
+            ids = body.get("prompt_token_ids") if isinstance(body, dict) else None
+            if not isinstance(ids, list) or not ids or \
+                    not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise APIError(400, "prompt_token_ids must be a non-empty list of token ids",
+                               param="prompt_token_ids")
+            handle = await engine.call(sender.offer, ids)
+            return {"kv_transfer_params": None if handle is None else handle.to_json()}
 
         def uuid_of(body) -> int:
             if not isinstance(body, dict) or isinstance(body.get("uuid"), bool) or \
@@ -421,8 +441,9 @@ def create_app(llm, served_model_name: str = "default", api_key: str | None = No
         task.add_done_callback(background.discard)
         return remote
 
-    if kv_role == "decode":
-        receiver = app.state.kv_receiver = KVReceiver(llm, kv_address)
+    if kv_role is not None:  # a prefill instance pulls other prefill instances' prefixes
+        receive_at = kv_address if kv_role == "decode" else f"{kv_address.rpartition(':')[0]}:0"
+        receiver = app.state.kv_receiver = KVReceiver(llm, receive_at)
         kv_http = kv_client if kv_client is not None else httpx.AsyncClient(  # instances share the API key
             timeout=DEFAULT_PULL_TIMEOUT_S, headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
         pulls = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kvfold-kv-pull")

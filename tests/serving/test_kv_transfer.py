@@ -23,6 +23,7 @@ from serving.engine import RemoteKV
 from serving.kv_transfer import (BOOTSTRAPPING, DONE, FAILED, STATES, TRANSFERRING, WAITING, IllegalTransition,
                                  KVHandle, KVReceiver, KVSender, Transfer)
 from serving.server import expire_offers
+from serving.simulator import CostModel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = np.random.default_rng(3).integers(3, 49152, 53).tolist()  # three full pages and 5 tokens
@@ -269,7 +270,9 @@ def test_router_sends_prefill_to_one_instance_and_decode_to_another(tiny):
 
     colocated = make(tiny, enable_prefix_caching=False)
     prefill_app = create_app(make(tiny), "tiny", kv_role="prefill")
-    second_app = create_app(make(tiny), "tiny", kv_role="prefill")  # a second prefill instance, for the index
+    # a second prefill instance: for the index, and it pulls a prefix from the first
+    second_app = create_app(make(tiny), "tiny", kv_role="prefill",
+                            kv_client=httpx.AsyncClient(mounts={"http://prefill": httpx.ASGITransport(prefill_app)}))
     senders = {"http://prefill": httpx.ASGITransport(prefill_app), "http://second": httpx.ASGITransport(second_app)}
     decode_app = create_app(make(tiny), "tiny", kv_role="decode", kv_client=httpx.AsyncClient(mounts=senders))
     instances = {**senders, "http://decode": httpx.ASGITransport(decode_app)}
@@ -277,6 +280,10 @@ def test_router_sends_prefill_to_one_instance_and_decode_to_another(tiny):
     lost = create_router(["http://127.0.0.1:1"], ["http://decode"], httpx.AsyncClient(mounts=instances))
     conductor = create_router(["http://second", "http://prefill"], ["http://decode"],
                               httpx.AsyncClient(mounts=instances), tokenizer=tiny[2])
+    pulling = create_router(["http://second", "http://prefill"], ["http://decode"], httpx.AsyncClient(mounts=instances),
+                            tokenizer=tiny[2], cost=CostModel(prefill=(1e-2, 1e-3, 0.0), decode=(1e-2, 0.0, 0.0)))
+    pulled_prompt = TEXT + " Then he rested."
+    want_pulled = colocated.generate(pulled_prompt, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
     chat = [{"role": "user", "content": TEXT}]
     want_text = colocated.generate(TEXT, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
     want_chat = colocated.chat(chat, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
@@ -307,15 +314,25 @@ def test_router_sends_prefill_to_one_instance_and_decode_to_another(tiny):
             "A second story about a lighthouse keeper. ", "A third story about the sea and the gulls. ")]
         await asyncio.gather(*decode_app.state.kv_acks)
         assert all(r.status_code == 200 for r in routed)
+        # "prefill" holds the longest prefix but looks busy: "second" pulls it (Mooncake's remote reuse)
+        pulling.state.conductor.busy_until["http://prefill"] = time.monotonic() + 1e3
+        out.append(await go(pulling, "/v1/completions", prompt=pulled_prompt))
+        await asyncio.gather(*decode_app.state.kv_acks, *second_app.state.kv_acks)
+        async with httpx.AsyncClient(mounts=instances) as c:
+            refused.append(await c.post("http://prefill/kv/offer", json={"prompt_token_ids": [1, "x"]}))
         return out, [(r.status_code, r.json()["error"]["message"]) for r in refused]
     with prefill_app.state.engine, decode_app.state.engine, second_app.state.engine:
-        (plain, streamed, chatted, fallback, bad), refused = asyncio.run(calls())
+        (plain, streamed, chatted, fallback, bad, pulled), refused = asyncio.run(calls())
     assert conductor.state.counts == {"prefilled": 3, "prefix_routed": 1}
-    assert prefill_app.state.kv_sender.counts["offered"] == 3 + 2  # TEXT's three, then the extension, then one turn
-    assert second_app.state.kv_sender.counts["offered"] == 1
-    assert [code for code, _ in refused] == [404, 400, 400, 400, 400, 400], refused
+    # TEXT's three, then the extension, then one turn, then the prefix "second" pulled
+    assert prefill_app.state.kv_sender.counts["offered"] == 3 + 2 + 1
+    assert second_app.state.kv_sender.counts["offered"] == 1 + 1
+    assert [code for code, _ in refused] == [404, 400, 400, 400, 400, 400, 400], refused
     assert "no offer 12345" in refused[0][1] and "kv_transfer_params" in refused[4][1]
-    assert "router's to set" in refused[5][1]
+    assert "router's to set" in refused[5][1] and "prompt_token_ids" in refused[6][1]
+    assert pulling.state.counts == {"prefilled": 1, "prefix_pulled": 1}
+    assert second_app.state.kv_receiver.counts == {"done": 1} and second_app.state.kv_receiver.pages > 0
+    assert pulled.status_code == 200 and pulled.json()["choices"][0]["text"] == want_pulled
     assert plain.status_code == 200 and plain.json()["choices"][0]["text"] == want_text
     pieces = [json.loads(line[6:]) for line in streamed.text.splitlines()
               if line.startswith("data: {")]
@@ -323,8 +340,8 @@ def test_router_sends_prefill_to_one_instance_and_decode_to_another(tiny):
     assert chatted.json()["choices"][0]["message"]["content"] == want_chat
     assert fallback.status_code == 200 and fallback.json()["choices"][0]["text"] == want_text
     assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"]
-    assert decode_app.state.kv_receiver.counts == {"done": 6} and not decode_app.state.kv_receiver.transfers
-    assert prefill_app.state.kv_sender.counts == {"offered": 5, "done": 5} and prefill_app.state.kv_sender.held == 0
+    assert decode_app.state.kv_receiver.counts == {"done": 7} and not decode_app.state.kv_receiver.transfers
+    assert prefill_app.state.kv_sender.counts == {"offered": 6, "done": 6} and prefill_app.state.kv_sender.held == 0
     assert router.state.counts == {"prefilled": 3} and lost.state.counts == {"prefill_unreachable": 1}
 
 

@@ -108,6 +108,41 @@ def test_prefix_cached_on_the_prefill_instance_is_found_and_saves_prefill():
     assert served.ttft_s[1] == pytest.approx(expect, rel=1e-9)
 
 
+def test_conductor_pulls_a_longer_prefix_from_a_busy_holder_when_that_predicts_less():
+    """Mooncake's remote prefix reuse: p0 holds 6 pages of the prompt but is busy; idle p1
+    pulls them (6 x 5 ms, while its empty queue waits) and computes the other 4 tokens."""
+    c = Conductor(COST, ["p0", "p1"], ["d0"], PS, transfer_s_per_page=5e-3)
+    c.admit("a", 0.0, 600, {"p0": 6})  # p0 is busy for about 1.6 s
+    b = c.admit("b", 0.0, 100, {"p0": 6})
+    assert (b.prefill, b.source, b.source_pages) == ("p1", "p0", 6)
+    assert b.ttft_s == pytest.approx(6 * 5e-3 + COST.prefill_time([4], [100]) + 6 * 5e-3 + _first_step(100),
+                                     rel=1e-12)
+    assert c.busy_until["p1"] == pytest.approx(6 * 5e-3 + COST.prefill_time([4], [100]), rel=1e-12)
+    assert c.counts["pulled"] == 1
+    # a slow link: p1 computes the whole prompt instead of pulling
+    slow = Conductor(COST, ["p0", "p1"], ["d0"], PS, transfer_s_per_page=0.5)
+    slow.admit("a", 0.0, 600, {"p0": 6})
+    b = slow.admit("b", 0.0, 100, {"p0": 6})
+    assert (b.prefill, b.source, b.source_pages) == ("p1", None, 0)
+    assert b.ttft_s == pytest.approx(COST.prefill_time([100], [100]) + 6 * 0.5 + _first_step(100), rel=1e-12)
+    # colocated replicas never pull (each is its own decode instance)
+    co = Conductor(COST, ["r0", "r1"], ["r0", "r1"], PS, transfer_s_per_page=5e-3, colocated=True)
+    co.admit("a", 0.0, 600, {"r0": 6})
+    assert co.admit("b", 0.0, 100, {"r0": 6}).source is None
+
+
+def test_simulated_prefill_instance_pulls_the_prefix_from_a_busy_holder():
+    shared = tuple(range(1000, 1320))  # 20 pages
+    a = SimRequest(0.0, shared + (5, 6, 7), 2)  # p0 computes and caches the 20 pages
+    u = SimRequest(1.5, shared + tuple(range(3000, 3600)), 2)  # extends them on p0: busy past 3 s
+    b = SimRequest(1.6, shared + (8, 9, 10), 2)  # p1 is idle: it pulls p0's 20 pages, computes 3 tokens
+    served = serve([a, u, b], Placement(2, 1), _setup())
+    expect = 20 * 5e-3 + COST.prefill_time([3], [323]) + 20 * 5e-3 + COST.prefill_time([3], [323])
+    assert served.ttft_s[2] == pytest.approx(expect, rel=1e-9)
+    # without the pull p1 would have computed all 323 tokens
+    assert COST.prefill_time([323], [323]) > 3 * expect
+
+
 def test_max_rate_brackets_and_bisects():
     edge = 3.7
     calls = []
@@ -159,8 +194,9 @@ def test_the_command_prints_every_placement_and_the_best(tmp_path, capsys):
 def test_router_dispatches_by_predicted_ttft_and_rejects_early():
     """serving.router with a cost model over fake instances: a prompt goes to the idle
     prefill instance rather than to the one caching its prefix behind a long queued
-    prefill, and to the prefix holder once that prefill answered; a request whose
-    predicted TTFT breaks the SLO is answered 429 before any instance sees it."""
+    prefill, which pulls that prefix from the holder first (the holder's /kv/offer goes
+    with the request), and to the prefix holder once that prefill answered; a request
+    whose predicted TTFT breaks the SLO is answered 429 before any instance sees it."""
     import asyncio
 
     import httpx
@@ -171,7 +207,7 @@ def test_router_dispatches_by_predicted_ttft_and_rejects_early():
     root = b"r" * 16
     long_prompt, prompt = list(range(5, 1005)), list(range(2000, 2200))
     held = chain(root, prompt, PS)[:12]  # p0 caches 192 of prompt's 200 tokens
-    seen, release = [], asyncio.Event()
+    seen, offers, pulls, release = [], [], [], asyncio.Event()
 
     async def handler(request: httpx.Request) -> httpx.Response:
         host, path = request.url.host, request.url.path
@@ -180,8 +216,12 @@ def test_router_dispatches_by_predicted_ttft_and_rejects_early():
             return httpx.Response(200, json={"root": root.hex(), "page_size": PS, "reset": True, "keys": keys,
                                              "events": [], "next": 1})
         body = json.loads(request.content)
+        if path == "/kv/offer":
+            offers.append((host, len(body["prompt_token_ids"])))
+            return httpx.Response(200, json={"kv_transfer_params": {"uuid": 99}})
         if path == "/kv/prefill":
             seen.append((host, len(body["request"]["prompt"])))
+            pulls.append(body.get("kv_transfer_params"))
             if len(body["request"]["prompt"]) == len(long_prompt):
                 await release.wait()  # a long prefill, still running
             return httpx.Response(200, json={"kv_transfer_params": {"uuid": len(seen)}})
@@ -211,6 +251,8 @@ def test_router_dispatches_by_predicted_ttft_and_rejects_early():
     assert "predicted TTFT" in refused["error"]["message"]
     prefills = [s for s in seen if isinstance(s[1], int)]
     assert prefills == [("p0", 1000), ("p1", 200), ("p1", 1001), ("p0", 201)]
+    assert offers == [("p0", 200)] and pulls == [None, {"uuid": 99, "control": "http://p0"}, None, None]
+    assert router.state.counts["prefix_pulled"] == 1
     conductor = router.state.conductor
     assert not any(conductor.queued.values()) and not any(conductor.running.values()) and not conductor.where
     assert router.state.counts["rejected_early"] == 1 and router.state.counts["prefix_routed"] == 1
