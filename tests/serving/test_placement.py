@@ -292,6 +292,41 @@ def test_replay_runs_requests_in_real_time_and_validate_compares_it():
     assert ttft[1] == pytest.approx(COST.prefill_time([10], [10]), rel=1e-9) and np.all(tpot > 0)
 
 
+def test_fit_served_fits_isolated_and_served_steps_together(monkeypatch):
+    """--cost's fit: the isolated steps (here exact samples of TRUE on measure_engine_steps'
+    layout) and every step the engine ran serving the requests (here a runner that takes
+    TRUE's time per step, so each is timed with real overhead) in one fit, which
+    predicts TRUE's held-out steps within 15%."""
+    import time
+    import types
+
+    from serving import simulator
+    from serving.engine import EngineCore
+    from serving.placement import fit_served
+    from serving.simulator import SimRunner
+    from tests.serving.test_simulator import TRUE, layout_samples
+
+    class Sleeping(SimRunner):
+        def execute(self, rows):
+            out = super().execute(rows)
+            time.sleep(self.last_step_time)
+            return out
+
+    fits, real_fit = [], simulator.fit_cost_model
+    monkeypatch.setattr(simulator, "measure_engine_steps",
+                        lambda llm: layout_samples(256, np.random.default_rng(0), noise=0.0, repeats=1))
+    monkeypatch.setattr(simulator, "fit_cost_model", lambda p, d: fits.append((len(p), len(d))) or real_fit(p, d))
+    llm = types.SimpleNamespace(engine=EngineCore(Sleeping(TRUE), CONFIG, 64, 256, eos_token_id=None))
+    requests = [SimRequest(0.05 * i, tuple(range(100 * i, 100 * i + 20 + 9 * i)), 4) for i in range(6)]
+    cost = fit_served(llm, requests)
+    isolated = layout_samples(256, np.random.default_rng(0), noise=0.0, repeats=1)
+    assert fits[-1][0] > len(isolated[0]) and fits[-1][1] > len(isolated[1])  # the served steps joined them
+    for lens, ends in (([37], [37]), ([64, 16], [128, 80])):
+        assert cost.prefill_time(lens, ends) == pytest.approx(TRUE.prefill_time(lens, ends), rel=0.15)
+    for contexts in ([30], [40, 90, 150]):
+        assert cost.decode_time(contexts) == pytest.approx(TRUE.decode_time(contexts), rel=0.15)
+
+
 def test_router_forgets_a_request_whose_prefill_call_fails():
     """A prefill call that raises past what the router answers (here a bug in the
     transport; in serving, a cancelled request) leaves no prediction behind."""
