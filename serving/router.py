@@ -199,13 +199,13 @@ def create_router(prefill: list[str], decode: list[str], client: httpx.AsyncClie
         pull = None if decision.source is None else (decision.source, ids)
         return decision.prefill, decision.decode, ticket, pull
 
-    async def offer_of(pull) -> dict | None:
+    async def offer_of(pull, headers: dict) -> dict | None:
         """The holder's offer of its cached prefix of the prompt (kv_transfer_params for the
         chosen prefill instance), or None (nothing cached there now, or it failed: the
         chosen instance computes the prompt)."""
         holder, ids = pull
         try:
-            r = await http.post(f"{holder}/kv/offer", json={"prompt_token_ids": ids})
+            r = await http.post(f"{holder}/kv/offer", json={"prompt_token_ids": ids}, headers=headers)
             params = r.json().get("kv_transfer_params") if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError, AttributeError):
             params = None
@@ -217,7 +217,7 @@ def create_router(prefill: list[str], decode: list[str], client: httpx.AsyncClie
         prefix `pull` names, if any); a JSONResponse to answer the client with (the request
         is bad); or None (prefill failed: decode computes it)."""
         outer = {"kind": kind, "request": body}
-        if pull is not None and (offer := await offer_of(pull)) is not None:
+        if pull is not None and (offer := await offer_of(pull, headers)) is not None:
             outer["kv_transfer_params"] = offer
         try:
             r = await http.post(f"{url}/kv/prefill", json=outer, headers=headers)
