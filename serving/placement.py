@@ -2,11 +2,12 @@
 2024), with the Conductor's dispatch and early rejection (Mooncake, Qin et al., FAST 2025).
 
     python -m serving.placement --trace PATH --devices N --ttft-slo S --tpot-slo S \
-        [--model default | --cost FILE] [--num-requests 300] [--overload 1.5]
+        [--model default | --cost FILE] [--tp-sizes 1,3] [--num-requests 300] [--overload 1.5]
 
-For every split of N devices into prefill and decode instances (one device each), and for
-N colocated replicas, bisect the highest request rate at which 90% of the trace's requests
-meet both SLOs; print the table and the best placement. Each instance is the engine's own
+For every split of N devices into prefill and decode instances (one device each, or of
+each --tp-sizes size per role: tensor parallel, with a cost model fitted on that many
+devices), and for colocated replicas, bisect the highest request rate at which 90% of the
+trace's requests meet both SLOs; print the table and the best placement. Each instance is the engine's own
 scheduler and KV manager on simulated time (serving/simulator.py, a cost model fitted on
 the real engine); a decode instance receives a request's prompt pages after its prefill
 instance ran it plus the transfer (seconds per page) and computes only the prompt's last
@@ -68,7 +69,8 @@ class Conductor:
 
     prefill and decode: instance names (router: base URLs). With colocated=True the two
     lists are the same instances, and a request's prefill and decode instance is one
-    (its TTFT there counts no transfer). cost: the fitted step cost model of one instance;
+    (its TTFT there counts no transfer). cost: the fitted step cost model of a prefill
+    instance (decode_cost: of a decode instance, when they differ: tensor-parallel sizes);
     transfer_s_per_page: moving one page between instances. A request's bookkeeping
     (`admit` ... `prefill_done` ... `finished`) is the caller's to keep: the router calls
     them as responses come back, the simulator at predicted times.
@@ -81,7 +83,7 @@ class Conductor:
 
     def __init__(self, cost: CostModel, prefill: Sequence[str], decode: Sequence[str], page_size: int,
                  transfer_s_per_page: float = 0.0, ttft_slo: float | None = None, tpot_slo: float | None = None,
-                 colocated: bool = False):
+                 colocated: bool = False, decode_cost: CostModel | None = None):
         if not prefill or not decode:
             raise ValueError("the Conductor needs at least one prefill and one decode instance")
         if colocated and list(prefill) != list(decode):
@@ -92,7 +94,10 @@ class Conductor:
         for name, slo in (("ttft_slo", ttft_slo), ("tpot_slo", tpot_slo)):
             if slo is not None and not slo > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {slo}")
+        if colocated and decode_cost not in (None, cost):
+            raise ValueError("colocated instances have one cost model: leave decode_cost out")
         self.cost, self.page_size, self.transfer_s = cost, page_size, transfer_s_per_page
+        self.decode_cost = decode_cost or cost
         self.prefill, self.decode, self.colocated = list(prefill), list(decode), colocated
         self.ttft_slo, self.tpot_slo = ttft_slo, tpot_slo
         self.queued = {u: {} for u in self.prefill}  # instance -> ticket -> predicted prefill seconds
@@ -115,13 +120,13 @@ class Conductor:
         if not self.colocated:  # the transfer, then the decode instance's step over the last partial page
             pages = (prompt_len - 1) // self.page_size
             tail = prompt_len - pages * self.page_size
-            first = (self.cost.prefill_time([tail], [prompt_len]) if tail > 1
-                     else self.cost.decode_time([prompt_len]))
+            first = (self.decode_cost.prefill_time([tail], [prompt_len]) if tail > 1
+                     else self.decode_cost.decode_time([prompt_len]))
             t += pages * self.transfer_s + first
         return t
 
     def _tpot(self, url: str, prompt_len: int) -> float:
-        return self.cost.decode_time([*self.running[url].values(), prompt_len])
+        return self.decode_cost.decode_time([*self.running[url].values(), prompt_len])
 
     def _best(self, values: Mapping[str, float], names: list[str]) -> str:
         low = min(values.values())
@@ -193,19 +198,25 @@ class Conductor:
 class Placement:
     prefill: int  # prefill instances; 0: colocated replicas
     decode: int  # decode instances, or colocated replicas
+    prefill_tp: int = 1  # devices per prefill instance (tensor parallel); colocated: per replica
+    decode_tp: int = 1  # devices per decode instance; colocated: per replica, as prefill_tp
 
     @property
     def devices(self) -> int:
-        return self.prefill + self.decode
+        return self.prefill * self.prefill_tp + self.decode * self.decode_tp
 
     @property
     def label(self) -> str:
-        return f"{self.decode} colocated" if not self.prefill else f"{self.prefill}P + {self.decode}D"
+        tp = lambda n: f"(tp{n})" if n > 1 else ""
+        if not self.prefill:
+            return f"{self.decode} colocated" + (f" (tp{self.decode_tp})" if self.decode_tp > 1 else "")
+        return f"{self.prefill}P{tp(self.prefill_tp)} + {self.decode}D{tp(self.decode_tp)}"
 
 
 @dataclasses.dataclass(frozen=True)
 class InstanceSetup:
-    """What every simulated instance is: one engine on one device."""
+    """What a simulated instance is: one engine (on one device, or tensor parallel over
+    several: its cost model says which)."""
     cost: CostModel
     sched_config: sched.SchedulerConfig
     num_pages: int
@@ -303,28 +314,33 @@ def _prefill_request(r: SimRequest, choice: Decision, setup: InstanceSetup) -> S
                                remote_pages=choice.source_pages)
 
 
-def serve(requests: Sequence[SimRequest], placement: Placement, setup: InstanceSetup,
-          ttft_slo: float | None = None, tpot_slo: float | None = None) -> Served:
+def serve(requests: Sequence[SimRequest], placement: Placement,
+          setup: InstanceSetup | Mapping[int, InstanceSetup], ttft_slo: float | None = None,
+          tpot_slo: float | None = None) -> Served:
     """Simulate `requests` on `placement`, dispatched by a Conductor (early rejection when
     SLOs are given). A prefill instance runs each of its requests for one token, after
     pulling the prefix the Conductor chose to pull from another (Decision.source); the
     request reaches its decode instance when that prefill ends plus its pages' transfer,
-    with the prompt's full pages cached there (SimRequest.remote_pages)."""
+    with the prompt's full pages cached there (SimRequest.remote_pages). setup: every
+    instance's, or {tensor-parallel size: setup} for placements with instances of
+    several devices (`placements`' tp_sizes)."""
     colocated = placement.prefill == 0
     if placement.decode < 1 or placement.prefill < 0:
         raise ValueError(f"a placement needs >= 1 decode instance (or colocated replica), got {placement}")
+    setup_p = setup_for(setup, placement.decode_tp if colocated else placement.prefill_tp)
+    setup, transfer_s = setup_for(setup, placement.decode_tp), setup_p.transfer_s_per_page  # decode's from here
     names_p = [f"p{i}" for i in range(placement.prefill)] or [f"r{i}" for i in range(placement.decode)]
     names_d = names_p if colocated else [f"d{i}" for i in range(placement.decode)]
-    conductor = Conductor(setup.cost, names_p, names_d, setup.sched_config.page_size, setup.transfer_s_per_page,
-                          ttft_slo, tpot_slo, colocated=colocated)
-    choices = dispatch(requests, conductor, setup)
+    conductor = Conductor(setup_p.cost, names_p, names_d, setup.sched_config.page_size, transfer_s,
+                          ttft_slo, tpot_slo, colocated=colocated, decode_cost=setup.cost)
+    choices = dispatch(requests, conductor, setup_p)
     token_times: list[list[float]] = [[] for _ in requests]
     rejected = np.array([isinstance(c, Rejection) for c in choices], bool)
     first: dict[int, float] = {}  # request -> when its prefill instance's token came (disaggregated)
     if not colocated:
         for u in names_p:
             mine = [k for k, c in enumerate(choices) if isinstance(c, Decision) and c.prefill == u]
-            times = _instance([_prefill_request(requests[k], choices[k], setup) for k in mine], setup)
+            times = _instance([_prefill_request(requests[k], choices[k], setup_p) for k in mine], setup_p)
             first.update((k, t[0]) for k, t in zip(mine, times) if t)
     ps = setup.sched_config.page_size
     for u in names_d:
@@ -337,7 +353,7 @@ def serve(requests: Sequence[SimRequest], placement: Placement, setup: InstanceS
             for k in mine:
                 r = requests[k]
                 pages = (len(r.prompt) - 1) // ps
-                batch.append(dataclasses.replace(r, arrival_s=first[k] + pages * setup.transfer_s_per_page,
+                batch.append(dataclasses.replace(r, arrival_s=first[k] + pages * transfer_s,
                                                  remote_pages=pages if setup.enable_prefix_caching else 0))
         for k, times in zip(mine, _instance(batch, setup)):
             token_times[k] = times
@@ -390,11 +406,33 @@ def max_rate(attainment: Callable[[float], float], guess: float, target: float =
     return lo, seen[lo]
 
 
-def placements(devices: int) -> list[Placement]:
-    """Every split of `devices` into >= 1 prefill and >= 1 decode instance, then colocated replicas."""
+def placements(devices: int, tp_sizes: Sequence[int] = (1,)) -> list[Placement]:
+    """Every split of exactly `devices` into >= 1 prefill and >= 1 decode instance, each
+    role's instances of one tensor-parallel size from tp_sizes, then colocated replicas of
+    each size that divides `devices`."""
     if devices < 1:
         raise ValueError(f"--devices must be >= 1, got {devices}")
-    return [Placement(p, devices - p) for p in range(1, devices)] + [Placement(0, devices)]
+    if not tp_sizes or any(not isinstance(t, int) or t < 1 for t in tp_sizes) or len(set(tp_sizes)) < len(tp_sizes):
+        raise ValueError(f"tensor-parallel sizes must be distinct ints >= 1, got {list(tp_sizes)}")
+    out = []
+    for tp_p in tp_sizes:
+        for tp_d in tp_sizes:
+            for p in range(1, devices):
+                rest = devices - p * tp_p
+                if rest >= tp_d and rest % tp_d == 0:
+                    out.append(Placement(p, rest // tp_d, tp_p, tp_d))
+    return out + [Placement(0, devices // tp, tp, tp) for tp in tp_sizes if devices % tp == 0]
+
+
+def setup_for(setup: InstanceSetup | Mapping[int, InstanceSetup], tp: int) -> InstanceSetup:
+    """The setup of an instance of tp devices: setup itself for tp 1, or setup[tp]."""
+    if isinstance(setup, InstanceSetup):
+        if tp != 1:
+            raise ValueError(f"an instance of {tp} devices needs its own cost model: pass {{tp: InstanceSetup}}")
+        return setup
+    if tp not in setup:
+        raise ValueError(f"no instance setup (cost model) for tensor-parallel size {tp}; have {sorted(setup)}")
+    return setup[tp]
 
 
 def capacity_guess(requests: Sequence[SimRequest], setup: InstanceSetup, devices: int) -> float:
@@ -505,24 +543,44 @@ def _pct(x: np.ndarray, q: float) -> float:
     return float(np.percentile(x, q)) if len(x) else math.nan
 
 
-def _cost(args) -> CostModel:
-    if args.cost and os.path.exists(args.cost):
+def cost_path(path: str | None, tp: int) -> str | None:
+    """Where the cost model of an instance of tp devices is kept: `path` for tp 1, else
+    path with .tp<N> before its extension (cost.json -> cost.tp3.json)."""
+    if path is None or tp == 1:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.tp{tp}{ext}"
+
+
+def _cost(args, tp: int = 1) -> CostModel:
+    path = cost_path(args.cost, tp)
+    if path and os.path.exists(path):
         try:
-            return CostModel.load(args.cost)
+            return CostModel.load(path)
         except ValueError as e:
             raise SystemExit(f"kvfold placement: {e}")
     from serving.bench import load_trace
     from serving.llm import LLM
 
-    print(f"fitting the cost model on {args.model}: its isolated steps, then the steps it serves for the "
-          f"trace's first {args.fit_requests} requests at {args.validate_rate} req/s ...", file=sys.stderr)
+    print(f"fitting the cost model of {args.model} on {tp} device(s): its isolated steps, then the steps it "
+          f"serves for the trace's first {args.fit_requests} requests at {args.validate_rate} req/s ...",
+          file=sys.stderr)
     llm = LLM(args.model, max_model_len=2048, max_num_seqs=SCHEDULER.max_num_seqs,
-              max_num_batched_tokens=SCHEDULER.max_num_batched_tokens, num_kv_blocks=512)
+              max_num_batched_tokens=SCHEDULER.max_num_batched_tokens, num_kv_blocks=512,
+              tensor_parallel_size=tp)
     trace, _, _ = load_trace(args.trace, args.fit_requests, 8, 1024, 1 / 32)
     cost = fit_served(llm, at_rate(trace, args.validate_rate, seed=1))
-    if args.cost:
-        cost.save(args.cost)
+    if path:
+        cost.save(path)
     return cost
+
+
+def _host_devices(count: int) -> None:
+    """On a CPU host, let jax see `count` devices for tensor-parallel fits (XLA's host
+    device count must be set before jax starts; a GPU or TPU host's devices are real)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if count > 1 and "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
 def _samples(llm, requests: Sequence[SimRequest]) -> tuple[tuple[list, list], tuple[list, list]]:
@@ -553,11 +611,13 @@ def fit_served(llm, requests: Sequence[SimRequest]) -> CostModel:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from serving.bench import load_trace
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", required=True, help="a Mooncake-format JSONL trace")
     parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--tp-sizes", default="1",
+                        help="comma-separated tensor-parallel sizes an instance may have (default 1); each size's "
+                             "cost model is fitted on --model with that many devices (kept in --cost's file with "
+                             ".tp<N> before its extension)")
     parser.add_argument("--ttft-slo", type=float, required=True, help="seconds")
     parser.add_argument("--tpot-slo", type=float, required=True, help="seconds")
     parser.add_argument("--model", default="default", help="the model whose engine steps the cost model fits")
@@ -592,33 +652,43 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("SLOs and --output-scale must be > 0, --transfer-ms-per-page and --overload >= 0")
     if args.validate < 0 or not args.validate_rate > 0:
         parser.error("--validate must be >= 0 and --validate-rate > 0")
+    try:
+        tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
+        candidates = placements(args.devices, tp_sizes)
+    except ValueError as e:
+        parser.error(f"--tp-sizes takes distinct sizes >= 1 separated by commas: {e}")
+    _host_devices(max(tp_sizes))
+    from serving.bench import load_trace  # imports jax
+
     if args.validate:
         _print_validation(args)
-    cost = _cost(args)
-    setup = InstanceSetup(cost, SCHEDULER, args.kv_pages, args.max_model_len, args.transfer_ms_per_page / 1e3)
+    setups = {tp: InstanceSetup(_cost(args, tp), SCHEDULER, args.kv_pages, args.max_model_len,
+                                args.transfer_ms_per_page / 1e3) for tp in tp_sizes}
     requests, _, _ = load_trace(args.trace, args.num_requests, args.block_tokens, args.max_model_len - 64,
                                 args.output_scale)
     slo = (args.ttft_slo, args.tpot_slo)
     print(f"placement: {len(requests)} requests of {args.trace} (mean prompt "
           f"{np.mean([len(r.prompt) for r in requests]):.0f} tokens, mean output "
-          f"{np.mean([r.output_len for r in requests]):.0f}), {args.devices} devices, one instance a device, "
-          f"SLOs TTFT <= {args.ttft_slo} s and TPOT <= {args.tpot_slo} s for {ATTAINMENT:.0%} of requests; "
-          f"simulated engines with a cost model (prefill {cost.prefill}, decode {cost.decode}), "
-          f"{args.kv_pages} KV pages each, KV transfer {args.transfer_ms_per_page} ms/page")
+          f"{np.mean([r.output_len for r in requests]):.0f}), {args.devices} devices, instances of "
+          f"{' or '.join(map(str, tp_sizes))} device(s) (tensor parallel), SLOs TTFT <= {args.ttft_slo} s and "
+          f"TPOT <= {args.tpot_slo} s for {ATTAINMENT:.0%} of requests; simulated engines with a cost model per "
+          f"size (" + "; ".join(f"tp{tp}: prefill {_coefficients(u.cost.prefill)}, decode "
+                               f"{_coefficients(u.cost.decode)}" for tp, u in setups.items()) +
+          f"), {args.kv_pages} KV pages each, KV transfer {args.transfer_ms_per_page} ms/page")
     print("| placement | goodput req/s | per device | attainment | TTFT p50 / p90 (s) | TPOT p50 / p90 (s) |")
     print("|---|---:|---:|---:|---|---|")
     rows = []
-    for placement in placements(args.devices):
-        rate, got = max_rate(lambda q, p=placement: serve(at_rate(requests, q), p, setup).attainment(*slo),
-                             capacity_guess(requests, setup, placement.devices))
-        served = serve(at_rate(requests, rate), placement, setup) if rate else None
+    for placement in candidates:
+        rate, got = max_rate(lambda q, p=placement: serve(at_rate(requests, q), p, setups).attainment(*slo),
+                             capacity_guess(requests, setups[placement.decode_tp], placement.devices))
+        served = serve(at_rate(requests, rate), placement, setups) if rate else None
         rows.append((placement, rate, served))
         lat = "- | -" if served is None else (
             f"{_pct(served.ttft_s, 50):.2f} / {_pct(served.ttft_s, 90):.2f} | "
             f"{_pct(served.tpot_s, 50):.3f} / {_pct(served.tpot_s, 90):.3f}")
         print(f"| {placement.label} | {rate:.3f} | {rate / placement.devices:.3f} | {got:.2f} | {lat} |")
     best = max((r for r in rows if r[0].prefill), key=lambda r: r[1], default=None)
-    colocated = rows[-1]
+    colocated = max((r for r in rows if not r[0].prefill), key=lambda r: r[1])
     if best is not None:
         ratio = f"{best[1] / colocated[1]:.2f}x" if colocated[1] else "inf"
         print(f"best disaggregated placement: {best[0].label}, {best[1]:.3f} req/s ({best[1] / args.devices:.3f} "
@@ -630,7 +700,7 @@ def main(argv: list[str] | None = None) -> None:
         print("| early rejection | 429 share | attainment of all | goodput (met SLOs / s) |")
         print("|---|---:|---:|---:|")
         for early in (False, True):
-            served = serve(at_rate(requests, rate), top[0], setup, *(slo if early else (None, None)))
+            served = serve(at_rate(requests, rate), top[0], setups, *(slo if early else (None, None)))
             met = served.met(*slo).sum()
             print(f"| {'on' if early else 'off'} | {served.rejected.mean():.1%} | {served.attainment(*slo):.2f} | "
                   f"{met / served.makespan_s if served.makespan_s else 0:.3f} |")
@@ -640,5 +710,5 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["Conductor", "Decision", "InstanceSetup", "Placement", "Rejection", "Served", "at_rate", "dispatch",
-           "fit_served", "latencies", "max_rate", "placements", "serve", "validate"]
+__all__ = ["Conductor", "Decision", "InstanceSetup", "Placement", "Rejection", "Served", "at_rate", "cost_path",
+           "dispatch", "fit_served", "latencies", "max_rate", "placements", "serve", "setup_for", "validate"]

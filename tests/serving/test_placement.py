@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from serving import scheduler as sched
-from serving.placement import (Conductor, Decision, InstanceSetup, Placement, Rejection, at_rate, main, max_rate,
-                               placements, serve)
+from serving.placement import (Conductor, Decision, InstanceSetup, Placement, Rejection, at_rate, cost_path, main,
+                               max_rate, placements, serve)
 from serving.simulator import CostModel, SimRequest
 
 COST = CostModel(prefill=(4e-2, 1.5e-3, 2e-6), decode=(3e-2, 4e-5, 1e-2))
@@ -143,6 +143,40 @@ def test_simulated_prefill_instance_pulls_the_prefix_from_a_busy_holder():
     assert COST.prefill_time([323], [323]) > 3 * expect
 
 
+def test_placements_with_tensor_parallel_sizes_use_exactly_the_devices():
+    got = placements(4, (1, 3))
+    assert [p.label for p in got] == ["1P + 3D", "2P + 2D", "3P + 1D", "1P + 1D(tp3)", "1P(tp3) + 1D", "4 colocated"]
+    assert all(p.devices == 4 for p in got)
+    assert [p.label for p in placements(6, (1, 3))][-2:] == ["6 colocated", "2 colocated (tp3)"]
+    for bad in ((1, 1), (0,), ()):
+        with pytest.raises(ValueError, match="distinct ints >= 1"):
+            placements(4, bad)
+
+
+def test_tensor_parallel_instances_run_on_their_own_cost_models():
+    """A prefill (decode) instance of 3 devices runs on the tp3 cost model, the other role
+    on tp1's; the Conductor predicts TPOT with the decode instances' model."""
+    half = lambda c: tuple(x / 2 for x in c)
+    fast_prefill = CostModel(prefill=half(COST.prefill), decode=COST.decode)
+    fast_decode = CostModel(prefill=COST.prefill, decode=half(COST.decode))
+    prompt, out = tuple(range(3, 43)), 4
+    request = [SimRequest(0.0, prompt, out)]
+    tp3 = lambda cost: {1: _setup(), 3: InstanceSetup(cost, CONFIG, 256, 1024, 5e-3)}
+    served = serve(request, Placement(1, 1, 3, 1), tp3(fast_prefill))
+    ttft = fast_prefill.prefill_time([40], [40]) + 2 * 5e-3 + COST.prefill_time([8], [40])
+    assert served.ttft_s[0] == pytest.approx(ttft, rel=1e-9)
+    served = serve(request, Placement(1, 1, 1, 3), tp3(fast_decode))
+    assert served.tpot_s[0] == pytest.approx(np.mean([fast_decode.decode_time([c]) for c in (41, 42, 43)]), rel=1e-9)
+    c = Conductor(COST, ["p0"], ["d0"], PS, decode_cost=fast_decode)
+    assert c.admit("a", 0.0, 100).tpot_s == pytest.approx(fast_decode.decode_time([100]), rel=1e-12)
+    with pytest.raises(ValueError, match="one cost model"):
+        Conductor(COST, ["r0"], ["r0"], PS, colocated=True, decode_cost=fast_decode)
+    with pytest.raises(ValueError, match="tensor-parallel size 3"):
+        serve(request, Placement(1, 1, 3, 1), {1: _setup()})
+    with pytest.raises(ValueError, match="its own cost model"):
+        serve(request, Placement(1, 1, 3, 1), _setup())
+
+
 def test_max_rate_brackets_and_bisects():
     edge = 3.7
     calls = []
@@ -187,8 +221,18 @@ def test_the_command_prints_every_placement_and_the_best(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| 1P + 1D |" in out and "| 2 colocated |" in out
     assert "best disaggregated placement: 1P + 1D" in out and "| on |" in out and "| off |" in out
-    with pytest.raises(SystemExit):
-        main(["--trace", str(trace), "--devices", "0", "--ttft-slo", "3", "--tpot-slo", "0.1", "--cost", str(cost)])
+    # instances of 2 devices: their cost model is read from cost.tp2.json
+    assert cost_path(str(cost), 2) == str(tmp_path / "cost.tp2.json") and cost_path(str(cost), 1) == str(cost)
+    (tmp_path / "cost.tp2.json").write_text(json.dumps({"prefill": [x / 2 for x in COST.prefill],
+                                                         "decode": [x / 2 for x in COST.decode]}))
+    main(["--trace", str(trace), "--devices", "2", "--ttft-slo", "3", "--tpot-slo", "0.1", "--cost", str(cost),
+          "--num-requests", "24", "--max-model-len", "1024", "--kv-pages", "512", "--tp-sizes", "1,2",
+          "--overload", "0"])
+    out = capsys.readouterr().out
+    assert "| 1 colocated (tp2) |" in out and "| 2 colocated |" in out and "tp2: prefill" in out
+    for bad in (["--devices", "0"], ["--devices", "2", "--tp-sizes", "1,x"], ["--devices", "2", "--tp-sizes", "2,2"]):
+        with pytest.raises(SystemExit):
+            main(["--trace", str(trace), *bad, "--ttft-slo", "3", "--tpot-slo", "0.1", "--cost", str(cost)])
 
 
 def test_router_dispatches_by_predicted_ttft_and_rejects_early():
