@@ -7,11 +7,11 @@
 For every split of N devices into prefill and decode instances (one device each, or of
 each --tp-sizes size per role: tensor parallel, with a cost model fitted on that many
 devices), and for colocated replicas, bisect the highest request rate at which 90% of the
-trace's requests meet both SLOs; print the table and the best placement. Each instance is the engine's own
-scheduler and KV manager on simulated time (serving/simulator.py, a cost model fitted on
-the real engine); a decode instance receives a request's prompt pages after its prefill
-instance ran it plus the transfer (seconds per page) and computes only the prompt's last
-partial page before decoding, as serving/router.py's instances do.
+trace's requests meet both SLOs; print the table and the best placement. Each instance is
+the engine's own scheduler and KV manager on simulated time (serving/simulator.py, a cost
+model fitted on the real engine); a decode instance receives a request's prompt pages
+after its prefill instance ran it plus the transfer (seconds per page) and computes only
+the prompt's last partial page before decoding, as serving/router.py's instances do.
 
 `Conductor` is the router's dispatch (the router uses it when given a cost model): it
 predicts each request's TTFT on every prefill instance (its queue of predicted prefill work,
@@ -328,11 +328,12 @@ def serve(requests: Sequence[SimRequest], placement: Placement,
     if placement.decode < 1 or placement.prefill < 0:
         raise ValueError(f"a placement needs >= 1 decode instance (or colocated replica), got {placement}")
     setup_p = setup_for(setup, placement.decode_tp if colocated else placement.prefill_tp)
-    setup, transfer_s = setup_for(setup, placement.decode_tp), setup_p.transfer_s_per_page  # decode's from here
+    setup_d = setup_for(setup, placement.decode_tp)
+    transfer_s = setup_p.transfer_s_per_page
     names_p = [f"p{i}" for i in range(placement.prefill)] or [f"r{i}" for i in range(placement.decode)]
     names_d = names_p if colocated else [f"d{i}" for i in range(placement.decode)]
-    conductor = Conductor(setup_p.cost, names_p, names_d, setup.sched_config.page_size, transfer_s,
-                          ttft_slo, tpot_slo, colocated=colocated, decode_cost=setup.cost)
+    conductor = Conductor(setup_p.cost, names_p, names_d, setup_d.sched_config.page_size, transfer_s,
+                          ttft_slo, tpot_slo, colocated=colocated, decode_cost=setup_d.cost)
     choices = dispatch(requests, conductor, setup_p)
     token_times: list[list[float]] = [[] for _ in requests]
     rejected = np.array([isinstance(c, Rejection) for c in choices], bool)
@@ -342,7 +343,7 @@ def serve(requests: Sequence[SimRequest], placement: Placement,
             mine = [k for k, c in enumerate(choices) if isinstance(c, Decision) and c.prefill == u]
             times = _instance([_prefill_request(requests[k], choices[k], setup_p) for k in mine], setup_p)
             first.update((k, t[0]) for k, t in zip(mine, times) if t)
-    ps = setup.sched_config.page_size
+    ps = setup_d.sched_config.page_size
     for u in names_d:
         mine = [k for k, c in enumerate(choices) if isinstance(c, Decision) and c.decode == u
                 and (colocated or k in first)]
@@ -354,8 +355,8 @@ def serve(requests: Sequence[SimRequest], placement: Placement,
                 r = requests[k]
                 pages = (len(r.prompt) - 1) // ps
                 batch.append(dataclasses.replace(r, arrival_s=first[k] + pages * transfer_s,
-                                                 remote_pages=pages if setup.enable_prefix_caching else 0))
-        for k, times in zip(mine, _instance(batch, setup)):
+                                                 remote_pages=pages if setup_d.enable_prefix_caching else 0))
+        for k, times in zip(mine, _instance(batch, setup_d)):
             token_times[k] = times
     ttft, tpot = latencies(token_times, requests)
     return Served(ttft, tpot, rejected, max((t[-1] for t in token_times if t), default=0.0))
