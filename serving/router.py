@@ -44,9 +44,11 @@ import collections
 import contextlib
 import itertools
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -337,11 +339,22 @@ def discover(urls: list[str], timeout_s: float = 10.0) -> tuple[list[str], list[
     return roles["prefill"], roles["decode"]
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
 def spawn(num_prefill: int, num_decode: int, server_flags: list[str], timeout_s: float = STARTUP_TIMEOUT_S):
     """Start the instances as `serving.server` processes on 127.0.0.1 and wait until each
-    answers /health; yields (prefill URLs, decode URLs); stops them on exit."""
+    answers /health; yields (prefill URLs, decode URLs); stops them on exit.
+
+    SIGTERM stops them too: meanwhile (in the main thread) it raises SystemExit, so this
+    exits. uvicorn shuts down gracefully on SIGTERM and then raises it again, which with
+    Python's default action would end the process with the instances still running."""
     procs, urls = [], {"prefill": [], "decode": []}
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                         os.environ.get("PYTHONPATH", "")])}
     try:
@@ -374,6 +387,8 @@ def spawn(num_prefill: int, num_decode: int, server_flags: list[str], timeout_s:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _instance_model(server_flags: list[str]) -> str:

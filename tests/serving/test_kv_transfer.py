@@ -366,7 +366,7 @@ def test_router_command_starts_its_instances_and_serves(tmp_path, default_tokeni
     """`python -m serving.router --prefill-instances 1 --decode-instances 1` on a tiny
     checkpoint behind an API key: three processes, one OpenAI completion equal to an LLM
     on the same checkpoint, and a KV transfer done on the decode instance (which sends
-    the key to the prefill instance)."""
+    the key to the prefill instance); SIGTERM to the router stops its instances too."""
     import socket
     import urllib.request
 
@@ -404,6 +404,9 @@ def test_router_command_starts_its_instances_and_serves(tmp_path, default_tokeni
     finally:
         proc.terminate()
         proc.wait(timeout=120)
+    for instance in health["prefill"] + health["decode"]:  # the router stopped its instances
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"{instance}/health", timeout=5)
     want = LLM(path, max_model_len=128).generate(TEXT, SamplingParams(temperature=0, max_tokens=8))
     assert text == want[0].outputs[0].text
     assert stats["transfers"] == {"done": 1} and stats["pages"] >= 2
