@@ -14,6 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	# The Mooncake Store's wheel (the hierarchical cache's shared store) links Debian's libibverbs1.
 	ldconfig -p | grep -q libibverbs.so.1 || $(SUDO) apt-get install -y -q libibverbs1 || \
 		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libibverbs1)
+	# A C++ compiler builds the CPU kernel of the packed-weight matmul (pallas_kernels/quant_matmul/cpu.py).
+	command -v g++ >/dev/null || $(SUDO) apt-get install -y -q g++ || \
+		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q g++)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'

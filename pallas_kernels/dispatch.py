@@ -39,23 +39,26 @@ def bind(fn: Callable, **options) -> Bound:
     return Bound(fn, tuple(sorted(options.items())))
 
 
-@functools.partial(jax.jit, static_argnames=("ref", "tpu", "gpu", "interpret"))
-def _staged(*args, ref, tpu, gpu, interpret):
+@functools.partial(jax.jit, static_argnames=("ref", "tpu", "gpu", "cpu", "interpret"))
+def _staged(*args, ref, tpu, gpu, cpu, interpret):
     if interpret:
         return tpu(*args, interpret=interpret)
     branches = dict(tpu=functools.partial(tpu, interpret=False), default=ref)
     if gpu is not None:
         gpu_fn = functools.partial(gpu, interpret=False)
         branches.update(cuda=gpu_fn, rocm=gpu_fn)
+    if cpu is not None:
+        branches.update(cpu=cpu)
     return lax.platform_dependent(*args, **branches)
 
 
-def dispatch(*args, ref: Bound, tpu: Bound, gpu: Bound | None, interpret: Any):
-    """Run `ref` (CPU/other), `tpu` (Mosaic) or `gpu` (Triton/GPU) on array `args`.
+def dispatch(*args, ref: Bound, tpu: Bound, gpu: Bound | None, interpret: Any, cpu: Bound | None = None):
+    """Run `ref` (CPU/other), `tpu` (Mosaic), `gpu` (Triton/GPU) or `cpu` (a native CPU
+    kernel, when given; else CPU runs `ref`) on array `args`.
 
-    ref/tpu/gpu are `bind(module_function, **static_options)`: they key the jit cache,
+    ref/tpu/gpu/cpu are `bind(module_function, **static_options)`: they key the jit cache,
     so they must compare by value (a functools.partial or a fresh lambda would compile
     on every call). interpret: None/False for the platform's own path; True or a
     pltpu.InterpretParams runs the TPU kernel in interpret mode.
     """
-    return _staged(*args, ref=ref, tpu=tpu, gpu=gpu, interpret=interpret or None)
+    return _staged(*args, ref=ref, tpu=tpu, gpu=gpu, cpu=cpu, interpret=interpret or None)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from pallas_kernels import validate as v
 from pallas_kernels.dispatch import bind, dispatch
 from quant.packed import ACTIVATION_INT8, PackedWeight, quantize_activations
+from pallas_kernels.quant_matmul import cpu
 from pallas_kernels.quant_matmul.kernel_gpu import quant_matmul_gpu
 from pallas_kernels.quant_matmul.kernel_tpu import quant_matmul_tpu
 from pallas_kernels.quant_matmul.xla import quant_matmul_xla
@@ -25,6 +26,14 @@ def _rounded_activations(x, codes, scale, offset, *, kernel, interpret, **option
                   interpret=interpret, **options)
 
 
+def _cpu(x, codes, scale, offset, *, fmt, group):
+    xf = x
+    if fmt in ACTIVATION_INT8:
+        xq, xs = quantize_activations(x)
+        xf = xq.astype(jnp.float32) * xs
+    return cpu.quant_matmul_cpu(xf, codes, scale, offset, fmt=fmt, group=group).astype(x.dtype)
+
+
 def quant_matmul(x, w: PackedWeight, *, interpret=None):
     """x @ w for a weight kept packed (quant/packed.py: GGUF Q8_0 / Q4_0 / Q4_1 blocks,
     kvfold's int8 / int4 / fp8 / w8a8); the kernels dequantize one tile of the weight at a
@@ -34,7 +43,8 @@ def quant_matmul(x, w: PackedWeight, *, interpret=None):
       x: [num_tokens, in], float.
       w: a PackedWeight of shape [in, out].
       interpret: True runs the Pallas TPU kernel in interpret mode; None runs Mosaic on
-        TPU, Triton on GPU and the XLA path (xla.py) elsewhere.
+        TPU, Triton on GPU, on CPU the C++ kernel (cpu.py) up to cpu.MAX_TOKENS tokens and
+        the XLA path (xla.py) above that or where the kernel cannot be built.
 
     Returns [num_tokens, out] in x.dtype (accumulated in float32).
     """
@@ -52,5 +62,6 @@ def quant_matmul(x, w: PackedWeight, *, interpret=None):
         tpu = bind(_rounded_activations, kernel=quant_matmul_tpu, **options)
         gpu = bind(_rounded_activations, kernel=quant_matmul_gpu, **options)
     scale, offset = w.float_scales()  # K-quants: float32 per group from their two-level scales
-    return dispatch(x, w.codes, scale, offset, ref=bind(_xla, **options), tpu=tpu, gpu=gpu,
+    native = bind(_cpu, **options) if cpu.supports(w.fmt, x.shape[0], w.shape[1]) else None
+    return dispatch(x, w.codes, scale, offset, ref=bind(_xla, **options), tpu=tpu, gpu=gpu, cpu=native,
                     interpret=interpret)

@@ -1,4 +1,5 @@
-"""The XLA path of the quantized matmul (CPU, and any backend without a kernel).
+"""The XLA path of the quantized matmul: CPU steps longer than the C++ kernel takes (cpu.py:
+prefill chunks), fp8 on CPU, and any backend without a kernel.
 
 XLA:CPU does not fuse a dequantization into a matmul, and its element-wise ops over a
 whole weight cost more than the float matmul itself (measured on this project's 2-core

@@ -16,6 +16,7 @@ from quant.packed import ACTIVATION_INT8, FORMATS, dequantize, quantize
 from pallas_kernels.quant_matmul.kernel_gpu import quant_matmul_gpu
 from pallas_kernels.quant_matmul.kernel_tpu import quant_matmul_tpu
 from pallas_kernels.quant_matmul.ref import quant_matmul_ref
+from pallas_kernels.quant_matmul.xla import quant_matmul_xla
 from tests import conftest
 from tests.pallas_kernels.helpers import (
     TPU_INTERPRET_ONLY,
@@ -89,10 +90,12 @@ def test_oracle_dequantizes_what_quantize_packed(fmt):
     assert_close(quant_matmul_ref(jnp.asarray(x), packed), _oracle(x, packed, activations=True), 1e-5, 1e-4)
 
 
-@pytest.mark.parametrize("interpret", [None, True], ids=["xla", "tpu-kernel"])
+@pytest.mark.parametrize("interpret", [None, True], ids=["entry", "tpu-kernel"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("fmt", FMTS)
 def test_entry_matches_the_oracle(fmt, shape, interpret):
+    """The entry runs the platform's path: on CPU the C++ kernel (test_quant_matmul_cpu.py),
+    or xla.py for fp8; the TPU kernel in interpret mode."""
     x, w = _inputs(fmt, *shape, seed=10 * FMTS.index(fmt) + SHAPES.index(shape))
     got = quant_matmul(x, w, interpret=interpret)
     assert got.shape == (shape[0], shape[2]) and got.dtype == jnp.float32
@@ -101,6 +104,17 @@ def test_entry_matches_the_oracle(fmt, shape, interpret):
         err = np.abs(np.asarray(got, np.float64) - _oracle(x, w))
         assert np.all(err <= _int8_activation_bound(x, w))
         assert err.max() > 0  # it did round the activations: the bound is the right one
+
+
+@pytest.mark.parametrize("fmt", FMTS + K_QUANTS)
+def test_xla_path_matches_the_oracle(fmt):
+    """xla.py, which CPU runs above the C++ kernel's MAX_TOKENS (prefill chunks) and for fp8."""
+    if fmt in FMTS:
+        x, w = _inputs(fmt, 5, 128, 48, seed=11)
+    else:
+        x = jnp.asarray(np.random.default_rng(11).normal(size=(5, 512)), jnp.float32)
+        w = _k_quant(fmt, 512, 48, seed=1)
+    _close(quant_matmul_xla(x, w), _oracle(x, w, activations=True))
 
 
 @pytest.mark.parametrize("fmt", TILED)
@@ -160,7 +174,7 @@ def test_tpu_kernel_under_tpu_interpret_semantics(fmt):
     _close(got, _oracle(x, w))
 
 
-@pytest.mark.parametrize("interpret", [None, True], ids=["xla", "tpu-kernel"])
+@pytest.mark.parametrize("interpret", [None, True], ids=["entry", "tpu-kernel"])
 def test_output_has_x_dtype(interpret):
     x, w = _inputs("q4_0", 5, 128, 48, seed=6)
     got = quant_matmul(x.astype(jnp.bfloat16), w, interpret=interpret)
@@ -205,7 +219,7 @@ def _k_quant(fmt, d_in, d_out, seed):
     return from_gguf(raw.reshape(d_out, -1), f.gguf, (d_in, d_out))
 
 
-@pytest.mark.parametrize("interpret", [None, True], ids=["xla", "tpu-kernel"])
+@pytest.mark.parametrize("interpret", [None, True], ids=["entry", "tpu-kernel"])
 @pytest.mark.parametrize("fmt", K_QUANTS)
 def test_k_quants_match_the_oracle(fmt, interpret):
     """The entry turns a K-quant's two-level scales into float32 group scales and runs the

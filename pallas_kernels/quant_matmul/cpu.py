@@ -1,0 +1,121 @@
+"""The CPU path of the quantized matmul: a C++ kernel (cpu_kernel.cc) called through the XLA
+FFI, which reads the packed codes as they are stored and decodes a few rows at a time.
+
+XLA:CPU has no dequantizing matmul: the XLA path (xla.py) turns the whole packed weight
+into a float temporary at every step, which costs several times the float32 matmul, while
+llama.cpp reads the same blocks directly. This kernel does what llama.cpp's CPU path does
+for the memory-bound case (few tokens a step: decode), keeping activations in float32 so
+its result is the reference's up to the order of float additions.
+
+The kernel is compiled once per machine with the system's C++ compiler (`-march=native`,
+about 5 s) into a cache keyed by the source, the jaxlib headers and the CPU, then
+registered with jax.ffi. `available()` says whether that worked; without a compiler the
+CPU path stays on xla.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = Path(__file__).with_name("cpu_kernel.cc")
+TARGET = "kvfold_quant_matmul"
+MAX_TOKENS = 32  # above this many rows a dequantize + float matmul (xla.py) is faster (benchmarked)
+CPU_FORMATS = frozenset({"q8_0", "q4_0", "q4_1", "q5_0", "int8", "int4", "w8a8", "q4_k", "q5_k", "q6_k"})
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+def _cpu_signature() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return platform.machine() + flags
+
+
+def library_path(flags: tuple[str, ...] = FLAGS) -> Path:
+    """Where the compiled kernel lives: $KVFOLD_CACHE (default ~/.cache/kvfold), one file per
+    source, jaxlib, compiler flags and CPU."""
+    import jaxlib
+
+    key = hashlib.sha256(b"\0".join(s.encode() for s in (
+        SOURCE.read_text(), jaxlib.__version__, " ".join(flags), _cpu_signature()))).hexdigest()[:16]
+    root = Path(os.environ.get("KVFOLD_CACHE", Path.home() / ".cache" / "kvfold"))
+    return root / f"quant_matmul_cpu-{key}.so"
+
+
+def build(force: bool = False, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Compile cpu_kernel.cc with `flags` (when not cached) and return the library's path.
+
+    Raises RuntimeError naming the problem when there is no C++ compiler or it fails."""
+    path = library_path(flags)
+    if path.exists() and not force:
+        return path
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) to build the CPU quantized-matmul kernel")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    cmd = [cxx, *flags, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        os.unlink(tmp)
+        raise RuntimeError(f"building the CPU quantized-matmul kernel failed ({' '.join(cmd)}):\n{done.stderr}")
+    os.replace(tmp, path)  # atomic: concurrent builders (test workers) each write a whole file
+    return path
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel is built (building it now if needed) and registered with XLA:CPU."""
+    if os.environ.get("KVFOLD_QUANT_MATMUL_CPU", "1") == "0":
+        return False
+    try:
+        register(build(), TARGET)
+    except (RuntimeError, OSError) as e:
+        import warnings
+
+        warnings.warn(f"packed matmuls on CPU fall back to dequantize + matmul: {e}", stacklevel=2)
+        return False
+    return True
+
+
+def register(library: Path, target: str) -> None:
+    """Register a built kernel library with XLA:CPU under the FFI name `target`."""
+    lib = ctypes.cdll.LoadLibrary(str(library))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.KvfoldQuantMatmul), platform="cpu")
+
+
+def supports(fmt: str, num_tokens: int, d_out: int) -> bool:
+    """Whether the kernel takes this matmul: a format it decodes, few rows, whole 16-column
+    strips, a CPU backend (a GPU or TPU host never builds it) and a built kernel."""
+    return (fmt in CPU_FORMATS and num_tokens <= MAX_TOKENS and d_out % 16 == 0
+            and jax.default_backend() == "cpu" and available())
+
+
+def quant_matmul_cpu(x, codes, scale, offset, *, fmt: str, group: int, target: str = TARGET):
+    """x [T, in] float32 times the packed weight (codes, float scale and offset per group, as
+    PackedWeight.float_scales gives them): float32 [T, out]. w8a8's activation rounding
+    is the caller's (entry.py). target: the FFI name of a registered build (`register`)."""
+    from quant.packed import FORMATS
+
+    f = FORMATS[fmt]
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], codes.shape[1]), jnp.float32),
+                            vmap_method="sequential")
+    if scale.dtype not in (jnp.float16, jnp.float32):
+        scale = scale.astype(jnp.float32)
+    offset = scale if offset is None else offset.astype(scale.dtype)
+    return call(x.astype(jnp.float32), codes, scale, offset, group=np.int64(group), bits=np.int64(f.bits),
+                zero=np.float32(f.zero), has_offset=np.int64(f.offset))

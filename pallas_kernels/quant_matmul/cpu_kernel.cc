@@ -1,0 +1,255 @@
+// The CPU kernel of the quantized matmul: y[T, N] = x[T, K] @ W[K, N] for a weight kept
+// packed (quant/packed.py), read as it is stored, never dequantized as a whole.
+//
+// XLA:CPU does not fuse a dequantization into a matmul, so without this kernel a packed
+// weight is first turned into a float temporary of the whole matrix at every step, which
+// costs several times the float32 matmul. Here each group of a few K rows is decoded into
+// registers and used at once:
+//
+//   W[k, n] = (code[k, n] - zero) * scale[g, n] + offset[g, n],   g = k / group
+//   y[t, n] = sum_g scale[g, n] * (sum_{k in g} x[t, k] code[k, n] - zero * xs[t, g])
+//             + offset[g, n] * xs[t, g],                           xs[t, g] = sum_{k in g} x[t, k]
+//
+// so the scales are applied once per group and output, and the inner loop is a float
+// multiply-add over a tile of output columns (vectorized by the compiler; built with
+// -march=native by pallas_kernels/quant_matmul/cpu.py on the machine that runs it).
+// Codes are int8 (8-bit formats) or two 4-bit codes a byte, GGUF's order inside a group:
+// byte row j of a group holds row j in its low nibble and row j + group / 2 in its high.
+// Scales and offsets are float16 or float32. Output tiles are spread over XLA's intra-op
+// thread pool.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kCols = 64;  // output columns per tile (four vectors of 16 floats)
+constexpr int kToks = 4;       // tokens per register tile
+
+struct Problem {
+  const float* x;        // [T, K]
+  const uint8_t* codes;  // [K, N] int8, or [K / 2, N] nibbles
+  const void* scale;     // [K / group, N]
+  const void* offset;    // [K / group, N] or null
+  const float* xs;       // [T, K / rows]: x summed over each block of rows
+  float* y;              // [T, N]
+  int64_t T, K, N, group;
+  int64_t rows;          // rows of K per block: a nibble group, or 16 rows of an int8 group
+  bool nibbles, f16;
+  float zero;
+};
+
+inline float load(const void* p, bool f16, int64_t i) {
+  return f16 ? static_cast<float>(static_cast<const _Float16*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+// Adds block b's rows to y[t0 : t0 + TW, n0 : n0 + 16 NV]. Within a block every weight
+// shares its column's scale and offset, so the block's dot products are scaled once.
+template <int TW, int NV>
+void block_tile_generic(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
+  constexpr int64_t W = 16 * NV;
+  float ga[TW][W] = {};
+  const float* x = p.x + t0 * p.K + b * p.rows;
+  if (p.nibbles) {
+    const int64_t half = p.rows / 2;
+    const uint8_t* c = p.codes + b * half * p.N + n0;
+    for (int64_t j = 0; j < half; ++j, c += p.N)
+      for (int t = 0; t < TW; ++t)
+        for (int64_t o = 0; o < W; ++o)
+          ga[t][o] += x[t * p.K + j] * static_cast<float>(c[o] & 0x0F) +
+                      x[t * p.K + j + half] * static_cast<float>(c[o] >> 4);
+  } else {
+    const int8_t* c = reinterpret_cast<const int8_t*>(p.codes) + b * p.rows * p.N + n0;
+    for (int64_t j = 0; j < p.rows; ++j, c += p.N)
+      for (int t = 0; t < TW; ++t)
+        for (int64_t o = 0; o < W; ++o) ga[t][o] += x[t * p.K + j] * static_cast<float>(c[o]);
+  }
+  const int64_t g = b * p.rows / p.group, blocks = p.K / p.rows;
+  for (int t = 0; t < TW; ++t) {
+    const float s = p.xs[(t0 + t) * blocks + b];
+    float* y = p.y + (t0 + t) * p.N + n0;
+    for (int64_t o = 0; o < W; ++o)
+      y[o] += load(p.scale, p.f16, g * p.N + n0 + o) * (ga[t][o] - p.zero * s) +
+              (p.offset ? load(p.offset, p.f16, g * p.N + n0 + o) * s : 0.0f);
+  }
+}
+
+#if defined(__AVX512F__)
+// The same with AVX-512 intrinsics: TW tokens by NV vectors of 16 columns of block sums in
+// registers. At one token, the low and high nibbles (or even and odd int8 rows) go to two
+// accumulator sets so consecutive multiply-adds do not wait on each other.
+template <int TW, int NV, bool F16>
+void block_tile_avx512(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
+  constexpr int S = TW == 1 ? 2 : 1;  // accumulator sets
+  __m512 ga[S][TW][NV];
+  for (int s = 0; s < S; ++s)
+    for (int t = 0; t < TW; ++t)
+      for (int v = 0; v < NV; ++v) ga[s][t][v] = _mm512_setzero_ps();
+  const float* x = p.x + t0 * p.K + b * p.rows;
+  if (p.nibbles) {
+    const int64_t half = p.rows / 2;
+    const uint8_t* c = p.codes + b * half * p.N + n0;
+    const __m512i low = _mm512_set1_epi32(0x0F);
+    for (int64_t j = 0; j < half; ++j, c += p.N) {
+      __m512 lo[NV], hi[NV];
+      for (int v = 0; v < NV; ++v) {
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * v)));
+        lo[v] = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
+        hi[v] = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+      }
+      for (int t = 0; t < TW; ++t) {
+        const __m512 xl = _mm512_set1_ps(x[t * p.K + j]), xh = _mm512_set1_ps(x[t * p.K + j + half]);
+        for (int v = 0; v < NV; ++v) {
+          ga[0][t][v] = _mm512_fmadd_ps(xl, lo[v], ga[0][t][v]);
+          ga[S - 1][t][v] = _mm512_fmadd_ps(xh, hi[v], ga[S - 1][t][v]);
+        }
+      }
+    }
+  } else {
+    const int8_t* c = reinterpret_cast<const int8_t*>(p.codes) + b * p.rows * p.N + n0;
+    for (int64_t j = 0; j < p.rows; ++j, c += p.N) {
+      const int s = S == 2 ? static_cast<int>(j & 1) : 0;
+      for (int v = 0; v < NV; ++v) {
+        const __m512 q = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * v))));
+        for (int t = 0; t < TW; ++t) ga[s][t][v] = _mm512_fmadd_ps(_mm512_set1_ps(x[t * p.K + j]), q, ga[s][t][v]);
+      }
+    }
+  }
+  const int64_t g = b * p.rows / p.group, blocks = p.K / p.rows;
+  for (int v = 0; v < NV; ++v) {
+    const int64_t at = g * p.N + n0 + 16 * v;
+    auto load16 = [&](const void* a) {
+      return F16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                       static_cast<const uint16_t*>(a) + at)))
+                 : _mm512_loadu_ps(static_cast<const float*>(a) + at);
+    };
+    const __m512 sc = load16(p.scale);
+    const __m512 off = p.offset ? load16(p.offset) : _mm512_setzero_ps();
+    for (int t = 0; t < TW; ++t) {
+      const float s = p.xs[(t0 + t) * blocks + b];
+      float* y = p.y + (t0 + t) * p.N + n0 + 16 * v;
+      __m512 sum = S == 2 ? _mm512_add_ps(ga[0][t][v], ga[S - 1][t][v]) : ga[0][t][v];
+      sum = _mm512_sub_ps(sum, _mm512_set1_ps(p.zero * s));
+      _mm512_storeu_ps(y, _mm512_fmadd_ps(off, _mm512_set1_ps(s), _mm512_fmadd_ps(sc, sum, _mm512_loadu_ps(y))));
+    }
+  }
+}
+#endif
+
+template <int TW, int NV>
+void block_tile(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
+#if defined(__AVX512F__)
+  if (p.f16) return block_tile_avx512<TW, NV, true>(p, b, t0, n0);
+  return block_tile_avx512<TW, NV, false>(p, b, t0, n0);
+#else
+  block_tile_generic<TW, NV>(p, b, t0, n0);
+#endif
+}
+
+template <int NV>
+void block_columns(const Problem& p, int64_t b, int64_t n0) {
+  int64_t t0 = 0;
+  for (; t0 + kToks <= p.T; t0 += kToks) block_tile<kToks, NV>(p, b, t0, n0);
+  switch (p.T - t0) {
+    case 3: block_tile<3, NV>(p, b, t0, n0); break;
+    case 2: block_tile<2, NV>(p, b, t0, n0); break;
+    case 1: block_tile<1, NV>(p, b, t0, n0); break;
+    default: break;
+  }
+}
+
+// y[:, n0 : n1] over all of K. Row block by row block, sweeping the columns inside each:
+// the codes are read as a few rows advancing left to right (streams the hardware
+// prefetcher follows), and the partial sums of y stay in the L1 cache.
+void run_columns(const Problem& p, int64_t n0, int64_t n1) {
+  for (int64_t t = 0; t < p.T; ++t) std::fill(p.y + t * p.N + n0, p.y + t * p.N + n1, 0.0f);
+  for (int64_t b = 0; b < p.K / p.rows; ++b) {
+    int64_t n = n0;
+    for (; n + kCols <= n1; n += kCols) block_columns<kCols / 16>(p, b, n);
+    for (; n < n1; n += 16) block_columns<1>(p, b, n);  // every packed width is a multiple of 16
+  }
+}
+
+// Column ranges handed out through one counter to the calling thread and the pool's; a
+// helper that starts after all are taken returns at once (the state outlives the call).
+struct Shared {
+  Problem p;
+  int64_t chunks, chunk_cols;
+  std::atomic<int64_t> next{0}, done{0};
+  void work() {
+    for (int64_t i; (i = next.fetch_add(1)) < chunks; done.fetch_add(1))
+      run_columns(p, i * chunk_cols, std::min(p.N, (i + 1) * chunk_cols));
+  }
+};
+
+ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                       ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y,
+                       int64_t group, int64_t bits, float zero, int64_t has_offset) {
+  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: x, codes and scale must be 2-D");
+  const int64_t T = xd[0], K = xd[1], N = cd[1];
+  const bool nibbles = bits == 4;
+  if (group <= 0 || K % group || (nibbles && group % 2) || cd[0] != (nibbles ? K / 2 : K) ||
+      sd[0] != K / group || sd[1] != N || N % 16)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: codes / scale shapes do not match x and group");
+  const auto st = scale.element_type();
+  if (st != ffi::DataType::F16 && st != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: scale must be float16 or float32");
+  if (has_offset && offset.element_type() != st)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: offset must have the scale's dtype");
+  // A block of int8 codes is 16 rows of a group (16 rows advancing together are streams the
+  // prefetcher keeps up with; 32 were not, on a 49152-column head). Nibble groups stay
+  // whole: a byte row pairs rows j and j + group / 2.
+  const int64_t rows = nibbles || group % 16 ? group : 16;
+  const int64_t blocks = K / rows;
+  std::vector<float> xs(T * blocks);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < blocks; ++b) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < rows; ++j) s += x.typed_data()[t * K + b * rows + j];
+      xs[t * blocks + b] = s;
+    }
+  auto shared = std::make_shared<Shared>();
+  shared->p = Problem{x.typed_data(), static_cast<const uint8_t*>(codes.untyped_data()), scale.untyped_data(),
+                      has_offset ? offset.untyped_data() : nullptr, xs.data(), y->typed_data(),
+                      T, K, N, group, rows, nibbles, st == ffi::DataType::F16, zero};
+  // Two column ranges per thread (whole 64-column tiles), so a slow thread's share is split.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), tiles = (N + kCols - 1) / kCols;
+  shared->chunks = std::min(tiles, 2 * threads);
+  shared->chunk_cols = (tiles + shared->chunks - 1) / shared->chunks * kCols;
+  shared->chunks = (N + shared->chunk_cols - 1) / shared->chunk_cols;
+  const int64_t helpers = std::min(threads, shared->chunks) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([shared] { shared->work(); });
+  shared->work();
+  while (shared->done.load() < shared->chunks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldQuantMatmul, QuantMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
+                                  .Arg<ffi::AnyBuffer>()         // codes
+                                  .Arg<ffi::AnyBuffer>()         // scale [G, N]
+                                  .Arg<ffi::AnyBuffer>()         // offset [G, N] (scale again when absent)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [T, N]
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("bits")
+                                  .Attr<float>("zero")
+                                  .Attr<int64_t>("has_offset"));

@@ -1,0 +1,112 @@
+"""The CPU kernel of the quantized matmul (pallas_kernels/quant_matmul/cpu_kernel.cc, through
+the XLA FFI): every format it decodes against the float64 oracle of the packed weight, its
+AVX-512 and portable builds, the entry's choice of it, and its errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import quant_matmul
+from pallas_kernels.quant_matmul import cpu
+from quant.packed import ACTIVATION_INT8, FORMATS, quantize_activations
+from tests.pallas_kernels.test_quant_matmul import _close, _inputs, _k_quant, _oracle
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernel runs on a CPU backend")
+
+# (num_tokens, in, out): one token (two accumulator sets), 7 tokens (a tile of 4 and one
+# of 3); 80 columns are a 64-column tile and a 16-column strip; 1040 columns are several
+# column ranges for the threads, the last one partial.
+SHAPES = [(1, 128, 80), (7, 128, 80), (3, 64, 1040)]
+PORTABLE = "kvfold_quant_matmul_portable"
+
+
+def _weight(fmt, d_in, d_out, seed):
+    if FORMATS[fmt].super_block:
+        return None, _k_quant(fmt, 512, d_out, seed)
+    return _inputs(fmt, 1, 256 if fmt == "int4" else d_in, d_out, seed=seed)  # int4: one group of 128 is 64 byte rows
+
+
+def _run(x, w, target=cpu.TARGET):
+    if w.fmt in ACTIVATION_INT8:
+        xq, xs = quantize_activations(x)
+        x = xq.astype(jnp.float32) * xs
+    scale, offset = w.float_scales()
+    return cpu.quant_matmul_cpu(x, w.codes, scale, offset, fmt=w.fmt, group=w.group, target=target)
+
+
+@pytest.fixture(scope="module")
+def portable():
+    """The kernel built without AVX-512 (the loops a CPU without it runs), registered under
+    its own name."""
+    cpu.register(cpu.build(flags=tuple(f for f in cpu.FLAGS if f != "-march=native") + ("-march=x86-64-v2",)),
+                 PORTABLE)
+    return PORTABLE
+
+
+def test_the_kernel_builds_here():
+    """CI installs a C++ compiler (Makefile setup), so the kernel must be available: a
+    silent fallback to the XLA path would hide a broken build."""
+    assert cpu.available()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("fmt", sorted(cpu.CPU_FORMATS))
+def test_kernel_matches_the_oracle(fmt, shape):
+    """Float16 scales (GGUF, int4) and float32 ones (int8, K-quants' products), offsets
+    (q4_1, int4, q4_k, q5_k), q4_0's zero point, nibble groups of 32 and 128, int8 groups
+    of 16 (q6_k), 32 and whole columns."""
+    t, d_in, d_out = shape
+    _, w = _weight(fmt, d_in, d_out, seed=sorted(cpu.CPU_FORMATS).index(fmt))
+    x = jnp.asarray(np.random.default_rng(t).normal(size=(t, w.shape[0])), jnp.float32)
+    got = _run(x, w)
+    assert got.shape == (t, d_out) and got.dtype == jnp.float32
+    _close(got, _oracle(x, w, activations=True), rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_0", "q8_0", "int8", "q6_k"])
+def test_portable_build_matches_the_oracle(fmt, portable):
+    t, d_in, d_out = SHAPES[1]
+    _, w = _weight(fmt, d_in, d_out, seed=3)
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(t, w.shape[0])), jnp.float32)
+    _close(_run(x, w, target=portable), _oracle(x, w), rtol=1e-5)
+
+
+def _lowered(t, fmt):
+    x, w = _inputs(fmt, t, 128, 48, seed=5)
+    return jax.jit(lambda x, w: quant_matmul(x, w)).lower(x, w).as_text()
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "w8a8", "fp8"])
+def test_entry_runs_the_kernel_for_few_tokens(fmt):
+    """Up to MAX_TOKENS rows (decode steps) the entry calls the kernel; above, and for fp8
+    (no E4M3 decoder in it), it dequantizes and runs XLA's matmul. Either way the result is
+    the oracle's."""
+    decodes = fmt != "fp8"
+    assert (cpu.TARGET in _lowered(cpu.MAX_TOKENS, fmt)) == decodes
+    assert cpu.TARGET not in _lowered(cpu.MAX_TOKENS + 1, fmt)
+    x, w = _inputs(fmt, 2, 128, 48, seed=6)
+    _close(quant_matmul(x, w), _oracle(x, w, activations=True))
+
+
+def test_bfloat16_activations_come_back_in_their_dtype():
+    x, w = _inputs("q4_1", 3, 128, 48, seed=7)
+    got = quant_matmul(x.astype(jnp.bfloat16), w)
+    assert got.dtype == jnp.bfloat16
+    _close(got, _oracle(x.astype(jnp.bfloat16), w), rtol=1e-2)
+
+
+def test_mismatched_buffers_are_refused_by_the_kernel():
+    x, w = _inputs("q4_1", 2, 128, 48, seed=8)
+    with pytest.raises(Exception, match="codes / scale shapes"):
+        cpu.quant_matmul_cpu(x, w.codes, w.scale, w.offset, fmt="q4_1", group=64).block_until_ready()
+
+
+def test_a_failed_build_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVFOLD_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(RuntimeError, match="building the CPU quantized-matmul kernel failed"):
+        cpu.build(force=True)
+    assert not list(tmp_path.iterdir())  # no half-written library left behind
