@@ -43,12 +43,22 @@ struct Problem {
   const uint8_t* codes;  // [K, N] int8, or [K / 2, N] nibbles
   const void* scale;     // [K / group, N]
   const void* offset;    // [K / group, N] or null
-  const float* xs;       // [T, K / rows]: x summed over each block of rows
+  const float* xs;       // [T, blocks]: x summed over each block's rows
   float* y;              // [T, N]
   int64_t T, K, N, group;
-  int64_t rows;          // rows of K per block: a nibble group, or 16 rows of an int8 group
+  int64_t rows;          // stored code rows per block (16, or a smaller group's)
+  int64_t blocks;        // stored code rows / rows
   bool nibbles, f16;
   float zero;
+
+  // Stored row r of the codes holds weight row r (int8), or rows k and k + group / 2 with
+  // k = (r / half) * group + r % half (nibbles, half = group / 2).
+  int64_t half() const { return group / 2; }
+  int64_t first_row(int64_t b) const {  // the weight row of block b's first stored row
+    const int64_t r = b * rows;
+    return nibbles ? r / half() * group + r % half() : r;
+  }
+  int64_t group_of(int64_t b) const { return b * rows / (nibbles ? half() : group); }
 };
 
 inline float load(const void* p, bool f16, int64_t i) {
@@ -61,24 +71,25 @@ template <int TW, int NV>
 void block_tile_generic(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
   constexpr int64_t W = 16 * NV;
   float ga[TW][W] = {};
-  const float* x = p.x + t0 * p.K + b * p.rows;
+  const float* x = p.x + t0 * p.K + p.first_row(b);
+  const uint8_t* c8 = p.codes + b * p.rows * p.N + n0;
   if (p.nibbles) {
-    const int64_t half = p.rows / 2;
-    const uint8_t* c = p.codes + b * half * p.N + n0;
-    for (int64_t j = 0; j < half; ++j, c += p.N)
+    const int64_t half = p.half();
+    const uint8_t* c = c8;
+    for (int64_t j = 0; j < p.rows; ++j, c += p.N)
       for (int t = 0; t < TW; ++t)
         for (int64_t o = 0; o < W; ++o)
           ga[t][o] += x[t * p.K + j] * static_cast<float>(c[o] & 0x0F) +
                       x[t * p.K + j + half] * static_cast<float>(c[o] >> 4);
   } else {
-    const int8_t* c = reinterpret_cast<const int8_t*>(p.codes) + b * p.rows * p.N + n0;
+    const int8_t* c = reinterpret_cast<const int8_t*>(c8);
     for (int64_t j = 0; j < p.rows; ++j, c += p.N)
       for (int t = 0; t < TW; ++t)
         for (int64_t o = 0; o < W; ++o) ga[t][o] += x[t * p.K + j] * static_cast<float>(c[o]);
   }
-  const int64_t g = b * p.rows / p.group, blocks = p.K / p.rows;
+  const int64_t g = p.group_of(b);
   for (int t = 0; t < TW; ++t) {
-    const float s = p.xs[(t0 + t) * blocks + b];
+    const float s = p.xs[(t0 + t) * p.blocks + b];
     float* y = p.y + (t0 + t) * p.N + n0;
     for (int64_t o = 0; o < W; ++o)
       y[o] += load(p.scale, p.f16, g * p.N + n0 + o) * (ga[t][o] - p.zero * s) +
@@ -97,12 +108,13 @@ void block_tile_avx512(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
   for (int s = 0; s < S; ++s)
     for (int t = 0; t < TW; ++t)
       for (int v = 0; v < NV; ++v) ga[s][t][v] = _mm512_setzero_ps();
-  const float* x = p.x + t0 * p.K + b * p.rows;
+  const float* x = p.x + t0 * p.K + p.first_row(b);
+  const uint8_t* c8 = p.codes + b * p.rows * p.N + n0;
   if (p.nibbles) {
-    const int64_t half = p.rows / 2;
-    const uint8_t* c = p.codes + b * half * p.N + n0;
+    const int64_t half = p.half();
+    const uint8_t* c = c8;
     const __m512i low = _mm512_set1_epi32(0x0F);
-    for (int64_t j = 0; j < half; ++j, c += p.N) {
+    for (int64_t j = 0; j < p.rows; ++j, c += p.N) {
       __m512 lo[NV], hi[NV];
       for (int v = 0; v < NV; ++v) {
         const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * v)));
@@ -118,7 +130,7 @@ void block_tile_avx512(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
       }
     }
   } else {
-    const int8_t* c = reinterpret_cast<const int8_t*>(p.codes) + b * p.rows * p.N + n0;
+    const int8_t* c = reinterpret_cast<const int8_t*>(c8);
     for (int64_t j = 0; j < p.rows; ++j, c += p.N) {
       const int s = S == 2 ? static_cast<int>(j & 1) : 0;
       for (int v = 0; v < NV; ++v) {
@@ -128,7 +140,7 @@ void block_tile_avx512(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
       }
     }
   }
-  const int64_t g = b * p.rows / p.group, blocks = p.K / p.rows;
+  const int64_t g = p.group_of(b);
   for (int v = 0; v < NV; ++v) {
     const int64_t at = g * p.N + n0 + 16 * v;
     auto load16 = [&](const void* a) {
@@ -139,7 +151,7 @@ void block_tile_avx512(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
     const __m512 sc = load16(p.scale);
     const __m512 off = p.offset ? load16(p.offset) : _mm512_setzero_ps();
     for (int t = 0; t < TW; ++t) {
-      const float s = p.xs[(t0 + t) * blocks + b];
+      const float s = p.xs[(t0 + t) * p.blocks + b];
       float* y = p.y + (t0 + t) * p.N + n0 + 16 * v;
       __m512 sum = S == 2 ? _mm512_add_ps(ga[0][t][v], ga[S - 1][t][v]) : ga[0][t][v];
       sum = _mm512_sub_ps(sum, _mm512_set1_ps(p.zero * s));
@@ -176,7 +188,7 @@ void block_columns(const Problem& p, int64_t b, int64_t n0) {
 // prefetcher follows), and the partial sums of y stay in the L1 cache.
 void run_columns(const Problem& p, int64_t n0, int64_t n1) {
   for (int64_t t = 0; t < p.T; ++t) std::fill(p.y + t * p.N + n0, p.y + t * p.N + n1, 0.0f);
-  for (int64_t b = 0; b < p.K / p.rows; ++b) {
+  for (int64_t b = 0; b < p.blocks; ++b) {
     int64_t n = n0;
     for (; n + kCols <= n1; n += kCols) block_columns<kCols / 16>(p, b, n);
     for (; n < n1; n += 16) block_columns<1>(p, b, n);  // every packed width is a multiple of 16
@@ -211,22 +223,26 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
     return ffi::Error::InvalidArgument("quant_matmul_cpu: scale must be float16 or float32");
   if (has_offset && offset.element_type() != st)
     return ffi::Error::InvalidArgument("quant_matmul_cpu: offset must have the scale's dtype");
-  // A block of int8 codes is 16 rows of a group (16 rows advancing together are streams the
-  // prefetcher keeps up with; 32 were not, on a 49152-column head). Nibble groups stay
-  // whole: a byte row pairs rows j and j + group / 2.
-  const int64_t rows = nibbles || group % 16 ? group : 16;
-  const int64_t blocks = K / rows;
+  // A block is 16 stored rows of one group: 16 rows advancing together are streams the
+  // prefetcher keeps up with (32 were not, on a 49152-column head; an int4 group of 128 is
+  // 64 byte rows).
+  const int64_t stored = nibbles ? K / 2 : K, group_rows = nibbles ? group / 2 : group;
+  const int64_t rows = group_rows % 16 ? group_rows : 16, blocks = stored / rows;
   std::vector<float> xs(T * blocks);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t r = b * rows;
+    const int64_t k0 = nibbles ? r / group_rows * group + r % group_rows : r;
+    for (int64_t t = 0; t < T; ++t) {
+      const float* xt = x.typed_data() + t * K + k0;
       float s = 0.0f;
-      for (int64_t j = 0; j < rows; ++j) s += x.typed_data()[t * K + b * rows + j];
+      for (int64_t j = 0; j < rows; ++j) s += xt[j] + (nibbles ? xt[j + group_rows] : 0.0f);
       xs[t * blocks + b] = s;
     }
+  }
   auto shared = std::make_shared<Shared>();
   shared->p = Problem{x.typed_data(), static_cast<const uint8_t*>(codes.untyped_data()), scale.untyped_data(),
                       has_offset ? offset.untyped_data() : nullptr, xs.data(), y->typed_data(),
-                      T, K, N, group, rows, nibbles, st == ffi::DataType::F16, zero};
+                      T, K, N, group, rows, blocks, nibbles, st == ffi::DataType::F16, zero};
   // Two column ranges per thread (whole 64-column tiles), so a slow thread's share is split.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads()), tiles = (N + kCols - 1) / kCols;
   shared->chunks = std::min(tiles, 2 * threads);
