@@ -17,9 +17,10 @@ from tests.pallas_kernels.test_quant_matmul import _close, _inputs, _k_quant, _o
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernel runs on a CPU backend")
 
 # (num_tokens, in, out): one token (two accumulator sets), 7 tokens (a tile of 4 and one
-# of 3); 80 columns are a 64-column tile and a 16-column strip; 1040 columns are several
-# column ranges for the threads, the last one partial.
-SHAPES = [(1, 128, 80), (7, 128, 80), (3, 64, 1040)]
+# of 3), 13 (tiles of 8, 4 and 1 over 32 columns); 80 columns are 64- or 32-column tiles
+# and a 16-column strip; 1040 columns are several column ranges for the threads, the last
+# one partial.
+SHAPES = [(1, 128, 80), (7, 128, 80), (13, 128, 80), (3, 64, 1040)]
 PORTABLE = "kvfold_quant_matmul_portable"
 
 
@@ -68,7 +69,7 @@ def test_kernel_matches_the_oracle(fmt, shape):
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q4_0", "q8_0", "int8", "q6_k"])
 def test_portable_build_matches_the_oracle(fmt, portable):
-    t, d_in, d_out = SHAPES[1]
+    t, d_in, d_out = SHAPES[2]
     _, w = _weight(fmt, d_in, d_out, seed=3)
     x = jnp.asarray(np.random.default_rng(4).normal(size=(t, w.shape[0])), jnp.float32)
     _close(_run(x, w, target=portable), _oracle(x, w), rtol=1e-5)
