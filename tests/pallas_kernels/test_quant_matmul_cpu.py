@@ -19,8 +19,7 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU 
 # (num_tokens, in, out): one token (two accumulator sets), 7 tokens (a tile of 4 and one
 # of 3), 13 (tiles of 8, 4 and 1 over 32 columns); 80 columns are 64- or 32-column tiles
 # and a 16-column strip; 1040 columns are several column ranges for the threads (3 x 128 x
-# 1040 is above the size where the pool helps), the last
-# one partial.
+# 1040 is above the size where the pool helps), the last one partial.
 SHAPES = [(1, 128, 80), (7, 128, 80), (13, 128, 80), (3, 128, 1040)]
 PORTABLE = "kvfold_quant_matmul_portable"
 
