@@ -96,7 +96,9 @@ class StepBatch:
 
     N is the bucketed token count, S the bucketed row count; rows past the real ones
     have no tokens (q_len 0, kv_len 0) and tokens past cu_q_lens[-1] are padding.
-    `shape` gives (N, S, max_q_len, max_chunks).
+    `shape` gives (N, S, max_q_len, max_chunks). `ModelRunner.step_batch` fills the fields
+    with numpy arrays, which the jitted step's dispatch moves to the device (jax.Array
+    inside the step).
     """
 
     tokens: jax.Array  # int32 [N]: every row's new tokens, row after row
