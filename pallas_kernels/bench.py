@@ -12,7 +12,8 @@ kernels run in interpret mode on tiny sizes, so the numbers only show that it ru
 
 The quantized-weight matmul rows time one projection per packed format (kernel and XLA
 path) against the float matmul of the dequantized weight; their bytes are the packed
-weight's.
+weight's. On CPU their kernel is the C++ one (pallas_kernels/quant_matmul/cpu.py), timed
+at a real projection's size, so those rows are real CPU numbers.
 
 `--ops paged` times paged decode attention alone (what `pallas_kernels.gpu_check` runs);
 `--batch / --context / --page-size` move its problem (default batch 64, context 4096,
@@ -362,29 +363,36 @@ def _lora_rows(on_cpu, dtype, iters):
 
 def _quant_matmul_rows(on_cpu, dtype, iters):
     """One projection with its weight packed in each format: the XLA path (xla.py) and the
-    Pallas kernel (TPU, Triton on GPU, interpret on CPU), against the float matmul of the
-    dequantized weight kept resident in x's dtype. Bytes: the weight as stored, x and out,
-    so GB/s compares how fast each reads what it keeps."""
-    from pallas_kernels.quant_matmul import quant_matmul
+    platform's kernel, against the float matmul of the dequantized weight kept resident in
+    x's dtype. Bytes: the weight as stored, x and out, so GB/s compares how fast each reads
+    what it keeps. On CPU the kernel is the C++ one (cpu.py) on SmolLM2's up projection
+    (576 -> 1536) at 1 and 16 tokens, and fp8, which it does not take, shows the XLA path
+    only; elsewhere the Pallas kernel (TPU, Triton on GPU) at 16 tokens of 4096 -> 4096."""
+    from pallas_kernels.quant_matmul import cpu, quant_matmul
     from quant.packed import FORMATS, quantize
     from pallas_kernels.quant_matmul.xla import quant_matmul_xla
 
     rng = np.random.default_rng(5)
-    tokens, d_in, d_out = (4, 256, 256) if on_cpu else (16, 4096, 4096)
+    d_in, d_out = (576, 1536) if on_cpu else (4096, 4096)
+    iters = max(iters, 100) if on_cpu else iters  # tens of microseconds a call: average many
     w = rng.standard_normal((d_in, d_out)).astype(np.float32)
-    x = jnp.asarray(rng.standard_normal((tokens, d_in)), dtype)
-    io = x.nbytes + tokens * d_out * jnp.dtype(dtype).itemsize
     dense = jnp.asarray(w, dtype)
-    impl = f"float matmul ({jnp.dtype(dtype).name} weight)"
-    rows = [_row("quant_matmul", impl, jax.jit(jnp.matmul), (x, dense), dense.nbytes + io, iters)]
     xla = jax.jit(lambda x, w: quant_matmul_xla(x, w).astype(x.dtype))
-    kernel = jax.jit(functools.partial(quant_matmul, interpret=True if on_cpu else None))
-    impl = "kvfold Pallas" + (" (interpret)" if on_cpu else "")
-    for fmt in (f for f in FORMATS if not FORMATS[f].super_block):  # K-quants come from GGUF files
-        packed = quantize(w, fmt)
-        args, nbytes = (x, packed), packed.nbytes + io
-        rows += [_row(f"quant_matmul {fmt}", "XLA path", xla, args, nbytes, iters),
-                 _row(f"quant_matmul {fmt}", impl, kernel, args, nbytes, iters)]
+    kernel = jax.jit(quant_matmul)
+    impl = "kvfold C++ (CPU)" if on_cpu else "kvfold Pallas"
+    packed = {fmt: quantize(w, fmt) for fmt in FORMATS if not FORMATS[fmt].super_block}  # K-quants: GGUF only
+    rows = []
+    for tokens in (1, 16) if on_cpu else (16,):
+        x = jnp.asarray(rng.standard_normal((tokens, d_in)), dtype)
+        io = x.nbytes + tokens * d_out * jnp.dtype(dtype).itemsize
+        name = f"quant_matmul {tokens} tok"
+        rows.append(_row(name, f"float matmul ({jnp.dtype(dtype).name} weight)", jax.jit(jnp.matmul),
+                         (x, dense), dense.nbytes + io, iters))
+        for fmt, wq in packed.items():
+            args, nbytes = (x, wq), wq.nbytes + io
+            rows.append(_row(f"{name} {fmt}", "XLA path", xla, args, nbytes, iters))
+            if not on_cpu or cpu.supports(fmt, tokens, d_out):
+                rows.append(_row(f"{name} {fmt}", impl, kernel, args, nbytes, iters))
     return rows
 
 

@@ -32,7 +32,10 @@ import numpy as np
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGET = "kvfold_quant_matmul"
 MAX_TOKENS = 32  # above this many rows a dequantize + float matmul (xla.py) is faster (benchmarked)
-CPU_FORMATS = frozenset({"q8_0", "q4_0", "q4_1", "q5_0", "int8", "int4", "w8a8", "q4_k", "q5_k", "q6_k"})
+# Every packed format but fp8 (no E4M3 decoder here) and w8a8, whose int8 x int8 matmul on
+# XLA's path (xla.py) ran faster than this kernel (70 vs 80 us at one token, 76 vs 266 us at
+# 16 on 576 x 1536: `python -m pallas_kernels.bench`).
+CPU_FORMATS = frozenset({"q8_0", "q4_0", "q4_1", "q5_0", "int8", "int4", "q4_k", "q5_k", "q6_k"})
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -107,8 +110,8 @@ def supports(fmt: str, num_tokens: int, d_out: int) -> bool:
 
 def quant_matmul_cpu(x, codes, scale, offset, *, fmt: str, group: int, target: str = TARGET):
     """x [T, in] float32 times the packed weight (codes, float scale and offset per group, as
-    PackedWeight.float_scales gives them): float32 [T, out]. w8a8's activation rounding
-    is the caller's (entry.py). target: the FFI name of a registered build (`register`)."""
+    PackedWeight.float_scales gives them) of a weight-only format: float32 [T, out].
+    target: the FFI name of a registered build (`register`)."""
     from quant.packed import FORMATS
 
     f = FORMATS[fmt]

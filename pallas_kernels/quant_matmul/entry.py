@@ -27,11 +27,7 @@ def _rounded_activations(x, codes, scale, offset, *, kernel, interpret, **option
 
 
 def _cpu(x, codes, scale, offset, *, fmt, group):
-    xf = x
-    if fmt in ACTIVATION_INT8:
-        xq, xs = quantize_activations(x)
-        xf = xq.astype(jnp.float32) * xs
-    return cpu.quant_matmul_cpu(xf, codes, scale, offset, fmt=fmt, group=group).astype(x.dtype)
+    return cpu.quant_matmul_cpu(x, codes, scale, offset, fmt=fmt, group=group).astype(x.dtype)
 
 
 def quant_matmul(x, w: PackedWeight, *, interpret=None):
@@ -44,7 +40,8 @@ def quant_matmul(x, w: PackedWeight, *, interpret=None):
       w: a PackedWeight of shape [in, out].
       interpret: True runs the Pallas TPU kernel in interpret mode; None runs Mosaic on
         TPU, Triton on GPU, on CPU the C++ kernel (cpu.py) up to cpu.MAX_TOKENS tokens and
-        the XLA path (xla.py) above that or where the kernel cannot be built.
+        the XLA path (xla.py) above that, for fp8 and w8a8, or where the kernel cannot be
+        built.
 
     Returns [num_tokens, out] in x.dtype (accumulated in float32).
     """

@@ -11,7 +11,7 @@ import pytest
 
 from pallas_kernels import quant_matmul
 from pallas_kernels.quant_matmul import cpu
-from quant.packed import ACTIVATION_INT8, FORMATS, quantize_activations
+from quant.packed import FORMATS
 from tests.pallas_kernels.test_quant_matmul import _close, _inputs, _k_quant, _oracle
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernel runs on a CPU backend")
@@ -31,9 +31,6 @@ def _weight(fmt, d_in, d_out, seed):
 
 
 def _run(x, w, target=cpu.TARGET):
-    if w.fmt in ACTIVATION_INT8:
-        xq, xs = quantize_activations(x)
-        x = xq.astype(jnp.float32) * xs
     scale, offset = w.float_scales()
     return cpu.quant_matmul_cpu(x, w.codes, scale, offset, fmt=w.fmt, group=w.group, target=target)
 
@@ -64,7 +61,7 @@ def test_kernel_matches_the_oracle(fmt, shape):
     x = jnp.asarray(np.random.default_rng(t).normal(size=(t, w.shape[0])), jnp.float32)
     got = _run(x, w)
     assert got.shape == (t, d_out) and got.dtype == jnp.float32
-    _close(got, _oracle(x, w, activations=True), rtol=1e-5)
+    _close(got, _oracle(x, w), rtol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q4_0", "q8_0", "int8", "q6_k"])
@@ -82,10 +79,10 @@ def _lowered(t, fmt):
 
 @pytest.mark.parametrize("fmt", ["q4_1", "w8a8", "fp8"])
 def test_entry_runs_the_kernel_for_few_tokens(fmt):
-    """Up to MAX_TOKENS rows (decode steps) the entry calls the kernel; above, and for fp8
-    (no E4M3 decoder in it), it dequantizes and runs XLA's matmul. Either way the result is
-    the oracle's."""
-    decodes = fmt != "fp8"
+    """Up to MAX_TOKENS rows (decode steps) the entry calls the kernel; above, it dequantizes
+    and runs XLA's matmul. fp8 (no E4M3 decoder in it) and w8a8 (XLA's int8 matmul is faster)
+    always take xla.py. Either way the result is the oracle's."""
+    decodes = fmt in cpu.CPU_FORMATS
     assert (cpu.TARGET in _lowered(cpu.MAX_TOKENS, fmt)) == decodes
     assert cpu.TARGET not in _lowered(cpu.MAX_TOKENS + 1, fmt)
     x, w = _inputs(fmt, 2, 128, 48, seed=6)
