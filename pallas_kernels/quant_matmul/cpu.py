@@ -3,9 +3,9 @@ FFI, which reads the packed codes as they are stored and decodes a few rows at a
 
 XLA:CPU has no dequantizing matmul: the XLA path (xla.py) turns the whole packed weight
 into a float temporary at every step, which costs several times the float32 matmul, while
-llama.cpp reads the same blocks directly. This kernel does what llama.cpp's CPU path does
-for the memory-bound case (few tokens a step: decode), keeping activations in float32 so
-its result is the reference's up to the order of float additions.
+llama.cpp reads the same blocks directly. This kernel reads them directly too, for steps of
+a few tokens (decode), but keeps activations in float32 where llama.cpp rounds them to 8
+bits, so its result is the reference's up to the order of float additions.
 
 The kernel is compiled once per machine with the system's C++ compiler (`-march=native`,
 about 5 s) into a cache keyed by the source, the jaxlib headers and the CPU, then

@@ -3,19 +3,21 @@
 //
 // XLA:CPU does not fuse a dequantization into a matmul, so without this kernel a packed
 // weight is first turned into a float temporary of the whole matrix at every step, which
-// costs several times the float32 matmul. Here each group of a few K rows is decoded into
-// registers and used at once:
+// costs several times the float32 matmul. Here 16 stored rows at a time (a block, inside
+// one group) are decoded into registers and used at once:
 //
 //   W[k, n] = (code[k, n] - zero) * scale[g, n] + offset[g, n],   g = k / group
-//   y[t, n] = sum_g scale[g, n] * (sum_{k in g} x[t, k] code[k, n] - zero * xs[t, g])
-//             + offset[g, n] * xs[t, g],                           xs[t, g] = sum_{k in g} x[t, k]
+//   y[t, n] = sum over blocks b of  scale[g, n] * (sum_{k in b} x[t, k] code[k, n] - zero * xs[t, b])
+//                                   + offset[g, n] * xs[t, b],    xs[t, b] = sum_{k in b} x[t, k]
 //
-// so the scales are applied once per group and output, and the inner loop is a float
-// multiply-add over a tile of output columns (vectorized by the compiler; built with
-// -march=native by pallas_kernels/quant_matmul/cpu.py on the machine that runs it).
+// so the scales are applied once per block and column, and the inner loop is a float
+// multiply-add over a register tile of tokens by output columns (AVX-512 intrinsics, or
+// loops the compiler vectorizes where the CPU lacks AVX-512; cpu.py builds with
+// -march=native on the machine that runs it). Activations stay float32, so the result is
+// the dequantize-then-matmul reference's up to the order of float additions.
 // Codes are int8 (8-bit formats) or two 4-bit codes a byte, GGUF's order inside a group:
 // byte row j of a group holds row j in its low nibble and row j + group / 2 in its high.
-// Scales and offsets are float16 or float32. Output tiles are spread over XLA's intra-op
+// Scales and offsets are float16 or float32. Column ranges are spread over XLA's intra-op
 // thread pool.
 
 #include <algorithm>
