@@ -41,7 +41,7 @@ def compile_kernels(monkeypatch, module) -> None:
 
     staged = dispatch._staged
 
-    def compiled_staged(*args, ref, tpu, gpu, interpret):
+    def compiled_staged(*args, ref, tpu, gpu, interpret, cpu=None):
         if interpret and interpret is not True:
             pytest.skip(TPU_INTERPRET_ONLY)
         if interpret and gpu is None and jax.default_backend() == "gpu":
@@ -50,7 +50,7 @@ def compile_kernels(monkeypatch, module) -> None:
         traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
         if not interpret and not traced:
             return _reference(*args, ref=ref)
-        return staged(*args, ref=ref, tpu=tpu, gpu=gpu, interpret=None)
+        return staged(*args, ref=ref, tpu=tpu, gpu=gpu, cpu=cpu, interpret=None)
 
     monkeypatch.setattr(dispatch, "_staged", compiled_staged)
     for name, fn in list(vars(module).items()):
