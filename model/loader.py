@@ -78,11 +78,13 @@ def load(source: str = DEFAULT, dtype=jnp.float32, weights_dtype: str | None = N
          ) -> tuple[ModelConfig, dict]:
     """(config, params) for `source`; params are device arrays of `dtype`, except the
     matrices when weights_dtype says otherwise (model/weights.py: "float32", "bfloat16",
-    "gguf" to keep a GGUF file's own blocks, or a packed format such as "int8" or "q4_1")."""
-    from model.weights import check_weights_dtype
+    "gguf" to keep a GGUF file's own blocks, or a packed format such as "int8" or "q4_1").
+    The default keeps a GGUF file's blocks ("gguf") and a Hugging Face checkpoint's tensors
+    in `dtype`."""
+    from model.weights import resolve_weights_dtype
 
     kind, path = _resolve(source)
-    check_weights_dtype(weights_dtype, kind)
+    weights_dtype = resolve_weights_dtype(weights_dtype, kind)
     if kind == "gguf":
         from model.gguf_loader import config_from_gguf, params_from_gguf
 

@@ -1,7 +1,10 @@
 """How `model.load` keeps each weight: float arrays, or packed (quantized) forms.
 
 weights_dtype (the same name on `model.load`, `LLM(...)` and `--weights-dtype`):
-- None: every tensor in the load's `dtype` (float32 by default), as before packing existed.
+- None (the default): "gguf" for a GGUF file, which keeps its own blocks as llama.cpp
+  does; for a Hugging Face checkpoint every tensor in the load's `dtype` (float32 by
+  default). `LLM(tensor_parallel_size > 1)` loads float matrices instead (packed weights
+  are not sharded yet).
 - "float32" / "bfloat16": the matrices (projections, embedding, head) in that dtype; norms
   and biases in the load's `dtype`.
 - "gguf" (GGUF files only): each matrix keeps the file's own blocks where kvfold reads
@@ -66,6 +69,12 @@ def check_complete(params: dict, config, source: str) -> None:
     if missing:
         raise ValueError(f"checkpoint {source} ({config.name}) lacks {missing[:8]}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def resolve_weights_dtype(weights_dtype: str | None, source_kind: str) -> str | None:
+    """The weights_dtype a load uses: a GGUF file keeps its own blocks unless told otherwise."""
+    check_weights_dtype(weights_dtype, source_kind)
+    return KEEP_GGUF if weights_dtype is None and source_kind == "gguf" else weights_dtype
 
 
 def check_weights_dtype(weights_dtype: str | None, source_kind: str) -> None:

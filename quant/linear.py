@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from quant.packed import FORMATS, quantize
+from quant.packed import FORMATS, PackedWeight, quantize
 from quant.int8 import DEFAULT_THRESHOLD, Int8Weight, int8_matmul, quantize_weight
 
 DEFAULT_LINEAR_NAMES = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
@@ -36,6 +36,16 @@ def default_linear_predicate(path: tuple[str, ...], leaf: Any) -> bool:
         and leaf.ndim == 2
         and jnp.issubdtype(leaf.dtype, jnp.floating)
     )
+
+
+def _check_float(params: Any) -> None:
+    """ValueError when params already hold packed weights (which would pass through
+    unchanged): model.load keeps a GGUF file's own blocks unless told otherwise."""
+    packed = [w for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, PackedWeight))
+              if isinstance(w, PackedWeight)]
+    if packed:
+        raise ValueError(f"params hold {len(packed)} packed ({packed[0].fmt}) weights, which cannot be "
+                         "quantized again: load float weights with model.load(..., weights_dtype='float32')")
 
 
 def _key_name(key: Any) -> str:
@@ -59,6 +69,7 @@ def quantize_params(
     """
     if method not in METHODS:
         raise ValueError(f"unknown quantization method {method!r}; allowed: {', '.join(METHODS)}")
+    _check_float(params)
 
     def convert(keypath, leaf):
         path = tuple(_key_name(k) for k in keypath)
@@ -75,6 +86,7 @@ def pack_params(params: Any, fmt: str, predicate: Predicate = default_linear_pre
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; allowed: {', '.join(FORMATS)}")
+    _check_float(params)
 
     def convert(keypath, leaf):
         path = tuple(_key_name(k) for k in keypath)

@@ -111,6 +111,8 @@ class LLM:
                  hicache_host_memory: str = TierConfig.host_memory):
         import model as model_lib
 
+        if weights_dtype is None and tensor_parallel_size > 1:  # packed weights are not sharded yet
+            weights_dtype = "bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32"
         config, params = model_lib.load(model, dtype, weights_dtype)
         self._setup(config, params, model_lib.load_tokenizer(model), max_model_len, block_size,
                     num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,

@@ -110,11 +110,12 @@ def _free_compiled_code():
 
 @pytest.fixture(scope="session")
 def default_model():
-    """(config, params) of the embedded SmolLM2-135M-Instruct, loaded once per session."""
+    """(config, params) of the embedded SmolLM2-135M-Instruct with float32 matrices (the
+    reference the packed forms are compared with), loaded once per session."""
     _require_default_model()
     import model
 
-    return model.load("default")
+    return model.load("default", weights_dtype="float32")
 
 
 @pytest.fixture(scope="session")

@@ -103,8 +103,9 @@ def test_bad_meshes_are_clear_errors():
 
 
 SCRIPT = r"""
-# the default model (SmolLM2-135M) at tp = 3: logits, shards, then greedy through LLM
-config, params = model.load("default")
+# the default model (SmolLM2-135M) at tp = 3: logits, shards, then greedy through LLM (whose
+# default at tp > 1 is float matrices: packed weights are not sharded yet)
+config, params = model.load("default", weights_dtype="float32")
 tok = model.load_tokenizer("default")
 ids = tok.encode("The quick brown fox jumps over the lazy dog, then it runs to the river.")
 sharded = check_forward(config, params, jnp.asarray([ids]), 3, "default")

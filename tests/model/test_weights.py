@@ -17,6 +17,7 @@ import model
 from model.weights import WEIGHTS_DTYPES
 from quant.packed import K_BLOCK_BYTES, FORMATS, GGUF_FORMATS, PackedWeight, from_gguf, quantize
 from model.lora import linear
+import quant
 from quant import pack_params
 from tests.model.test_hf_parity import check_gguf_logits, smollm2_golden  # noqa: F401 (fixture)
 
@@ -99,6 +100,11 @@ def test_bad_formats_are_value_errors():
         model.load("default", weights_dtype="int3")
     with pytest.raises(ValueError, match="unknown weight format"):
         pack_params({"wq": np.ones((64, 8))}, "fp4")
+    packed = {"wq": quantize(np.ones((64, 8), np.float32), "q4_1")}  # as model.load keeps a GGUF's blocks
+    with pytest.raises(ValueError, match=r"1 packed \(q4_1\) weights.*weights_dtype='float32'"):
+        quant.quantize_params(packed, "int8")
+    with pytest.raises(ValueError, match="packed"):
+        pack_params(packed, "int8")
 
 
 def test_linear_routes_packed_weights_and_checks_widths():
@@ -139,10 +145,11 @@ def _load_traced(weights_dtype):
 
 
 def test_default_model_keeps_its_gguf_blocks(smollm2_golden):  # noqa: F811 (fixture)
-    """weights_dtype="gguf": the Q4_1 / Q8_0 bytes stay as they are in the file (resident
-    bytes equal the file's tensor bytes), the load holds no float copy of a matrix, and the
-    logits still match transformers reading the same file."""
-    config, params, peak = _load_traced("gguf")
+    """The default load of a GGUF (weights_dtype unset, i.e. "gguf"): the Q4_1 / Q8_0 bytes
+    stay as they are in the file (resident bytes equal the file's tensor bytes), the load
+    holds no float copy of a matrix, and the logits still match transformers reading the
+    same file."""
+    config, params, peak = _load_traced(None)
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, PackedWeight))
     assert {w.fmt for w in leaves if isinstance(w, PackedWeight)} == {"q4_1", "q8_0"}
     assert sum(int(a.nbytes) for a in jax.tree.leaves(params)) == _gguf_tensor_bytes()
@@ -215,7 +222,7 @@ def test_llm_serves_the_gguf_blocks_greedy_like_transformers(default_tokenizer, 
     assert llm.generate(request, greedy)[0].outputs[0].token_ids == want
     llm.update_weights(model.default_model_path())
     assert llm.generate(request, greedy)[0].outputs[0].token_ids == want
-    float_params = model.load("default")[1]
+    float_params = model.load("default", weights_dtype="float32")[1]
     with pytest.raises(ValueError, match="differ in structure"):
         llm.update_weights(float_params)
 
