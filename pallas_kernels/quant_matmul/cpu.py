@@ -32,8 +32,10 @@ import numpy as np
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGET = "kvfold_quant_matmul"
 # Above this many rows xla.py's dequantize + float matmul is faster (576 x 1536 q4_1 on this
-# project's CPU: even at 32 tokens, 0.96 vs 1.16 ms at 128).
+# project's CPU: even at 32 tokens, 0.96 vs 1.16 ms at 128). A build without AVX-512 (the
+# portable loops, compiled for AVX2) evens with xla.py at 8 tokens: 0.47 ms each.
 MAX_TOKENS = 32
+PORTABLE_MAX_TOKENS = 8
 # Every packed format but fp8 (no E4M3 decoder here) and w8a8, whose int8 x int8 matmul on
 # XLA's path (xla.py) ran faster than this kernel (70 vs 80 us at one token, 76 vs 266 us at
 # 16 on 576 x 1536: `python -m pallas_kernels.bench`).
@@ -83,31 +85,42 @@ def build(force: bool = False, flags: tuple[str, ...] = FLAGS) -> Path:
 
 
 @functools.cache
-def available() -> bool:
-    """Whether the kernel is built (building it now if needed) and registered with XLA:CPU."""
+def _library() -> ctypes.CDLL | None:
     if os.environ.get("KVFOLD_QUANT_MATMUL_CPU", "1") == "0":
-        return False
+        return None
     try:
-        register(build(), TARGET)
+        return register(build(), TARGET)
     except (RuntimeError, OSError) as e:
         import warnings
 
-        warnings.warn(f"packed matmuls on CPU fall back to dequantize + matmul: {e}", stacklevel=2)
-        return False
-    return True
+        warnings.warn(f"packed matmuls on CPU fall back to dequantize + matmul: {e}", stacklevel=3)
+        return None
 
 
-def register(library: Path, target: str) -> None:
+def available() -> bool:
+    """Whether the kernel is built (building it now if needed) and registered with XLA:CPU."""
+    return _library() is not None
+
+
+def max_tokens() -> int:
+    """The most tokens a step may have for the kernel to take it: MAX_TOKENS with AVX-512,
+    PORTABLE_MAX_TOKENS for the portable loops."""
+    lib = _library()
+    return MAX_TOKENS if lib is not None and lib.KvfoldQuantMatmulAvx512() else PORTABLE_MAX_TOKENS
+
+
+def register(library: Path, target: str) -> ctypes.CDLL:
     """Register a built kernel library with XLA:CPU under the FFI name `target`."""
     lib = ctypes.cdll.LoadLibrary(str(library))
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.KvfoldQuantMatmul), platform="cpu")
+    return lib
 
 
 def supports(fmt: str, num_tokens: int, d_out: int) -> bool:
     """Whether the kernel takes this matmul: a format it decodes, few rows, whole 16-column
     strips, a CPU backend (a GPU or TPU host never builds it) and a built kernel."""
-    return (fmt in CPU_FORMATS and num_tokens <= MAX_TOKENS and d_out % 16 == 0
-            and jax.default_backend() == "cpu" and available())
+    return (fmt in CPU_FORMATS and d_out % 16 == 0 and jax.default_backend() == "cpu" and available()
+            and num_tokens <= max_tokens())
 
 
 def quant_matmul_cpu(x, codes, scale, offset, *, fmt: str, group: int, target: str = TARGET):

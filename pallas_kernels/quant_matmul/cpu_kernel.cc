@@ -269,6 +269,16 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 
 }  // namespace
 
+// 1 when built with the AVX-512 tiles, 0 for the portable loops (cpu.py takes fewer tokens
+// to this kernel then: the loops lose to XLA's dequantize + matmul from about 8 tokens up).
+extern "C" int KvfoldQuantMatmulAvx512() {
+#if defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldQuantMatmul, QuantMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

@@ -39,7 +39,7 @@ def quant_matmul(x, w: PackedWeight, *, interpret=None):
       x: [num_tokens, in], float.
       w: a PackedWeight of shape [in, out].
       interpret: True runs the Pallas TPU kernel in interpret mode; None runs Mosaic on
-        TPU, Triton on GPU, on CPU the C++ kernel (cpu.py) up to cpu.MAX_TOKENS tokens and
+        TPU, Triton on GPU, on CPU the C++ kernel (cpu.py) up to cpu.max_tokens() tokens and
         the XLA path (xla.py) above that, for fp8 and w8a8, or where the kernel cannot be
         built.
 

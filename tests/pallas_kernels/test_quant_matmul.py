@@ -108,7 +108,8 @@ def test_entry_matches_the_oracle(fmt, shape, interpret):
 
 @pytest.mark.parametrize("fmt", FMTS + K_QUANTS)
 def test_xla_path_matches_the_oracle(fmt):
-    """xla.py, which CPU runs above the C++ kernel's MAX_TOKENS (prefill chunks) and for fp8."""
+    """xla.py, which CPU runs above the C++ kernel's max_tokens() (prefill chunks), for fp8
+    and w8a8."""
     if fmt in FMTS:
         x, w = _inputs(fmt, 5, 128, 48, seed=11)
     else:

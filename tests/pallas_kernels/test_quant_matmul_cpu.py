@@ -46,8 +46,14 @@ def portable():
 
 def test_the_kernel_builds_here():
     """CI installs a C++ compiler (Makefile setup), so the kernel must be available: a
-    silent fallback to the XLA path would hide a broken build."""
+    silent fallback to the XLA path would hide a broken build. It has the AVX-512 tiles
+    exactly when this CPU has AVX-512 (-march=native), and takes steps as long as that
+    build is faster than XLA for; the portable build reports its own."""
     assert cpu.available()
+    avx512 = " avx512f " in next(line for line in open("/proc/cpuinfo") if line.startswith("flags")) + " "
+    assert cpu.max_tokens() == (cpu.MAX_TOKENS if avx512 else cpu.PORTABLE_MAX_TOKENS)
+    flags = tuple(f for f in cpu.FLAGS if f != "-march=native") + ("-march=x86-64-v2",)
+    assert cpu.register(cpu.build(flags=flags), PORTABLE).KvfoldQuantMatmulAvx512() == 0
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -79,12 +85,12 @@ def _lowered(t, fmt):
 
 @pytest.mark.parametrize("fmt", ["q4_1", "w8a8", "fp8"])
 def test_entry_runs_the_kernel_for_few_tokens(fmt):
-    """Up to MAX_TOKENS rows (decode steps) the entry calls the kernel; above, it dequantizes
+    """Up to max_tokens() rows (decode steps) the entry calls the kernel; above, it dequantizes
     and runs XLA's matmul. fp8 (no E4M3 decoder in it) and w8a8 (XLA's int8 matmul is faster)
     always take xla.py. Either way the result is the oracle's."""
     decodes = fmt in cpu.CPU_FORMATS
-    assert (cpu.TARGET in _lowered(cpu.MAX_TOKENS, fmt)) == decodes
-    assert cpu.TARGET not in _lowered(cpu.MAX_TOKENS + 1, fmt)
+    assert (cpu.TARGET in _lowered(cpu.max_tokens(), fmt)) == decodes
+    assert cpu.TARGET not in _lowered(cpu.max_tokens() + 1, fmt)
     x, w = _inputs(fmt, 2, 128, 48, seed=6)
     _close(quant_matmul(x, w), _oracle(x, w, activations=True))
 
