@@ -86,6 +86,8 @@ def build(force: bool = False, flags: tuple[str, ...] = FLAGS) -> Path:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
+    """The built and registered kernel library, once per process; None (with one warning)
+    when it cannot be built, or when KVFOLD_QUANT_MATMUL_CPU=0 turns it off."""
     if os.environ.get("KVFOLD_QUANT_MATMUL_CPU", "1") == "0":
         return None
     try:
