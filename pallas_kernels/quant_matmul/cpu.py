@@ -128,8 +128,13 @@ def supports(fmt: str, num_tokens: int, d_out: int) -> bool:
 def quant_matmul_cpu(x, codes, scale, offset, *, fmt: str, group: int, target: str = TARGET):
     """x [T, in] float32 times the packed weight (codes, float scale and offset per group, as
     PackedWeight.float_scales gives them) of a weight-only format: float32 [T, out].
-    target: the FFI name of a registered build (`register`)."""
+    target: the FFI name of a registered build (`register`); the default one is built and
+    registered here if it is not yet (RuntimeError when it cannot be)."""
     from quant.packed import FORMATS
+
+    if target == TARGET and not available():
+        raise RuntimeError("the CPU quantized-matmul kernel is not available (no compiler, a failed build, "
+                           "or KVFOLD_QUANT_MATMUL_CPU=0)")
 
     f = FORMATS[fmt]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], codes.shape[1]), jnp.float32),

@@ -228,6 +228,8 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   if (group <= 0 || K % group || (nibbles && group % 2) || cd[0] != (nibbles ? K / 2 : K) ||
       sd[0] != K / group || sd[1] != N || N % 16)
     return ffi::Error::InvalidArgument("quant_matmul_cpu: codes / scale shapes do not match x and group");
+  if (codes.element_type() != ffi::DataType::S8 && codes.element_type() != ffi::DataType::U8)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: codes must be int8 or uint8 bytes");
   const auto st = scale.element_type();
   if (st != ffi::DataType::F16 && st != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("quant_matmul_cpu: scale must be float16 or float32");
@@ -238,21 +240,20 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   // 64 byte rows).
   const int64_t stored = nibbles ? K / 2 : K, group_rows = nibbles ? group / 2 : group;
   const int64_t rows = group_rows % 16 ? group_rows : 16, blocks = stored / rows;
-  std::vector<float> xs(T * blocks);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t r = b * rows;
-    const int64_t k0 = nibbles ? r / group_rows * group + r % group_rows : r;
+  auto shared = std::make_shared<Shared>();
+  Problem& p = shared->p;
+  p = Problem{x.typed_data(), static_cast<const uint8_t*>(codes.untyped_data()), scale.untyped_data(),
+              has_offset ? offset.untyped_data() : nullptr, nullptr, y->typed_data(),
+              T, K, N, group, rows, blocks, nibbles, st == ffi::DataType::F16, zero};
+  std::vector<float> xs(T * blocks);  // each block's x sum (both row ranges of a nibble block)
+  for (int64_t b = 0; b < blocks; ++b)
     for (int64_t t = 0; t < T; ++t) {
-      const float* xt = x.typed_data() + t * K + k0;
+      const float* xt = p.x + t * K + p.first_row(b);
       float s = 0.0f;
-      for (int64_t j = 0; j < rows; ++j) s += xt[j] + (nibbles ? xt[j + group_rows] : 0.0f);
+      for (int64_t j = 0; j < rows; ++j) s += xt[j] + (nibbles ? xt[j + p.half()] : 0.0f);
       xs[t * blocks + b] = s;
     }
-  }
-  auto shared = std::make_shared<Shared>();
-  shared->p = Problem{x.typed_data(), static_cast<const uint8_t*>(codes.untyped_data()), scale.untyped_data(),
-                      has_offset ? offset.untyped_data() : nullptr, xs.data(), y->typed_data(),
-                      T, K, N, group, rows, blocks, nibbles, st == ffi::DataType::F16, zero};
+  p.xs = xs.data();
   // Two column ranges per thread (whole 64-column tiles), so a slow thread's share is split.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads()), tiles = (N + kCols - 1) / kCols;
   shared->chunks = std::min(tiles, 2 * threads);

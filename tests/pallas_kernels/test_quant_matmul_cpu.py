@@ -25,9 +25,11 @@ PORTABLE = "kvfold_quant_matmul_portable"
 
 
 def _weight(fmt, d_in, d_out, seed):
+    """A packed weight [in, out] (K-quants from random super-blocks, 512 inputs; int4 256,
+    so one group of 128 is 64 byte rows)."""
     if FORMATS[fmt].super_block:
-        return None, _k_quant(fmt, 512, d_out, seed)
-    return _inputs(fmt, 1, 256 if fmt == "int4" else d_in, d_out, seed=seed)  # int4: one group of 128 is 64 byte rows
+        return _k_quant(fmt, 512, d_out, seed)
+    return _inputs(fmt, 1, 256 if fmt == "int4" else d_in, d_out, seed=seed)[1]
 
 
 def _run(x, w, target=cpu.TARGET):
@@ -38,13 +40,12 @@ def _run(x, w, target=cpu.TARGET):
 @pytest.fixture(scope="module")
 def portable():
     """The kernel built without AVX-512 (the loops a CPU without it runs), registered under
-    its own name."""
-    cpu.register(cpu.build(flags=tuple(f for f in cpu.FLAGS if f != "-march=native") + ("-march=x86-64-v2",)),
-                 PORTABLE)
-    return PORTABLE
+    its own name: (FFI name, library)."""
+    flags = tuple(f for f in cpu.FLAGS if f != "-march=native") + ("-march=x86-64-v2",)
+    return PORTABLE, cpu.register(cpu.build(flags=flags), PORTABLE)
 
 
-def test_the_kernel_builds_here():
+def test_the_kernel_builds_here(portable):
     """CI installs a C++ compiler (Makefile setup), so the kernel must be available: a
     silent fallback to the XLA path would hide a broken build. It has the AVX-512 tiles
     exactly when this CPU has AVX-512 (-march=native), and takes steps as long as that
@@ -52,8 +53,7 @@ def test_the_kernel_builds_here():
     assert cpu.available()
     avx512 = " avx512f " in next(line for line in open("/proc/cpuinfo") if line.startswith("flags")) + " "
     assert cpu.max_tokens() == (cpu.MAX_TOKENS if avx512 else cpu.PORTABLE_MAX_TOKENS)
-    flags = tuple(f for f in cpu.FLAGS if f != "-march=native") + ("-march=x86-64-v2",)
-    assert cpu.register(cpu.build(flags=flags), PORTABLE).KvfoldQuantMatmulAvx512() == 0
+    assert portable[1].KvfoldQuantMatmulAvx512() == 0
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -63,7 +63,7 @@ def test_kernel_matches_the_oracle(fmt, shape):
     (q4_1, int4, q4_k, q5_k), q4_0's zero point, nibble groups of 32 and 128, int8 groups
     of 16 (q6_k), 32 and whole columns."""
     t, d_in, d_out = shape
-    _, w = _weight(fmt, d_in, d_out, seed=sorted(cpu.CPU_FORMATS).index(fmt))
+    w = _weight(fmt, d_in, d_out, seed=sorted(cpu.CPU_FORMATS).index(fmt))
     x = jnp.asarray(np.random.default_rng(t).normal(size=(t, w.shape[0])), jnp.float32)
     got = _run(x, w)
     assert got.shape == (t, d_out) and got.dtype == jnp.float32
@@ -73,9 +73,9 @@ def test_kernel_matches_the_oracle(fmt, shape):
 @pytest.mark.parametrize("fmt", ["q4_1", "q4_0", "q8_0", "int8", "q6_k"])
 def test_portable_build_matches_the_oracle(fmt, portable):
     t, d_in, d_out = SHAPES[2]
-    _, w = _weight(fmt, d_in, d_out, seed=3)
+    w = _weight(fmt, d_in, d_out, seed=3)
     x = jnp.asarray(np.random.default_rng(4).normal(size=(t, w.shape[0])), jnp.float32)
-    _close(_run(x, w, target=portable), _oracle(x, w), rtol=1e-5)
+    _close(_run(x, w, target=portable[0]), _oracle(x, w), rtol=1e-5)
 
 
 def _lowered(t, fmt):
@@ -106,6 +106,9 @@ def test_mismatched_buffers_are_refused_by_the_kernel():
     x, w = _inputs("q4_1", 2, 128, 48, seed=8)
     with pytest.raises(Exception, match="codes / scale shapes"):
         cpu.quant_matmul_cpu(x, w.codes, w.scale, w.offset, fmt="q4_1", group=64).block_until_ready()
+    with pytest.raises(Exception, match="codes must be int8 or uint8"):
+        cpu.quant_matmul_cpu(x, w.codes.astype(jnp.int32), w.scale, w.offset, fmt="q4_1",
+                             group=32).block_until_ready()
 
 
 def test_a_failed_build_is_a_clear_error(tmp_path, monkeypatch):
