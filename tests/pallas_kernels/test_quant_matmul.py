@@ -95,7 +95,7 @@ def test_oracle_dequantizes_what_quantize_packed(fmt):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_entry_matches_the_oracle(fmt, shape, interpret):
     """The entry runs the platform's path: on CPU the C++ kernel (test_quant_matmul_cpu.py),
-    or xla.py for fp8; the TPU kernel in interpret mode."""
+    or xla.py for fp8 and w8a8; the TPU kernel in interpret mode."""
     x, w = _inputs(fmt, *shape, seed=10 * FMTS.index(fmt) + SHAPES.index(shape))
     got = quant_matmul(x, w, interpret=interpret)
     assert got.shape == (shape[0], shape[2]) and got.dtype == jnp.float32
