@@ -1,5 +1,6 @@
 """`load(source)` and `load_tokenizer(source)`: the default model, Gemma 3 270M, a GGUF file,
-or a HF directory."""
+a HF directory, or a DeepSeek-V4.1 preset with random weights ("deepseek-v4.1-tiny": no
+V4.1 checkpoint fits these machines), whose tokenizer is bytes (model.tokenizer.byte_tokenizer)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def _resolve(source: str) -> tuple[str, str]:
         raise ValueError(f"model source must be 'default', {GEMMA3!r}, a .gguf path or a HF directory, "
                          f"got {source!r}")
     source = os.fspath(source)
+    if source in _presets():
+        return "preset", source
     if source == DEFAULT:
         return "gguf", default_model_path()
     if source == GEMMA3:
@@ -74,16 +77,32 @@ def _gguf_reader(path: str):
     return open_gguf(path)
 
 
-def load(source: str = DEFAULT, dtype=jnp.float32, weights_dtype: str | None = None
+def _presets() -> dict:
+    from model.deepseek import PRESETS
+
+    return PRESETS
+
+
+def load(source: str = DEFAULT, dtype=jnp.float32, weights_dtype: str | None = None, seed: int = 0
          ) -> tuple[ModelConfig, dict]:
     """(config, params) for `source`; params are device arrays of `dtype`, except the
     matrices when weights_dtype says otherwise (model/weights.py: "float32", "bfloat16",
     "gguf" to keep a GGUF file's own blocks, or a packed format such as "int8" or "q4_1").
     The default keeps a GGUF file's blocks ("gguf") and a Hugging Face checkpoint's tensors
-    in `dtype`."""
+    in `dtype`. A preset's params are model.init_params(config, jax.random.key(seed)),
+    float only (weights_dtype None, "float32" or "bfloat16")."""
     from model.weights import resolve_weights_dtype
 
     kind, path = _resolve(source)
+    if kind == "preset":
+        if weights_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"{source!r} has random float weights: weights_dtype must be None, 'float32' or "
+                             f"'bfloat16', got {weights_dtype!r}")
+        import model
+
+        config = _presets()[source]()
+        matrices = dtype if weights_dtype is None else jnp.dtype(weights_dtype)
+        return config, jax.jit(model.init_params, static_argnums=(0, 2))(config, jax.random.key(seed), matrices)
     weights_dtype = resolve_weights_dtype(weights_dtype, kind)
     if kind == "gguf":
         from model.gguf_loader import config_from_gguf, params_from_gguf
@@ -102,6 +121,10 @@ def load(source: str = DEFAULT, dtype=jnp.float32, weights_dtype: str | None = N
 def load_tokenizer(source: str = DEFAULT) -> Tokenizer:
     """The tokenizer (and chat template) that goes with `source`."""
     kind, path = _resolve(source)
+    if kind == "preset":
+        from model.tokenizer import byte_tokenizer
+
+        return byte_tokenizer()
     if kind == "gguf":
         from model.tokenizer import tokenizer_from_gguf
 

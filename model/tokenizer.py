@@ -107,6 +107,19 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> HFTokeniz
     return tok
 
 
+def byte_tokenizer() -> Tokenizer:
+    """One token per byte (id = the byte's value, 256 tokens), no chat template, no BOS / EOS:
+    the tokenizer of the random-weight presets (model.load("deepseek-v4.1-tiny"))."""
+    # GPT-2's printable stand-in of each byte, which the byte-level pre-tokenizer emits
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    chars = [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+    tok = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return Tokenizer(tok, None, None, None)
+
+
 def _merges_by_position(tokens: list[str]) -> list[tuple[str, str]]:
     """Every split of a token into two tokens: earlier tokens first, longer left pieces first.
 

@@ -86,6 +86,9 @@ class Row:
     adjust: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = dataclasses.field(
         default=None, compare=False)
     lora: int = 0  # the LoRA adapter's lora_int_id (0: the base model)
+    # the sequence's state slot while it runs, in [0, max_num_seqs): where a model with
+    # per-sequence state outside the pages keeps it (DeepSeek-V4.1's window rings)
+    slot: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,9 +198,16 @@ class EngineCore:
                  preemption_mode: str = RECOMPUTE, seed: int = 0, clock=time.monotonic,
                  decode: Decode | None = None, grammars: GrammarCompiler | None = None,
                  jump_forward: bool = True, encode: Callable[[str], list[int]] | None = None,
-                 vocab_size: int | None = None, tiers: TierConfig | None = None, fingerprint: bytes = b""):
+                 vocab_size: int | None = None, tiers: TierConfig | None = None, fingerprint: bytes = b"",
+                 state_slots: bool = False):
+        """state_slots: the runner keeps per-sequence state outside the pages (DeepSeek-V4.1's
+        window rings): each running sequence gets a slot (Row.slot), and what that state
+        cannot do yet is refused (prefix caching, swapping, n > 1 samples)."""
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        if state_slots and (enable_prefix_caching or preemption_mode == SWAP or tiers is not None):
+            raise ValueError("a model with per-sequence state outside the KV pages (CSA2 window rings) runs "
+                             "without prefix caching, hierarchical cache or swap preemption yet")
         if not sched_config.enable_chunked_prefill and sched_config.max_num_batched_tokens < max_model_len:
             raise ValueError(f"without chunked prefill max_num_batched_tokens "
                              f"({sched_config.max_num_batched_tokens}) must be >= max_model_len "
@@ -240,6 +250,10 @@ class EngineCore:
         # speculative decoding: how many verified trees accepted k draft tokens
         self.accepted_counts: collections.Counter = collections.Counter()
         self._next_seed = seed
+        # state slots (state_slots=True): each running sequence's, and the free ones
+        self.state_slots = state_slots
+        self._slots: dict[str, int] = {}
+        self._free_slots = list(range(sched_config.max_num_seqs))[::-1]
 
     # -- requests ----------------------------------------------------------------
 
@@ -263,6 +277,9 @@ class EngineCore:
             self.runner.add_lora(lora_request)  # reads and checks the adapter
             lora_id = lora_request.lora_int_id
         prompt = tuple(prompt_ids)
+        if params.n > 1 and self.state_slots:
+            raise ValueError(f"n={params.n} samples of one prompt are not supported yet for a model with "
+                             "per-sequence state outside the KV pages (CSA2): send n=1 requests")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} samples are more sequences than max_num_seqs={self.config.max_num_seqs}")
         if not 0 < len(prompt) < self.max_model_len:
@@ -375,8 +392,21 @@ class EngineCore:
             self.output.finish(seq.output, reason)
             self._release_seq(seq)
 
+    def _slot(self, seq_id: str) -> int:
+        """The running sequence's state slot (-1 without state_slots); taken on first use."""
+        if not self.state_slots:
+            return -1
+        if seq_id not in self._slots:
+            self._slots[seq_id] = self._free_slots.pop()  # at most max_num_seqs run at once
+        return self._slots[seq_id]
+
+    def _free_slot(self, seq_id: str) -> None:
+        if seq_id in self._slots:
+            self._free_slots.append(self._slots.pop(seq_id))
+
     def _release_seq(self, seq: SeqState) -> None:
         seq.swapped = None
+        self._free_slot(seq.seq_id)
         if seq.seq_id in self.kv.tables:
             self.kv.free(seq.seq_id)
         self.state = sched.remove(self.state, [seq.seq_id])
@@ -454,7 +484,7 @@ class EngineCore:
                             params=seq.params, seed=seq.seed, counter=len(seq.output.tokens),
                             next_token=None if last else self.tokens(sid, end, end + 1)[0],
                             tree=tree, token_mask=mask, adjust=self._adjustments(seq) if last else None,
-                            lora=s.lora_id))
+                            lora=s.lora_id, slot=self._slot(sid)))
         pending = self._move_tiered_pages([sid for sid, _ in plan.scheduled])  # before anything writes the pool
         try:
             self.runner.copy_pages(copies)
@@ -745,6 +775,7 @@ class EngineCore:
         else:
             seq.tree = None  # recomputing the prompt grows a new one
         self.kv.free(seq_id)
+        self._free_slot(seq_id)  # recomputed from position 0: the state starts over
 
     def _maybe_fork(self, seq_id: str) -> None:
         """After sequence 0 of a request samples its first token, its n - 1 siblings start:

@@ -67,6 +67,7 @@ from jax.sharding import Mesh
 
 import model
 from model.weights import WEIGHTS_DTYPES
+from model.deepseek import paged as paged_csa2
 from model import eagle3
 from model.config import ATTENTION, SLIDING_ATTENTION
 from model.kv_formats import KV_CACHE_DTYPES, bytes_per_token, check_kv_cache_dtype
@@ -93,7 +94,7 @@ class LLM:
 
     def __init__(self, model: str = "default", max_model_len: int | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, max_num_seqs: int = 16,
-                 max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
+                 max_num_batched_tokens: int = 512, enable_prefix_caching: bool | None = None,
                  kv_cache_dtype: str = "auto", scheduling_policy: str = "fcfs",
                  capacity_policy: str = sched.MAX_UTILIZATION,
                  chunking_policy: str = sched.FIRST_COME_FIRST_SERVED,
@@ -113,7 +114,7 @@ class LLM:
 
         if weights_dtype is None and tensor_parallel_size > 1:  # packed weights are not sharded yet
             weights_dtype = "bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32"
-        config, params = model_lib.load(model, dtype, weights_dtype)
+        config, params = model_lib.load(model, dtype, weights_dtype, seed=seed)
         self._setup(config, params, model_lib.load_tokenizer(model), max_model_len, block_size,
                     num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
                     kv_cache_dtype, scheduling_policy, capacity_policy, chunking_policy,
@@ -162,6 +163,9 @@ class LLM:
             num_kv_blocks = check_int("num_kv_blocks", num_kv_blocks, 1)
         max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
         max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        csa2 = paged_csa2.is_csa2(config)
+        if enable_prefix_caching is None:  # on wherever the model's KV can be shared
+            enable_prefix_caching = not csa2
         enable_prefix_caching = check_bool("enable_prefix_caching", enable_prefix_caching)
         seed = check_int("seed", seed)
         jump_forward = check_bool("jump_forward", jump_forward)
@@ -182,6 +186,10 @@ class LLM:
                              f"{kv_cache_dtype!r} (KIVI keeps a per-batch-row buffer the engine cannot "
                              "page yet)")
         check_kv_cache_dtype(kv_cache_dtype, config, block_size)
+        if csa2:
+            _check_csa2(config, block_size, kv_cache_dtype, enable_prefix_caching, preemption_mode,
+                        speculative_config, enable_lora, tensor_parallel_size, data_parallel_size,
+                        enable_hierarchical_cache)
         tp = check_int("tensor_parallel_size", tensor_parallel_size, 1)
         dp = check_int("data_parallel_size", data_parallel_size, 1)
         ep = check_int("expert_parallel_size", expert_parallel_size, 1)
@@ -239,7 +247,8 @@ class LLM:
             # Every running sequence at full length, capped by a memory budget. Not larger:
             # XLA:CPU still converts a whole bfloat16 / fp8 pool in each scatter
             # (model/kv_cache.py scatter_rows), a cost per step that grows with the pool.
-            per_token = bytes_per_token(kv_cache_dtype, step_config, dtype, block_size)
+            per_token = (config.kv_bytes_per_token if csa2  # the window rings are per sequence, not per token
+                         else bytes_per_token(kv_cache_dtype, step_config, dtype, block_size))
             if draft is not None:
                 per_token += bytes_per_token(kv_cache_dtype, draft.config.layer_config, dtype, block_size)
             budget = DEFAULT_KV_CACHE_GIB * 2**30 // per_token
@@ -266,7 +275,7 @@ class LLM:
                               grammars=grammars, jump_forward=jump_forward,
                               encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False),
                               vocab_size=config.vocab_size, tiers=tiers,
-                              fingerprint=b"" if tiers is None else self._fingerprint(runner))
+                              fingerprint=b"" if tiers is None else self._fingerprint(runner), state_slots=csa2)
                    for rank, runner in enumerate(self.runners)]
         self.engine = engines[0] if dp == 1 else DataParallelEngine(engines)
         if precompile:  # every step shape now, so serving never stops to compile
@@ -654,3 +663,19 @@ def _drafter(speculative_config: dict | None, config: model.ModelConfig, dtype) 
     if spec.top_k > draft_config.draft_vocab_size:
         raise ValueError(f"top_k={spec.top_k} exceeds the draft vocabulary ({draft_config.draft_vocab_size})")
     return Drafter(draft_config, draft_params, spec)
+
+
+def _check_csa2(config, block_size, kv_cache_dtype, enable_prefix_caching, preemption_mode, speculative_config,
+                enable_lora, tensor_parallel_size, data_parallel_size, enable_hierarchical_cache) -> None:
+    """What a DeepSeek-V4.1 (CSA2) model is served with: ValueError naming what it is not (yet)."""
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"{config.name} stores its KV in fixed formats (NVFP4 rows, MXFP4 index keys, FP8 "
+                         f"window): kv_cache_dtype must be 'auto', got {kv_cache_dtype!r}")
+    paged_csa2.check_page_size(config, block_size)
+    unsupported = [name for name, on in (
+        ("enable_prefix_caching", enable_prefix_caching), ("preemption_mode='swap'", preemption_mode == SWAP),
+        ("speculative_config", speculative_config is not None), ("enable_lora", enable_lora),
+        ("tensor_parallel_size > 1", tensor_parallel_size != 1), ("data_parallel_size > 1", data_parallel_size != 1),
+        ("enable_hierarchical_cache", enable_hierarchical_cache)) if on]
+    if unsupported:
+        raise ValueError(f"{config.name} (CSA2 attention) is not served with {', '.join(unsupported)} yet")

@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import model
 from model import eagle3
 from model import lora as model_lora
+from model.deepseek import paged as paged_csa2
 from model.kv_cache import KVCache
 from model.transformer import lm_head
 from pallas_kernels.tree_mask import TreeMask, pack_mask
@@ -88,7 +89,7 @@ class TreeBatch:
                                 "logits_indices", "seeds", "counters", "temperature", "top_k",
                                 "top_p", "min_p", "targets", "token_masks", "constrained",
                                 "adjust_ids", "adjust_counts", "adjust_seen", "adjust_bias",
-                                "penalties", "lora_slots", "tree"],
+                                "penalties", "lora_slots", "state_slots", "tree"],
                    meta_fields=["max_q_len", "max_chunks"])
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
@@ -124,6 +125,7 @@ class StepBatch:
     adjust_bias: jax.Array  # float32 [S, K]: logit_bias, -inf for banned tokens
     penalties: jax.Array  # float32 [S, 3]: presence, frequency, repetition
     lora_slots: jax.Array  # int32 [N]: each token's LoRA adapter slot (-1: the base model)
+    state_slots: jax.Array  # int32 [S]: each row's state slot (Row.slot; -1 for padding rows)
     max_q_len: int  # static: bucketed longest row (1 for a decode-only step)
     max_chunks: int  # static: bucketed count of rows with more than one token (0 if none)
     tree: TreeBatch | None = None  # speculative decoding's verify rows and draft inputs
@@ -157,10 +159,14 @@ def _step(params, config, page_size, pool, batch: StepBatch, want_logprobs, want
     and pool are sharded over it (model/sharding.py); the batch is replicated."""
     if lora_stacks is not None:
         params = model_lora.attach(params, lora_stacks, batch.lora_slots)
-    cache = KVCache(pool["target"], batch.block_tables, page_size)
-    hidden, cache, _ = model.forward_packed(params, config, batch.tokens, batch.positions, cache,
-                                            batch.layout, mesh=mesh)
-    logits = lm_head(params, config, hidden[batch.logits_indices])
+    if paged_csa2.is_csa2(config):
+        last, hidden, pool = _csa2_forward(params, config, page_size, pool, batch, mesh, want_prompt_logprobs)
+    else:
+        cache = KVCache(pool["target"], batch.block_tables, page_size)
+        hidden, cache, _ = model.forward_packed(params, config, batch.tokens, batch.positions, cache,
+                                                batch.layout, mesh=mesh)
+        last, pool = hidden[batch.logits_indices], {"target": cache.layers}
+    logits = lm_head(params, config, last)
     keys = row_keys(batch.seeds, batch.counters)
     adjusted = apply_adjustments(logits, batch.adjust_ids, batch.adjust_counts, batch.adjust_seen,
                                  batch.adjust_bias, batch.penalties)
@@ -173,7 +179,31 @@ def _step(params, config, page_size, pool, batch: StepBatch, want_logprobs, want
     if mesh is not None:  # every device (every host) holds the whole results
         next_tokens, extra, prompt_extra = jax.tree.map(
             lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P())), (next_tokens, extra, prompt_extra))
-    return next_tokens, extra, prompt_extra, {"target": cache.layers}
+    return next_tokens, extra, prompt_extra, pool
+
+
+def _csa2_forward(params, config, page_size, pool, batch: StepBatch, mesh, every_token: bool):
+    """A DeepSeek-V4.1 (CSA2) step: the packed tokens as rows [S, max_q_len] through
+    model.deepseek.paged.forward_rows on the paged pool and the rows' state slots, the CED
+    way unless every token's hidden state is wanted (prompt logprobs). Returns (hidden at
+    each row's last token [S, H], hidden [N, H] in packed order or None, pool)."""
+    starts, q_lens = batch.cu_q_lens[:-1], batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
+    col = jnp.arange(batch.max_q_len)
+    valid = col[None] < q_lens[:, None]
+    index = jnp.minimum(starts[:, None] + col[None], batch.tokens.shape[0] - 1)
+    tokens = jnp.where(valid, batch.tokens[index], 0)
+    positions = jnp.where(valid, batch.positions[index], -1)
+    hidden, pages, state = paged_csa2.forward_rows(params, config, tokens, positions, pool["target"], pool["state"],
+                                                   batch.block_tables, batch.state_slots, page_size, mesh,
+                                                   ced=not every_token)
+    pool = {"target": pages, "state": state}
+    if not every_token:
+        return hidden, None, pool
+    token = jnp.arange(batch.tokens.shape[0])
+    row = jnp.clip(jnp.searchsorted(batch.cu_q_lens, token, side="right") - 1, 0, q_lens.shape[0] - 1)
+    packed = hidden[row, jnp.clip(token - starts[row], 0, batch.max_q_len - 1)]
+    last = jnp.take_along_axis(hidden, jnp.maximum(q_lens - 1, 0)[:, None, None], axis=1)[:, 0]
+    return last, packed, pool
 
 
 def _logprobs(logits, tokens):
@@ -364,8 +394,18 @@ class ModelRunner:
         self.page_size, self.num_pages = page_size, num_pages
         self.max_pages_per_seq, self.max_num_seqs = max_pages_per_seq, max_num_seqs
         self.mask_words = -(-config.vocab_size // 32)
-        self.pool = {"target": model.init_kv_pool(config, num_pages, page_size, dtype, kv_cache_dtype,
-                                                  mesh=mesh)}
+        self.csa2 = paged_csa2.is_csa2(config)
+        # per-sequence state outside the pages (CSA2's window rings): one slot per running sequence
+        self.state = None
+        if self.csa2:
+            if draft is not None or lora is not None or mesh is not None:
+                raise ValueError(f"{config.name} (CSA2 attention) is served without speculative decoding, "
+                                 "LoRA adapters or sharding yet")
+            pages, self.state = paged_csa2.init_pool(config, num_pages, page_size, max_num_seqs, kv_cache_dtype)
+            self.pool = {"target": pages}
+        else:
+            self.pool = {"target": model.init_kv_pool(config, num_pages, page_size, dtype, kv_cache_dtype,
+                                                      mesh=mesh)}
         if draft is not None:
             self.pool["draft"] = model.init_kv_pool(draft.config.layer_config, num_pages, page_size, dtype,
                                                     kv_cache_dtype)
@@ -386,9 +426,15 @@ class ModelRunner:
         else:
             lora_slot = self.lora.slots_for({r.lora for r in rows if r.lora}) if self.lora else None
             batch = self.step_batch(rows, lora_slot)
-            *out, self.pool = _step(self.params, self.config, self.page_size, self.pool, batch, want_logprobs,
-                                    want_prompt_logprobs, self.lora.stacks if self.lora else None, self.mesh)
+            *out, pool = _step(self.params, self.config, self.page_size, self._step_pool(), batch, want_logprobs,
+                               want_prompt_logprobs, self.lora.stacks if self.lora else None, self.mesh)
+            self.state = pool.pop("state", None)
+            self.pool = pool
         return self._results(rows, np.asarray(batch.cu_q_lens)[:-1], *jax.tree.map(np.asarray, out))
+
+    def _step_pool(self) -> dict:
+        """What `_step` takes and returns (donated): the pages, and the state slots of a CSA2 model."""
+        return self.pool if self.state is None else {**self.pool, "state": self.state}
 
     def _sampling_arrays(self, rows: list[Row], b: int) -> list[np.ndarray]:
         """seeds, counters, temperature, top_k, top_p, min_p for `rows` padded to b."""
@@ -430,12 +476,24 @@ class ModelRunner:
         return [ids, counts, seen, bias, penalties]
 
     def _tables(self, rows: list[Row], b: int) -> np.ndarray:
-        """Block tables [b, max_pages_per_seq] (attention reads only the live pages)."""
-        tables = np.zeros((b, self.max_pages_per_seq), np.int32)
+        """Block tables [b, width]: max_pages_per_seq wide (attention reads only the live
+        pages), or for a CSA2 model `table_width` (its step gathers every page of the table)."""
+        width = self.table_width([r.start + self._q_len(r) for r in rows]) if self.csa2 else self.max_pages_per_seq
+        tables = np.zeros((b, width), np.int32)
         for i, r in enumerate(rows):
-            n = min(self.max_pages_per_seq, len(r.block_table))
+            n = min(width, len(r.block_table))
             tables[i, :n] = r.block_table[:n]
         return tables
+
+    def _table_widths(self) -> list[int]:
+        """Every width table_width gives."""
+        return sorted({min(1 << k, self.max_pages_per_seq) for k in range(bucket(self.max_pages_per_seq).bit_length())})
+
+    def table_width(self, kv_lens: list[int]) -> int:
+        """A CSA2 step's block table width: the pages of its longest row, to a power of two
+        (at most max_pages_per_seq), so its cost follows the live context with few shapes."""
+        pages = max(-(-n // self.page_size) for n in kv_lens)
+        return min(bucket(pages), self.max_pages_per_seq)
 
     def add_lora(self, request: LoRARequest) -> None:
         """Read and check a LoRA adapter (ValueError: no LoRA in this runner, a bad adapter)."""
@@ -451,6 +509,10 @@ class ModelRunner:
         """Pack rows into a StepBatch of the shape `shape` gives them (with a draft, a
         TreeBatch too). lora_slot: device slot of each LoRA adapter id the rows use."""
         lens = [self._q_len(r) for r in rows]
+        if self.csa2 and (len({r.slot for r in rows}) != len(rows)
+                          or not all(0 <= r.slot < self.max_num_seqs for r in rows)):
+            raise ValueError(f"rows of a CSA2 model need distinct state slots in [0, {self.max_num_seqs}), "
+                             f"got {[r.slot for r in rows]}")
         n, s, max_q_len, max_chunks = self.shape(lens, sum(r.tree is not None for r in rows))
         tokens, positions = np.zeros(n, np.int32), np.full(n, -1, np.int32)
         cu_q_lens, kv_lens = np.zeros(s + 1, np.int32), np.zeros(s, np.int32)
@@ -487,7 +549,8 @@ class ModelRunner:
         return StepBatch(tokens, positions, cu_q_lens, kv_lens, self._tables(rows, s),
                          np.maximum(cu_q_lens[1:] - 1, 0), seeds, counters, temperature,
                          top_k, top_p, min_p, targets, token_masks, constrained,
-                         *self._adjust_arrays(rows, s), lora_slots, max_q_len=max_q_len,
+                         *self._adjust_arrays(rows, s), lora_slots,
+                         np.asarray([r.slot for r in rows] + [-1] * (s - len(rows)), np.int32), max_q_len=max_q_len,
                          max_chunks=max_chunks, tree=tree)
 
     def shape(self, lens: list[int], trees: int = 0) -> StepShape:
@@ -540,20 +603,27 @@ class ModelRunner:
             tree = None if self.draft is None else DraftTree(
                 np.zeros(self.draft.spec.num_tokens, np.int32), np.arange(self.draft.spec.num_tokens) - 1,
                 np.zeros(self.draft.spec.num_tokens, np.float32))
-            batch = self.step_batch([Row(tuple([0] * (1 if i < trees else k)), 0, (0,), sample=True,
-                                         tree=tree if i < trees else None) for i, k in enumerate(lens)], {})
-            start = time.perf_counter()  # compiled ahead of time: the first real call reuses it
-            if self.draft is None:
-                _step.lower(self.params, self.config, self.page_size, self.pool, batch, False, False,
-                            self.lora.stacks if self.lora else None, self.mesh).compile()
-            else:
-                _spec_step.lower(self.params, self.config, self.page_size, self.draft.params, self.draft.config,
-                                 self.draft.spec, self.pool, batch, False, False).compile()
-            times.append((shape, time.perf_counter() - start))
-            if progress:
-                kind = ("verify" if trees else "decode" if shape.max_q_len == 1
-                        else "one chunk" if shape.max_chunks == 1 else "several chunks")
-                bar.write(f"  step of {shape.tokens} tokens, {shape.rows} rows, {kind}: {times[-1][1]:.1f} s")
+            # a CSA2 step also has a shape per block table width: rows as long as each width holds
+            widths = [w for w in self._table_widths() if max(lens) <= w * self.page_size] if self.csa2 else [1]
+            for width in widths:
+                kv_len = width * self.page_size if self.csa2 else 0
+                batch = self.step_batch([Row(tuple([0] * (1 if i < trees else k)), max(kv_len - k, 0), (0,) * width,
+                                             sample=True, tree=tree if i < trees else None, slot=i)
+                                         for i, k in enumerate(lens)], {})
+                start = time.perf_counter()  # compiled ahead of time: the first real call reuses it
+                if self.draft is None:
+                    _step.lower(self.params, self.config, self.page_size, self._step_pool(), batch, False, False,
+                                self.lora.stacks if self.lora else None, self.mesh).compile()
+                else:
+                    _spec_step.lower(self.params, self.config, self.page_size, self.draft.params,
+                                     self.draft.config, self.draft.spec, self.pool, batch, False, False).compile()
+                times.append((shape, time.perf_counter() - start))
+                if progress:
+                    kind = ("verify" if trees else "decode" if shape.max_q_len == 1
+                            else "one chunk" if shape.max_chunks == 1 else "several chunks")
+                    pages = f", {width} pages" if self.csa2 else ""
+                    bar.write(f"  step of {shape.tokens} tokens, {shape.rows} rows{pages}, {kind}: "
+                              f"{times[-1][1]:.1f} s")
         for k in range(bucket(self.max_num_seqs).bit_length()):  # pairs (0 -> 0): a no-op copy
             self.copy_pages([(0, 0)] * (1 << k))
         for k in range(bucket(self.num_pages).bit_length() if swap else 0):

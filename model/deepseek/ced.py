@@ -60,7 +60,7 @@ def _tail(x, ctx: ForwardContext, rows: int):
     shared = {k: ({n: (take(a) if n in PER_QUERY and a is not None else a) for n, a in v.items()}
                   if isinstance(v, dict) else v) for k, v in ctx.shared.items()}
     ctx = dataclasses.replace(ctx, positions=take(ctx.positions), rope=tuple(take(a) for a in ctx.rope),
-                              slots=take(ctx.slots), shared=shared)
+                              slots=None if ctx.slots is None else take(ctx.slots), shared=shared)
     return take(x), ctx
 
 
@@ -84,9 +84,16 @@ def ced_prefill(params: dict, config: DeepSeekConfig, tokens, positions, cache: 
     row, and window rings holding each layer's last W positions.
     """
     _check(config, tokens, positions, cache)
-    x = params["embed"][tokens]
-    ctx = context(config, positions, cache)
-    layers, last = list(cache.layers), config.last_kv_source
+    hidden, layers = ced_layers(params, config, params["embed"][tokens], list(cache.layers),
+                                context(config, positions, cache), staircase)
+    return lm_head(params, config, hidden), KVCache(layers, cache.block_tables, cache.page_size)
+
+
+def ced_layers(params: dict, config: DeepSeekConfig, x, layers: list, ctx: ForwardContext, staircase: bool = True):
+    """Every layer over x [B, T, H] the CED way: (final-norm hidden of each row's last
+    valid token [B, H], new layer caches). The serving engine's prefill steps run this too
+    (model.deepseek.paged.forward_rows)."""
+    layers, last = list(layers), config.last_kv_source
     for i in range(last):
         kind = config.layer_kinds[i]
         x, layers[i], ctx = LAYER_KINDS[kind].apply(params["layers"][i], config, x, layers[i], ctx)
@@ -100,10 +107,9 @@ def ced_prefill(params: dict, config: DeepSeekConfig, tokens, positions, cache: 
             x, layers[i], ctx = attention_and_mlp(kind, params["layers"][i], config, x, layers[i], ctx)
         else:
             x, layers[i], ctx = LAYER_KINDS[kind].apply(params["layers"][i], config, x, layers[i], ctx)
-    last_row = jnp.sum(ctx.positions >= 0, axis=1) - 1
+    last_row = jnp.maximum(jnp.sum(ctx.positions >= 0, axis=1) - 1, 0)
     hidden = jnp.take_along_axis(x, last_row[:, None, None], axis=1)[:, 0]
-    hidden = rms_norm(hidden, params["final_norm"], config.rms_norm_eps)
-    return lm_head(params, config, hidden), KVCache(layers, cache.block_tables, cache.page_size)
+    return rms_norm(hidden, params["final_norm"], config.rms_norm_eps), layers
 
 
 def full_prefill(params, config, tokens, positions, cache):

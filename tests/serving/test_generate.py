@@ -8,7 +8,7 @@ from serving import generate
 
 @pytest.fixture()
 def cli_on_loaded_model(monkeypatch, default_model, default_tokenizer):
-    monkeypatch.setattr(model, "load", lambda source, dtype=None, weights_dtype=None: default_model)
+    monkeypatch.setattr(model, "load", lambda source, dtype=None, weights_dtype=None, seed=0: default_model)
     monkeypatch.setattr(model, "load_tokenizer", lambda source: default_tokenizer)
 
 
@@ -47,7 +47,7 @@ def test_cli_rejects_bad_speculative_config_before_loading(monkeypatch, capsys):
 
 def test_cli_weights_dtype_reaches_the_loader(monkeypatch, default_model, default_tokenizer, capsys):
     seen = []
-    monkeypatch.setattr(model, "load", lambda source, dtype=None, weights_dtype=None:
+    monkeypatch.setattr(model, "load", lambda source, dtype=None, weights_dtype=None, seed=0:
                         seen.append(weights_dtype) or default_model)
     monkeypatch.setattr(model, "load_tokenizer", lambda source: default_tokenizer)
     generate.main(["Hi", "--max-tokens", "2", "--max-model-len", "256", "--weights-dtype", "gguf"])
@@ -63,7 +63,7 @@ def test_cli_without_a_chat_template_asks_for_raw(monkeypatch, default_model, de
     from model.tokenizer import Tokenizer
 
     bare = Tokenizer(default_tokenizer._tok, None, default_tokenizer.bos_token_id, default_tokenizer.eos_token_id)
-    monkeypatch.setattr(model, "load", lambda source, dtype=None, weights_dtype=None: default_model)
+    monkeypatch.setattr(model, "load", lambda source, dtype=None, weights_dtype=None, seed=0: default_model)
     monkeypatch.setattr(model, "load_tokenizer", lambda source: bare)
     with pytest.raises(SystemExit) as e:
         generate.main(["Hi", "--max-model-len", "256"])

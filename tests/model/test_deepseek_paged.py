@@ -1,0 +1,85 @@
+"""CSA2 caches in the engine's page pool: forward_rows on shuffled pages equals model.forward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import model
+from model.deepseek import paged, preset
+from model.deepseek.config import window_bytes_per_sequence
+from model.transformer import lm_head
+from tests.model.deepseek_tiny import positions, tiny
+
+PAGE_SIZE, NUM_PAGES, B, L = 4, 40, 2, 37
+# Chunk ends: odd ones leave ratio-2 groups pending across steps; 20 -> 21 a one-token step.
+CUTS = (0, 7, 19, 20, 21, L)
+
+
+@pytest.fixture(scope="module")
+def run():
+    """The whole sequence through model.forward (contiguous caches), and chunk by chunk
+    through forward_rows on pages in a shuffled order and state slots 2 and 0."""
+    config, params = tiny()
+    tokens = jax.random.randint(jax.random.key(1), (B, L), 0, config.vocab_size)
+    full, full_cache = model.forward(params, config, tokens, positions(B, 0, L), model.init_cache(config, B, L))
+    pages, state = paged.init_pool(config, NUM_PAGES, PAGE_SIZE, num_slots=3)
+    tables = np.random.default_rng(0).permutation(NUM_PAGES)[:B * 10].reshape(B, 10).astype(np.int32)
+    slots = jnp.asarray([2, 0], jnp.int32)
+    step = jax.jit(paged.forward_rows, static_argnames=("config", "page_size", "ced"))
+    logits, last = [], []
+    for a, b in zip(CUTS, CUTS[1:]):
+        width = -(-b // PAGE_SIZE)  # the pages the rows see so far, as the engine cuts its tables
+        args = (params, config, tokens[:, a:b], positions(B, a, b))
+        if b == L:  # the last chunk the CED way too (a prefill step that samples its last token)
+            hidden, _, _ = step(*args, pages, state, tables[:, :width], slots, PAGE_SIZE, ced=True)
+            last = np.asarray(lm_head(params, config, hidden))
+        hidden, pages, state = step(*args, pages, state, tables[:, :width], slots, PAGE_SIZE, ced=False)
+        logits.append(np.asarray(lm_head(params, config, hidden)))
+    return config, np.asarray(full), full_cache, np.concatenate(logits, 1), last, pages, tables
+
+
+def test_chunked_steps_on_shuffled_pages_equal_the_full_forward(run):
+    _, full, _, got, last, _, _ = run
+    np.testing.assert_allclose(got, full, atol=1e-5)
+    np.testing.assert_allclose(last, full[:, -1], atol=1e-5)
+
+
+def test_pages_hold_the_rows_of_the_contiguous_cache_bit_for_bit(run):
+    """Row j of a ratio-r source sits in page table[j r // P], slot (j r % P) / r; the
+    indexer and attention therefore read what model.forward's cache holds."""
+    config, _, full_cache, _, _, pages, tables = run
+    for i in config.kv_sources:
+        r = config.compress_ratios[i]
+        per_page = PAGE_SIZE // r
+        for got, want in zip(jax.tree.leaves(pages[i]), jax.tree.leaves(full_cache.layers[i]["global"])):
+            got, want = np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)
+            for b in range(B):
+                rows = got[tables[b]].reshape((-1,) + got.shape[2:])[:L // r]
+                np.testing.assert_array_equal(rows, want[b, :L // r])
+                assert rows.shape[0] == L // r and per_page * len(tables[b]) >= L // r
+    for i, kind in enumerate(config.layer_kinds):  # Reuse and SWA layers own no pages
+        assert bool(pages[i]) == (i in config.kv_sources), kind
+
+
+def test_pool_allocates_the_global_budget_per_token_and_the_window_per_slot():
+    """Pages hold config.kv_bytes_per_token (model.kv_budget's figure: 890 B for the Flash
+    plan, from abstract arrays); a state slot holds the FP8 window of every layer, its end
+    and the ratio-2 sources' pending token."""
+    tiny_config = tiny()[0]
+    flash = preset("deepseek-v4.1-flash")
+    for config, build in ((tiny_config, lambda c: paged.init_pool(c, 8, 16, 2)),
+                          (flash, lambda c: jax.eval_shape(lambda: paged.init_pool(c, 8, 16, 2)))):
+        pages, state = build(config)
+        assert paged.global_bytes_per_token(pages, 16) == config.kv_bytes_per_token
+        pending = sum(2 * config.head_dim * 4 for i in config.kv_sources if config.compress_ratios[i] == 2)
+        assert paged.state_bytes_per_slot(state) == (window_bytes_per_sequence(config) + 4 * config.num_layers
+                                                     + pending)
+    assert flash.kv_bytes_per_token == 890
+
+
+def test_a_page_must_hold_whole_compressed_rows():
+    with pytest.raises(ValueError, match="compression ratio 2"):
+        paged.init_pool(tiny()[0], 8, 3, 2)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto'"):
+        paged.init_pool(tiny()[0], 8, 4, 2, kv_cache_dtype="fp8")
