@@ -201,13 +201,15 @@ class EngineCore:
                  vocab_size: int | None = None, tiers: TierConfig | None = None, fingerprint: bytes = b"",
                  state_slots: bool = False):
         """state_slots: the runner keeps per-sequence state outside the pages (DeepSeek-V4.1's
-        window rings): each running sequence gets a slot (Row.slot), and what that state
-        cannot do yet is refused (prefix caching, swapping, n > 1 samples)."""
+        window rings): each running sequence gets a slot (Row.slot); a sequence that starts
+        on pages it did not compute (a prefix-cache hit, a fork) has its state rebuilt by
+        the runner's `restore_state` first. Swapping and the host / disk tiers do not
+        carry that state yet and are refused."""
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
-        if state_slots and (enable_prefix_caching or preemption_mode == SWAP or tiers is not None):
+        if state_slots and (preemption_mode == SWAP or tiers is not None):
             raise ValueError("a model with per-sequence state outside the KV pages (CSA2 window rings) runs "
-                             "without prefix caching, hierarchical cache or swap preemption yet")
+                             "without the hierarchical cache or swap preemption yet")
         if not sched_config.enable_chunked_prefill and sched_config.max_num_batched_tokens < max_model_len:
             raise ValueError(f"without chunked prefill max_num_batched_tokens "
                              f"({sched_config.max_num_batched_tokens}) must be >= max_model_len "
@@ -254,6 +256,7 @@ class EngineCore:
         self.state_slots = state_slots
         self._slots: dict[str, int] = {}
         self._free_slots = list(range(sched_config.max_num_seqs))[::-1]
+        self._restore: dict[str, int] = {}  # sequences whose state restore_state rebuilds: cached tokens
 
     # -- requests ----------------------------------------------------------------
 
@@ -277,9 +280,6 @@ class EngineCore:
             self.runner.add_lora(lora_request)  # reads and checks the adapter
             lora_id = lora_request.lora_int_id
         prompt = tuple(prompt_ids)
-        if params.n > 1 and self.state_slots:
-            raise ValueError(f"n={params.n} samples of one prompt are not supported yet for a model with "
-                             "per-sequence state outside the KV pages (CSA2): send n=1 requests")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} samples are more sequences than max_num_seqs={self.config.max_num_seqs}")
         if not 0 < len(prompt) < self.max_model_len:
@@ -401,8 +401,21 @@ class EngineCore:
         return self._slots[seq_id]
 
     def _free_slot(self, seq_id: str) -> None:
+        self._restore.pop(seq_id, None)
         if seq_id in self._slots:
             self._free_slots.append(self._slots.pop(seq_id))
+
+    def _restore_states(self, scheduled: list[str]) -> None:
+        """Rebuild the state of scheduled sequences that start on cached pages: each replays
+        the runner's replay_len tokens before its first computed position, pages frozen."""
+        rows = []
+        for sid in scheduled:
+            if (cached := self._restore.pop(sid, None)) is not None:
+                n = self.runner.replay_len(cached)
+                rows.append(Row(self.tokens(sid, cached - n, cached), cached - n, tuple(self.kv.tables[sid]),
+                                sample=False, slot=self._slot(sid)))
+        if rows:
+            self.runner.restore_state(rows)
 
     def _release_seq(self, seq: SeqState) -> None:
         seq.swapped = None
@@ -488,6 +501,8 @@ class EngineCore:
         pending = self._move_tiered_pages([sid for sid, _ in plan.scheduled])  # before anything writes the pool
         try:
             self.runner.copy_pages(copies)
+            if self._restore:
+                self._restore_states([sid for sid, _ in plan.scheduled])
             results = self.runner.execute(rows) if rows else []
         finally:  # the loaded pages are in the prefix cache: they land whatever the step did
             if pending is not None:
@@ -748,6 +763,8 @@ class EngineCore:
         hit = self.kv.admit(s.seq_id, self.tokens(s.seq_id), use_cache=self._reads_cache(s.seq_id),
                             namespace=s.lora_id, limit=s.num_computed_tokens)
         assert hit == s.num_computed_tokens, (hit, s.num_computed_tokens)
+        if hit and self.state_slots:
+            self._restore[s.seq_id] = hit
         if len(self.kv.loads) > queued:
             self.step_loads[s.seq_id] = len(self.kv.loads) - queued
         req = self.requests[seq.request_id]
@@ -788,6 +805,8 @@ class EngineCore:
         req.forked = True
         for sid in req.seq_ids[1:]:
             self.kv.fork(seq_id, sid, len(req.prompt_ids))
+            if self.state_slots:  # it starts on its parent's pages at the last prompt position
+                self._restore[sid] = len(req.prompt_ids) - 1
             child = self._sched_seq(sid, req.prompt_ids, req.params, req.arrival,
                                     num_computed_tokens=len(req.prompt_ids) - 1, started=self.state.step,
                                     lora_id=req.lora_id)

@@ -82,7 +82,7 @@ from serving.multihost import BroadcastRunner
 from serving.params import (CompletionOutput, LoRARequest, RequestOutput, SamplingParams, check_bool, check_int,
                             check_text)
 from serving.lora import LoRAManager
-from serving.runner import Drafter, ModelRunner
+from serving.runner import EXACT_REPLAY, WINDOW_REPLAYS, Drafter, ModelRunner
 from serving.structured import GrammarCompiler
 
 DEFAULT_KV_CACHE_GIB = 1.0
@@ -94,7 +94,7 @@ class LLM:
 
     def __init__(self, model: str = "default", max_model_len: int | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, max_num_seqs: int = 16,
-                 max_num_batched_tokens: int = 512, enable_prefix_caching: bool | None = None,
+                 max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  kv_cache_dtype: str = "auto", scheduling_policy: str = "fcfs",
                  capacity_policy: str = sched.MAX_UTILIZATION,
                  chunking_policy: str = sched.FIRST_COME_FIRST_SERVED,
@@ -109,7 +109,7 @@ class LLM:
                  hicache_write_policy: str = TierConfig.write_policy,
                  hicache_storage_backend: str = TierConfig.storage_backend, mooncake_master: str | None = None,
                  hicache_storage_prefetch_policy: str = TierConfig.prefetch_policy,
-                 hicache_host_memory: str = TierConfig.host_memory):
+                 hicache_host_memory: str = TierConfig.host_memory, window_replay: str = EXACT_REPLAY):
         import model as model_lib
 
         if weights_dtype is None and tensor_parallel_size > 1:  # packed weights are not sharded yet
@@ -123,7 +123,7 @@ class LLM:
                     data_parallel_size, expert_parallel_size, precompile, enable_hierarchical_cache,
                     host_cache_bytes, disk_cache_dir, disk_cache_bytes, hicache_write_policy,
                     hicache_storage_backend, mooncake_master, hicache_storage_prefetch_policy,
-                    hicache_host_memory)
+                    hicache_host_memory, window_replay)
 
     @classmethod
     def from_loaded(cls, config: model.ModelConfig, params: dict, tokenizer: model.Tokenizer,
@@ -148,7 +148,7 @@ class LLM:
                weights_dtype, tensor_parallel_size, data_parallel_size, expert_parallel_size, precompile,
                enable_hierarchical_cache, host_cache_bytes, disk_cache_dir, disk_cache_bytes,
                hicache_write_policy, hicache_storage_backend, mooncake_master,
-               hicache_storage_prefetch_policy, hicache_host_memory):
+               hicache_storage_prefetch_policy, hicache_host_memory, window_replay):
         # Every argument is checked here, before anything is built.
         if weights_dtype is not None and weights_dtype not in WEIGHTS_DTYPES:
             raise ValueError(f"unknown weights_dtype {weights_dtype!r}; allowed: {', '.join(WEIGHTS_DTYPES)}")
@@ -164,8 +164,8 @@ class LLM:
         max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
         max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         csa2 = paged_csa2.is_csa2(config)
-        if enable_prefix_caching is None:  # on wherever the model's KV can be shared
-            enable_prefix_caching = not csa2
+        if not isinstance(window_replay, str) or window_replay not in WINDOW_REPLAYS:
+            raise ValueError(f"window_replay must be one of {list(WINDOW_REPLAYS)}, got {window_replay!r}")
         enable_prefix_caching = check_bool("enable_prefix_caching", enable_prefix_caching)
         seed = check_int("seed", seed)
         jump_forward = check_bool("jump_forward", jump_forward)
@@ -187,9 +187,8 @@ class LLM:
                              "page yet)")
         check_kv_cache_dtype(kv_cache_dtype, config, block_size)
         if csa2:
-            _check_csa2(config, block_size, kv_cache_dtype, enable_prefix_caching, preemption_mode,
-                        speculative_config, enable_lora, tensor_parallel_size, data_parallel_size,
-                        enable_hierarchical_cache)
+            _check_csa2(config, block_size, kv_cache_dtype, preemption_mode, speculative_config, enable_lora,
+                        tensor_parallel_size, data_parallel_size, enable_hierarchical_cache)
         tp = check_int("tensor_parallel_size", tensor_parallel_size, 1)
         dp = check_int("data_parallel_size", data_parallel_size, 1)
         ep = check_int("expert_parallel_size", expert_parallel_size, 1)
@@ -264,7 +263,7 @@ class LLM:
             max_loras=lora.max_loras if lora else 0)
         # one runner (its own pool) and one engine (its own scheduler and prefix cache) per rank
         self.runners = [ModelRunner(step_config, placed, num_kv_blocks, block_size, max_pages_per_seq,
-                                    max_num_seqs, dtype, kv_cache_dtype, draft, lora, rank_mesh)
+                                    max_num_seqs, dtype, kv_cache_dtype, draft, lora, rank_mesh, window_replay)
                         for placed, rank_mesh in zip(rank_params, rank_meshes)]
         self.runner = self.runners[0]
         grammars = GrammarCompiler(tokenizer, config.vocab_size, tokenizer.eos_token_id)
@@ -665,15 +664,15 @@ def _drafter(speculative_config: dict | None, config: model.ModelConfig, dtype) 
     return Drafter(draft_config, draft_params, spec)
 
 
-def _check_csa2(config, block_size, kv_cache_dtype, enable_prefix_caching, preemption_mode, speculative_config,
-                enable_lora, tensor_parallel_size, data_parallel_size, enable_hierarchical_cache) -> None:
+def _check_csa2(config, block_size, kv_cache_dtype, preemption_mode, speculative_config, enable_lora,
+                tensor_parallel_size, data_parallel_size, enable_hierarchical_cache) -> None:
     """What a DeepSeek-V4.1 (CSA2) model is served with: ValueError naming what it is not (yet)."""
     if kv_cache_dtype != "auto":
         raise ValueError(f"{config.name} stores its KV in fixed formats (NVFP4 rows, MXFP4 index keys, FP8 "
                          f"window): kv_cache_dtype must be 'auto', got {kv_cache_dtype!r}")
     paged_csa2.check_page_size(config, block_size)
     unsupported = [name for name, on in (
-        ("enable_prefix_caching", enable_prefix_caching), ("preemption_mode='swap'", preemption_mode == SWAP),
+        ("preemption_mode='swap'", preemption_mode == SWAP),
         ("speculative_config", speculative_config is not None), ("enable_lora", enable_lora),
         ("tensor_parallel_size > 1", tensor_parallel_size != 1), ("data_parallel_size > 1", data_parallel_size != 1),
         ("enable_hierarchical_cache", enable_hierarchical_cache)) if on]

@@ -59,6 +59,11 @@ from serving.sampling import apply_adjustments, apply_token_masks, processed_pro
 from serving.speculative import compact_kv, grow_trees, tree_masks, verify_trees
 
 
+# How a CSA2 sequence's window rings are rebuilt over cached pages (ModelRunner.replay_len).
+EXACT_REPLAY, BOUNDED_REPLAY = "exact", "bounded"
+WINDOW_REPLAYS = (EXACT_REPLAY, BOUNDED_REPLAY)
+
+
 @dataclasses.dataclass(frozen=True)
 class Drafter:
     """What speculative decoding adds to a runner: the EAGLE-3 draft and its tree shape."""
@@ -149,18 +154,21 @@ class StepShape(typing.NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "page_size", "want_logprobs",
-                                             "want_prompt_logprobs", "mesh"),
+                                             "want_prompt_logprobs", "mesh", "frozen"),
                    donate_argnames=("pool",))
 def _step(params, config, page_size, pool, batch: StepBatch, want_logprobs, want_prompt_logprobs,
-          lora_stacks=None, mesh=None):
+          lora_stacks=None, mesh=None, frozen=False):
     """One engine step of prefill chunks and decode rows: (sampled [S], logprob extras,
     prompt logprob extras (per token [N]), pool). With lora_stacks (serving/lora.py), each
     token's projections add its adapter slot's term (batch.lora_slots). mesh: the params
-    and pool are sharded over it (model/sharding.py); the batch is replicated."""
+    and pool are sharded over it (model/sharding.py); the batch is replicated. frozen (CSA2
+    models): the rows only rebuild their state slots over pages already written
+    (ModelRunner.restore_state)."""
     if lora_stacks is not None:
         params = model_lora.attach(params, lora_stacks, batch.lora_slots)
     if paged_csa2.is_csa2(config):
-        last, hidden, pool = _csa2_forward(params, config, page_size, pool, batch, mesh, want_prompt_logprobs)
+        last, hidden, pool = _csa2_forward(params, config, page_size, pool, batch, mesh, want_prompt_logprobs,
+                                           frozen)
     else:
         cache = KVCache(pool["target"], batch.block_tables, page_size)
         hidden, cache, _ = model.forward_packed(params, config, batch.tokens, batch.positions, cache,
@@ -182,7 +190,7 @@ def _step(params, config, page_size, pool, batch: StepBatch, want_logprobs, want
     return next_tokens, extra, prompt_extra, pool
 
 
-def _csa2_forward(params, config, page_size, pool, batch: StepBatch, mesh, every_token: bool):
+def _csa2_forward(params, config, page_size, pool, batch: StepBatch, mesh, every_token: bool, frozen: bool):
     """A DeepSeek-V4.1 (CSA2) step: the packed tokens as rows [S, max_q_len] through
     model.deepseek.paged.forward_rows on the paged pool and the rows' state slots, the CED
     way unless every token's hidden state is wanted (prompt logprobs). Returns (hidden at
@@ -195,7 +203,7 @@ def _csa2_forward(params, config, page_size, pool, batch: StepBatch, mesh, every
     positions = jnp.where(valid, batch.positions[index], -1)
     hidden, pages, state = paged_csa2.forward_rows(params, config, tokens, positions, pool["target"], pool["state"],
                                                    batch.block_tables, batch.state_slots, page_size, mesh,
-                                                   ced=not every_token)
+                                                   ced=not every_token, frozen=frozen)
     pool = {"target": pages, "state": state}
     if not every_token:
         return hidden, None, pool
@@ -382,9 +390,13 @@ class ModelRunner:
     def __init__(self, config: model.ModelConfig, params: dict, num_pages: int, page_size: int,
                  max_pages_per_seq: int, max_num_seqs: int, dtype=jnp.float32,
                  kv_cache_dtype: str = "auto", draft: Drafter | None = None, lora: LoRAManager | None = None,
-                 mesh=None):
+                 mesh=None, window_replay: str = EXACT_REPLAY):
         """mesh: a tensor-parallel mesh (model.make_mesh) that `params` are sharded over
-        (model.shard_params, whose config this takes); the pool is split by KV heads."""
+        (model.shard_params, whose config this takes); the pool is split by KV heads.
+        window_replay (CSA2 models): how many tokens restore_state replays, `replay_len`."""
+        if window_replay not in WINDOW_REPLAYS:
+            raise ValueError(f"window_replay must be one of {WINDOW_REPLAYS}, got {window_replay!r}")
+        self.window_replay = window_replay
         if lora is not None and draft is not None:
             raise ValueError("LoRA adapters are not supported with speculative decoding yet")
         if mesh is not None and (lora is not None or draft is not None):
@@ -431,6 +443,24 @@ class ModelRunner:
             self.state = pool.pop("state", None)
             self.pool = pool
         return self._results(rows, np.asarray(batch.cu_q_lens)[:-1], *jax.tree.map(np.asarray, out))
+
+    def replay_len(self, cached: int) -> int:
+        """Tokens before position `cached` that restore_state replays to rebuild a CSA2
+        sequence's window rings: "bounded" the window (DeepSeek's bounded replay: the
+        first layer exact, deeper ones approximate), "exact" the receptive field
+        num_layers * (W - 1) + 1 (model/deepseek/replay.py), both at most `cached`."""
+        w = self.config.window
+        return min(cached, w if self.window_replay == BOUNDED_REPLAY else self.config.num_layers * (w - 1) + 1)
+
+    def restore_state(self, rows: list[Row]) -> None:
+        """Rebuild the state slots of CSA2 rows whose pages already hold their global rows
+        (a prefix-cache hit, a fork): each row replays its tokens with the pages frozen."""
+        if rows:
+            batch = self.step_batch(rows)
+            *_, pool = _step(self.params, self.config, self.page_size, self._step_pool(), batch, False, False,
+                             None, self.mesh, frozen=True)
+            self.state = pool.pop("state")
+            self.pool = pool
 
     def _step_pool(self) -> dict:
         """What `_step` takes and returns (donated): the pages, and the state slots of a CSA2 model."""

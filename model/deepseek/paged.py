@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from model.context import ForwardContext
 from model.deepseek.cache import init_layer_cache
 from model.deepseek.config import DeepSeekConfig, parse_kind
+from model.deepseek.layers import FROZEN_GLOBAL
 from model.kv_cache import CacheLayout
 from model.rope import rope_tables
 
@@ -131,7 +132,7 @@ def _scatter(config: DeepSeekConfig, pages: list[dict], state: list[dict], layer
 
 
 def forward_rows(params: dict, config: DeepSeekConfig, tokens, positions, pages: list[dict], state: list[dict],
-                 block_tables, slots, page_size: int, mesh=None, ced: bool = True):
+                 block_tables, slots, page_size: int, mesh=None, ced: bool = True, frozen: bool = False):
     """The model over a row-padded step on the paged pool (not jitted).
 
     tokens, positions: int32 [S, T], row s at positions p0, p0 + 1, ... then padding (< 0);
@@ -139,18 +140,23 @@ def forward_rows(params: dict, config: DeepSeekConfig, tokens, positions, pages:
     cover every position a row sees); slots: int32 [S], each row's state slot (-1 for a
     padding row). ced: run the layers the CED way (model/deepseek/ced.py: decoder layers
     only on each row's staircase tail, exact) and return only each row's last token.
+    frozen: the rows' global rows are already in their pages (a prefix-cache hit, a fork):
+    KV sources read them instead of writing them, and only the state is written (bounded
+    replay, model/deepseek/replay.py).
     Returns (final-norm hidden: [S, H] with ced, else [S, T, H]; pages, state).
     """
     from model.deepseek.ced import ced_layers
     from model.transformer import _run_layers, embed
 
     layers = _gather(pages, state, block_tables, slots)
+    if frozen:  # replay starts from empty rings (replay.persistent_part), whatever the slot held before
+        layers = [dict(layer, local=jax.tree.map(jnp.zeros_like, layer["local"])) for layer in layers]
     ctx = ForwardContext(positions=positions, rope=rope_tables(config, positions), block_tables=block_tables,
-                         slots=None, page_size=page_size, mesh=mesh)
+                         slots=None, page_size=page_size, mesh=mesh, shared={FROZEN_GLOBAL: True} if frozen else {})
     x = embed(params, tokens, config)
     if ced:
         hidden, layers = ced_layers(params, config, x, layers, ctx)
     else:
         hidden, layers, _ = _run_layers(params, config, x, layers, ctx, ())
-    pages, state = _scatter(config, pages, state, layers, positions, block_tables, slots, page_size)
-    return hidden, pages, state
+    new_pages, state = _scatter(config, pages, state, layers, positions, block_tables, slots, page_size)
+    return hidden, pages if frozen else new_pages, state

@@ -9,6 +9,7 @@ import pytest
 
 import model
 from model.deepseek import paged, preset
+from model.deepseek.replay import persistent_part, resume
 from serving import LLM, SamplingParams
 from serving.engine import Row
 from serving.runner import ModelRunner, _step
@@ -17,14 +18,20 @@ from tests.pallas_kernels.helpers import export_tpu, kernel_calls, spec
 
 MAX_LEN, NEW = 128, 16
 PROMPT_LENS = (5, 37, 20, 11)
+# 14 pages of 8 positions: four sequences of 21 to 53 tokens (19 pages) make the scheduler
+# preempt; 32 tokens a step: long prompts are chunked
+ENGINE = dict(seed=0, max_model_len=MAX_LEN, block_size=8, num_kv_blocks=14, max_num_seqs=4,
+              max_num_batched_tokens=32)
 
 
 @pytest.fixture(scope="module")
 def llm():
-    # 10 pages of 8 positions for four sequences of up to 53 tokens: the scheduler preempts;
-    # 32 tokens a step: the 37-token prompt is chunked
-    return LLM("deepseek-v4.1-tiny", seed=0, max_model_len=MAX_LEN, block_size=8, num_kv_blocks=10,
-               max_num_seqs=4, max_num_batched_tokens=32)
+    return LLM("deepseek-v4.1-tiny", **ENGINE)
+
+
+def _prompts(seed, *lens):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, n).tolist() for n in lens]
 
 
 def _greedy(config, params, prompt, n):
@@ -42,18 +49,71 @@ def _greedy(config, params, prompt, n):
 def test_greedy_tokens_equal_a_forward_loop_batched_chunked_and_preempted(llm):
     config, params = tiny(0)
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), llm.runner.params, params))
-    prompts = [np.random.default_rng(i).integers(0, config.vocab_size, n).tolist()
-               for i, n in enumerate(PROMPT_LENS)]
+    prompts = _prompts(0, *PROMPT_LENS)
     params_ = SamplingParams(temperature=0, max_tokens=NEW)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params_)
     assert llm.engine.num_preemptions > 0
     for prompt, out in zip(prompts, outs):
         assert list(out.outputs[0].token_ids) == _greedy(config, params, prompt, NEW)
-    # a warm engine meets no new shape: the same work again compiles nothing
-    compiled = llm.runner.num_compilations()
-    again = llm.generate([{"prompt_token_ids": p} for p in prompts], params_)
-    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+    # the same work again hits the prefix cache (its replays are new shapes); a third time
+    # meets no new shape: a warm engine compiles nothing
+    for i in range(2):
+        compiled = llm.runner.num_compilations()
+        again = llm.generate([{"prompt_token_ids": p} for p in prompts], params_)
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+    assert sum(o.num_cached_tokens for o in again) > 0
     assert llm.runner.num_compilations() == compiled
+
+
+def test_a_prefix_hit_reuses_the_cached_rows_and_replays_the_windows_exactly(llm):
+    """The second prompt finds 64 cached tokens (8 pages of compressed rows and index keys);
+    its window rings and pending compressor token are rebuilt by replaying the receptive
+    field, num_layers * (W - 1) + 1 = 57 tokens (not the whole prefix), before it computes."""
+    config, params = tiny(0)
+    shared, = _prompts(1, 67)
+    first, second = (shared + tail for tail in _prompts(2, 5, 9))
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    assert llm.runner.replay_len(64) == 57
+    a = llm.generate([{"prompt_token_ids": first}], sp)[0]
+    b = llm.generate([{"prompt_token_ids": second}], sp)[0]
+    assert b.num_cached_tokens == 64
+    assert list(a.outputs[0].token_ids) == _greedy(config, params, first, 12)
+    assert list(b.outputs[0].token_ids) == _greedy(config, params, second, 12)
+
+
+@pytest.mark.parametrize("prompt_len", [49, 50])  # the forks recompute an odd or an even position
+def test_n_samples_fork_on_their_parents_pages_with_its_state(llm, prompt_len):
+    config, params = tiny(0)
+    prompt, = _prompts(3, prompt_len)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, n=3))[0]
+    want = _greedy(config, params, prompt, 8)
+    assert [list(c.token_ids) for c in out.outputs] == [want] * 3
+
+
+def test_bounded_replay_equals_model_deepseek_replay():
+    """window_replay="bounded" rebuilds the windows from the last W tokens only (DeepSeek's
+    bounded replay, approximate): the engine's tokens after a prefix hit are those of
+    model.deepseek.replay.resume on the same cached rows, then plain forward calls."""
+    config, params = tiny(0)
+    llm = LLM("deepseek-v4.1-tiny", window_replay="bounded", **ENGINE)
+    shared, = _prompts(4, 66)
+    first, second = (shared + tail for tail in _prompts(5, 3, 6))
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    llm.generate([{"prompt_token_ids": first}], sp)
+    got = llm.generate([{"prompt_token_ids": second}], sp)[0]
+    assert got.num_cached_tokens == 64 and llm.runner.replay_len(64) == config.window
+
+    cache = model.init_cache(config, 1, MAX_LEN)
+    _, cache = model.forward(params, config, jnp.asarray([second[:64]]), jnp.arange(64)[None], cache)
+    cache = resume(params, config, jnp.asarray([second]), 64, persistent_part(cache))
+    logits, cache = model.forward(params, config, jnp.asarray([second[64:]]), jnp.arange(64, len(second))[None],
+                                  cache)
+    want = [int(jnp.argmax(logits[0, -1]))]
+    while len(want) < 8:
+        pos = jnp.asarray([[len(second) + len(want) - 1]])
+        logits, cache = model.forward(params, config, jnp.asarray([[want[-1]]]), pos, cache)
+        want.append(int(jnp.argmax(logits[0, -1])))
+    assert list(got.outputs[0].token_ids) == want
 
 
 def test_engine_pool_holds_the_global_budget_per_token(llm):
@@ -70,8 +130,8 @@ def test_text_in_text_out_with_the_byte_tokenizer(llm):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be 'auto'"),
     (dict(block_size=1), "does not fit compression ratio 2"),
-    (dict(enable_prefix_caching=True), "enable_prefix_caching"),
     (dict(preemption_mode="swap"), "swap"),
+    (dict(window_replay="none"), "window_replay"),
     (dict(enable_lora=True), "enable_lora"),
 ])
 def test_unsupported_configurations_are_value_errors(kwargs, match):
@@ -81,8 +141,6 @@ def test_unsupported_configurations_are_value_errors(kwargs, match):
 
 
 def test_bad_requests_and_rows_are_value_errors(llm):
-    with pytest.raises(ValueError, match="n=2"):
-        llm.generate("abc", SamplingParams(n=2, max_tokens=2))
     with pytest.raises(ValueError, match="distinct state slots"):
         llm.runner.step_batch([Row((1,), 0, (0,), sample=True, slot=1), Row((2,), 0, (1,), sample=True, slot=1)])
     with pytest.raises(ValueError, match="weights_dtype"):
