@@ -8,14 +8,8 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import AttentionVariant, block_sparse_attention, merge_states
-from tests.pallas_kernels.helpers import (
-    TRITON_CALL,
-    assert_close,
-    dense_attention_f64,
-    export_cuda,
-    export_tpu,
-    spec,
-)
+from pallas_kernels.lowering import TRITON_CALL, export_cuda, export_tpu
+from tests.pallas_kernels.helpers import assert_close, dense_attention_f64, spec
 
 BR, BC = 8, 8
 

@@ -9,7 +9,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import indexer_topk
 from pallas_kernels.indexer import block_candidates
-from tests.pallas_kernels.helpers import TRITON_CALL, export_cuda, export_tpu, spec
+from pallas_kernels.lowering import TRITON_CALL, export_cuda, export_tpu
+from tests.pallas_kernels.helpers import spec
 
 
 def _inputs(seed, *, num_tokens=11, num_heads=4, index_dim=32, num_rows=40, ratio=2):

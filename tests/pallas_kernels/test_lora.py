@@ -11,7 +11,8 @@ import pytest
 from pallas_kernels.lora import lora_matmul
 from pallas_kernels.lora.kernel_gpu import lora_matmul_gpu
 from pallas_kernels.lora.ref import lora_matmul_ref
-from tests.pallas_kernels.helpers import TRITON_CALL, assert_close, export_cuda, export_tpu, kernel_calls, spec
+from pallas_kernels.lowering import TRITON_CALL, export_cuda, export_tpu, kernel_calls
+from tests.pallas_kernels.helpers import assert_close, spec
 
 
 def _inputs(num_tokens=37, d_in=64, rank=8, num_slots=3, d_out=96, seed=0, slots=None):

@@ -11,15 +11,8 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import AttentionVariant, alibi, paged_attention, sigmoid
 from pallas_kernels.paged_attention.kernel_gpu import paged_attention_gpu
 from pallas_kernels.variant import resolve
-from tests.pallas_kernels.helpers import (
-    TRITON_CALL,
-    assert_close,
-    dense_attention_f64,
-    export_cuda,
-    export_tpu,
-    paged_inputs,
-    spec,
-)
+from pallas_kernels.lowering import TRITON_CALL, export_cuda, export_tpu
+from tests.pallas_kernels.helpers import assert_close, dense_attention_f64, paged_inputs, spec
 
 # (num_q_heads, num_kv_heads, head_dim, page_size, kv_lens, sliding_window, soft_cap, sinks)
 # kv_lens cover 0, 1, a page boundary, one past it and a partial last page;

@@ -16,14 +16,8 @@ from pallas_kernels.variant import resolve
 from quant.blockscaled import MXFP4
 from quant.lloyd_max import sphere_codebook_mse
 from quant.turboquant import TurboQuant, TurboQuantSplit
-from tests.pallas_kernels.helpers import (
-    TRITON_CALL,
-    assert_close,
-    export_cuda,
-    export_tpu,
-    paged_inputs,
-    spec,
-)
+from pallas_kernels.lowering import TRITON_CALL, export_cuda, export_tpu
+from tests.pallas_kernels.helpers import assert_close, paged_inputs, spec
 
 D = 64
 TQ4, TQ1 = TurboQuant(D, 4, seed=3), TurboQuant(D, 1, seed=4)

@@ -18,15 +18,8 @@ from pallas_kernels.quant_matmul.kernel_tpu import quant_matmul_tpu
 from pallas_kernels.quant_matmul.ref import quant_matmul_ref
 from pallas_kernels.quant_matmul.xla import quant_matmul_xla
 from tests import conftest
-from tests.pallas_kernels.helpers import (
-    TPU_INTERPRET_ONLY,
-    TRITON_CALL,
-    assert_close,
-    export_cuda,
-    export_tpu,
-    kernel_calls,
-    spec,
-)
+from pallas_kernels.lowering import TRITON_CALL, export_cuda, export_tpu, kernel_calls
+from tests.pallas_kernels.helpers import TPU_INTERPRET_ONLY, assert_close, spec
 
 FMTS = [f for f in FORMATS if not FORMATS[f].super_block]  # the ones `quantize` packs from floats
 K_QUANTS = [f for f in FORMATS if FORMATS[f].super_block]  # GGUF's K-quants, from blocks

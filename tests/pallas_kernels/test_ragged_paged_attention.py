@@ -13,14 +13,8 @@ from pallas_kernels import AttentionVariant, ragged_paged_attention, validate
 from pallas_kernels.paged_attention import kv_formats as pk_formats
 from pallas_kernels.ragged_paged_attention import TreeMask, pack_mask
 from pallas_kernels.ragged_paged_attention.kernel_gpu import ragged_paged_attention_gpu
-from tests.pallas_kernels.helpers import (
-    TRITON_CALL,
-    assert_close,
-    dense_attention_f64,
-    export_cuda,
-    export_tpu,
-    spec,
-)
+from pallas_kernels.lowering import TRITON_CALL, export_cuda, export_tpu
+from tests.pallas_kernels.helpers import assert_close, dense_attention_f64, spec
 
 PAGE_SIZE = 8
 # (q_len, kv_len after the step): a decode row; a chunk continuing a 7-token prefix

@@ -21,7 +21,8 @@ from pallas_kernels.ragged_paged_attention.ref import ragged_paged_attention_ref
 from pallas_kernels.variant import SOFTMAX
 from quant.blockscaled import nvfp4_quantize
 from quant.turboquant import TurboQuantSplit
-from tests.pallas_kernels.helpers import assert_close, export_tpu, spec
+from pallas_kernels.lowering import export_tpu
+from tests.pallas_kernels.helpers import assert_close, spec
 
 PAGE_SIZE = 8
 NUM_Q_HEADS, NUM_KV_HEADS = 4, 2

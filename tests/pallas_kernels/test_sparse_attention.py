@@ -7,15 +7,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import merge_states, paged_attention, sparse_attention
-from tests.pallas_kernels.helpers import (
-    TRITON_CALL,
-    assert_close,
-    dense_attention_f64,
-    export_cuda,
-    export_tpu,
-    paged_inputs,
-    spec,
-)
+from pallas_kernels.lowering import TRITON_CALL, export_cuda, export_tpu
+from tests.pallas_kernels.helpers import assert_close, dense_attention_f64, paged_inputs, spec
 
 
 def _csa_inputs(

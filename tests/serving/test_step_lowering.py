@@ -13,7 +13,8 @@ from model.config import ModelConfig
 from serving.engine import Row
 from serving.runner import ModelRunner, _step
 
-from tests.pallas_kernels.helpers import TRITON_CALL, abstract_tpu_mesh, export_cuda, export_tpu, kernel_calls, spec
+from pallas_kernels.lowering import TRITON_CALL, abstract_tpu_mesh, export_cuda, export_tpu, kernel_calls
+from tests.pallas_kernels.helpers import spec
 
 LAYERS = 3
 PAGE_SIZE = 16
