@@ -13,6 +13,7 @@
     python -m serving.bench structured [--batch-sizes 1 8] [--max-tokens 160]
     python -m serving.bench lora       [--adapters 1 4] [--batch 16] [--rank 16]
     python -m serving.bench sharding   [--tp 1 3] [--dp 1 2] [--ep 1] [--batch 4] [--new-tokens 16]
+    python -m serving.bench deepseek   [--batch-sizes 1 8] [--shared-prefix 96] [--requests 8]
 
 decode / offline: greedy generation throughput on the default model (generated tokens
 per second, prefill included, after a warm-up run that compiles), against
@@ -60,6 +61,12 @@ each --tp with each --dp: compile time, tokens/s against the first layout (one d
 per-device weight and KV pool bytes measured from the arrays' shards against the arithmetic
 of the split, and whether greedy output equals the first layout's. On CPU the devices are simulated and share its cores: a check that nothing is
 replicated by mistake, not a speed-up.
+deepseek: DeepSeek-V4.1's tiny preset (random weights) through the engine: decode tok/s
+against a plain model.forward greedy loop on the same weights; a shared-prefix workload
+without prefix caching and with it under each window replay (hit rate, tok/s, greedy
+tokens equal to the uncached run); the replays' logit error; KV bytes allocated against
+the budget (tiny and Flash); and the Flash plan's engine step lowered for TPU: Pallas
+calls per layer kind.
 """
 
 from __future__ import annotations
@@ -501,6 +508,169 @@ def bench_structured(args) -> None:
     for batch, plain_tps, jump_tps, forced, same, valid in rows:
         print(f"| {batch} | {plain_tps:.1f} | {jump_tps:.1f} | {jump_tps / plain_tps:.2f}x | {forced:.0%} | "
               f"{'yes' if same else 'NO'} | {valid} |")
+
+
+def _forward_loop_rate(config, params, prompt: list[int], batch: int, new_tokens: int, max_len: int) -> float:
+    """Decode tokens/s of a plain model.forward greedy loop over `batch` copies of `prompt`
+    (contiguous caches, one jitted call per token; prefill excluded, a first run compiles)."""
+    import jax
+    import jax.numpy as jnp
+
+    import model
+
+    def run():
+        cache = model.init_cache(config, batch, max_len)
+        tokens = jnp.asarray([prompt] * batch)
+        logits, cache = model.forward(params, config, tokens, jnp.broadcast_to(jnp.arange(len(prompt)), tokens.shape),
+                                      cache)
+        nxt = jnp.argmax(logits[:, -1], axis=-1)[:, None]
+        jax.block_until_ready(nxt)
+        start = time.perf_counter()
+        for i in range(new_tokens - 1):
+            pos = jnp.full((batch, 1), len(prompt) + i, jnp.int32)
+            logits, cache = model.forward(params, config, nxt, pos, cache)
+            nxt = jnp.argmax(logits[:, -1], axis=-1)[:, None]
+        jax.block_until_ready(nxt)
+        return batch * (new_tokens - 1) / (time.perf_counter() - start)
+    run()
+    return run()
+
+
+def _truncated(config, num_layers: int):
+    """A DeepSeek config's first num_layers layers (a plan's prefix is a plan)."""
+    from model.deepseek.config import layer_plan
+
+    keep = lambda layers: tuple(i for i in layers if i < num_layers)
+    ratios = config.compress_ratios[:num_layers]
+    plan = dict(kv_sources=keep(config.kv_sources), index_sources=keep(config.index_sources),
+                candidate_sources=keep(config.candidate_sources))
+    return dataclasses.replace(config, compress_ratios=ratios, moe_layers=keep(config.moe_layers),
+                               layer_kinds=layer_plan(ratios, *plan.values()), **plan)
+
+
+def _flash_pallas_calls(lens: tuple[int, ...], num_layers: int | None = None) -> dict[str, int]:
+    """Pallas calls (by kernel) in one engine step of the Flash plan lowered for TPU from
+    abstract arrays (its first num_layers layers): rows of `lens` new tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    import model
+    from model.deepseek import paged, preset
+    from pallas_kernels.lowering import export_tpu, kernel_calls
+    from serving.engine import Row
+    from serving.runner import ModelRunner, _step
+
+    config = preset("deepseek-v4.1-flash")
+    config = config if num_layers is None else _truncated(config, num_layers)
+    params = jax.eval_shape(lambda k: model.init_params(config, k, jnp.bfloat16), jax.random.key(0))
+    pages, state = jax.eval_shape(lambda: paged.init_pool(config, 64, 16, len(lens)))
+    runner = ModelRunner.__new__(ModelRunner)  # its batch packing only: a Flash pool does not fit here
+    runner.__dict__.update(config=config, draft=None, lora=None, csa2=True, max_num_seqs=len(lens),
+                           max_pages_per_seq=64, page_size=16, mask_words=-(-config.vocab_size // 32))
+    start = 0 if max(lens) > 1 else 300
+    batch = runner.step_batch([Row((0,) * n, start, tuple(range(32)), sample=True, slot=i) for i, n in enumerate(lens)])
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), batch)
+    mlir = export_tpu(lambda p, pool, b: _step(p, config, 16, pool, b, False, False), params,
+                      {"target": pages, "state": state}, specs)
+    return {name: kernel_calls(mlir, marker) for name, marker in
+            (("sparse_attention", "kvfold_sparse_attention"), ("indexer", "kvfold_indexer_scores"),
+             ("all", "tpu_custom_call"))}
+
+
+def bench_deepseek(args) -> None:
+    """DeepSeek-V4.1 (CSA2) in the engine: the tiny preset's speed, prefix reuse and bytes,
+    and the Flash plan's lowered step."""
+    import jax
+
+    from model.deepseek import paged, preset
+    from model.deepseek.config import window_bytes_per_sequence
+    from model.deepseek.replay import replay_error
+    from serving.llm import LLM
+
+    name = "deepseek-v4.1-tiny"
+    engine = dict(seed=0, max_model_len=args.max_model_len, max_num_seqs=max(max(args.batch_sizes), args.requests),
+                  max_num_batched_tokens=512, num_kv_blocks=args.kv_blocks)
+    llm = LLM(name, **engine)
+    config, params = llm.config, llm.runner.params
+    prompt = _random_prompt(config.vocab_size, args.prompt_len)
+    print(f"\n{name} (random weights, seed 0) through the engine, {_device()}: decode tok/s after a "
+          f"{args.prompt_len}-token prompt, {args.new_tokens} new tokens, greedy, prefill excluded; peer: a plain "
+          "jitted model.forward greedy loop on the same weights (contiguous caches)")
+    print("| batch | engine tok/s | forward loop tok/s | ratio |")
+    print("|---:|---:|---:|---:|")
+    for batch in args.batch_sizes:
+        ours = _decode_rate(llm, prompt, batch, args.new_tokens)
+        peer = _forward_loop_rate(config, params, prompt, batch, args.new_tokens, args.max_model_len)
+        print(f"| {batch} | {ours:.1f} | {peer:.1f} | {ours / peer:.2f}x |", flush=True)
+
+    rng = np.random.default_rng(1)
+
+    def workload():  # requests sharing one prefix, each with its own suffix
+        shared = rng.integers(0, config.vocab_size, args.shared_prefix).tolist()
+        return [shared + rng.integers(0, config.vocab_size, 16).tolist() for _ in range(args.requests)]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    warm, timed = workload(), workload()
+    print(f"\nshared-prefix workload: {args.requests} requests, a {args.shared_prefix}-token shared prefix + 16 "
+          "tokens each, 16 new tokens, greedy, the first request alone, then the others together; after an unmeasured run of another such "
+          "workload (compiles); same tokens = greedy output equal to the engine without prefix caching")
+    print("| prefix caching | window replay | hit rate | tok/s | vs no caching | same tokens |")
+    print("|---|---|---:|---:|---:|---:|")
+    results = {}
+    for caching, replay in ((False, "exact"), (True, "exact"), (True, "bounded")):
+        run = LLM(name, enable_prefix_caching=caching, window_replay=replay, **engine)
+        for prompts in (warm, timed):
+            start = time.perf_counter()  # the first request alone, then the others together
+            outs = [*run.generate([{"prompt_token_ids": prompts[0]}], sp),
+                    *run.generate([{"prompt_token_ids": p} for p in prompts[1:]], sp)]
+        rate = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+        hit = sum(o.num_cached_tokens for o in outs) / sum(len(p) for p in timed)
+        tokens = [o.outputs[0].token_ids for o in outs]
+        results[caching, replay] = rate, tokens
+        base_rate, base = results[False, "exact"]
+        same = sum(a == b for a, b in zip(tokens, base)) / len(base)
+        print(f"| {'on' if caching else 'off'} | {replay if caching else '-'} | {hit:.1%} | {rate:.1f} | "
+              f"{rate / base_rate:.2f}x | {same:.0%} |", flush=True)
+
+    tokens = jax.random.randint(jax.random.key(3), (1, args.shared_prefix + 16), 0, config.vocab_size)
+    exact_len = config.num_layers * (config.window - 1) + 1
+    bounded = replay_error(params, config, tokens, args.shared_prefix)
+    exact = replay_error(params, config, tokens, args.shared_prefix, exact_len)
+    print(f"\nwindow replay after a {args.shared_prefix}-token prefix hit: max |logit error| over the next 16 tokens "
+          f"against the full forward (model.deepseek.replay.replay_error; the engine's restore computes the "
+          f"same); max |logit| {bounded['max_abs_logit']:.3f}")
+    print("| replay | tokens replayed | max abs logit error |")
+    print("|---|---:|---:|")
+    print(f"| none (empty windows) | 0 | {bounded['no_replay']:.2e} |")
+    print(f"| bounded | {config.window} | {bounded['replay']:.2e} |")
+    print(f"| exact (receptive field) | {exact_len} | {exact['replay']:.2e} |")
+
+    flash = preset("deepseek-v4.1-flash")
+    flash_pages, flash_state = jax.eval_shape(lambda: paged.init_pool(flash, 8, 16, 1))
+    print("\nKV bytes allocated (from the pool's arrays; Flash from abstract arrays) against model.kv_budget's "
+          "figure")
+    print("| model | global B/token allocated | budget B/token | state B/sequence | of it, FP8 window |")
+    print("|---|---:|---:|---:|---:|")
+    for label, cfg, pages, state in ((name, config, llm.runner.pool["target"], llm.runner.state),
+                                     (flash.name, flash, flash_pages, flash_state)):
+        got = paged.global_bytes_per_token(pages, llm.runner.page_size if cfg is config else 16)
+        print(f"| {label} | {float(got):g} | {cfg.kv_bytes_per_token:g} | {paged.state_bytes_per_slot(state)} | "
+              f"{window_bytes_per_sequence(cfg)} |")
+
+    print("\nThe Flash plan's engine step lowered for TPU (jax.export, abstract arrays): Pallas calls per layer "
+          "kind, measured as the calls a plan truncated after a layer of that kind adds")
+    print("| layer kind | layers | sparse attention calls / layer | indexer calls / layer |")
+    print("|---|---:|---:|---:|")
+    decode = (1, 1, 1, 1)
+    for kind in dict.fromkeys(flash.layer_kinds):
+        i = flash.layer_kinds.index(kind)
+        before = _flash_pallas_calls(decode, i) if i else {"sparse_attention": 0, "indexer": 0}
+        after = _flash_pallas_calls(decode, i + 1)
+        print(f"| {kind} | {flash.layer_kinds.count(kind)} | {after['sparse_attention'] - before['sparse_attention']} "
+              f"| {after['indexer'] - before['indexer']} |", flush=True)
+    for label, lens in (("decode step, 4 rows", decode), ("prefill step, one 128-token chunk (CED)", (128,))):
+        calls = _flash_pallas_calls(lens)
+        print(f"whole {label}: {calls['all']} Pallas calls ({calls['sparse_attention']} sparse attention, "
+              f"{calls['indexer']} indexer) for {flash.num_layers} layers, {len(flash.index_sources)} index sources")
 
 
 def _random_adapters(config, num: int, rank: int, root: str, seed: int = 0) -> list[str]:
@@ -1300,6 +1470,14 @@ def main(argv: list[str] | None = None) -> None:
     sh.add_argument("--prompt-len", type=int, default=64)
     sh.add_argument("--new-tokens", type=int, default=16)
     sh.add_argument("--kv-blocks", type=int, default=64, help="KV pages in the pool")
+    ds = sub.add_parser("deepseek")
+    ds.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ds.add_argument("--prompt-len", type=int, default=64)
+    ds.add_argument("--new-tokens", type=int, default=64)
+    ds.add_argument("--shared-prefix", type=int, default=96)
+    ds.add_argument("--requests", type=int, default=8)
+    ds.add_argument("--max-model-len", type=int, default=512)
+    ds.add_argument("--kv-blocks", type=int, default=512, help="KV pages in the pool (16 positions each)")
     lo = sub.add_parser("lora")
     lo.add_argument("--model", default="default")
     lo.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
@@ -1363,6 +1541,13 @@ def main(argv: list[str] | None = None) -> None:
 
         jax.config.update("jax_num_cpu_devices", max(args.tp) * max(args.dp))  # on CPU: simulate the devices
         bench_sharding(args)
+    elif args.command == "deepseek":
+        if (min(args.batch_sizes + [args.prompt_len, args.requests, args.kv_blocks]) <= 0 or args.new_tokens < 2
+                or args.shared_prefix <= 0 or max(args.prompt_len, args.shared_prefix + 16) + args.new_tokens
+                > args.max_model_len):
+            parser.error("--batch-sizes, --prompt-len, --shared-prefix, --requests and --kv-blocks must be > 0, "
+                         "--new-tokens >= 2, and every prompt + --new-tokens <= --max-model-len")
+        bench_deepseek(args)
     elif args.command == "fuzz":
         if args.examples <= 0:
             parser.error("--examples must be > 0")

@@ -154,9 +154,12 @@ def forward_rows(params: dict, config: DeepSeekConfig, tokens, positions, pages:
     ctx = ForwardContext(positions=positions, rope=rope_tables(config, positions), block_tables=block_tables,
                          slots=None, page_size=page_size, mesh=mesh, shared={FROZEN_GLOBAL: True} if frozen else {})
     x = embed(params, tokens, config)
-    if ced:
+    if ced and config.kv_sources:
         hidden, layers = ced_layers(params, config, x, layers, ctx)
-    else:
+    else:  # (a plan without KV sources has no decoder to cut)
         hidden, layers, _ = _run_layers(params, config, x, layers, ctx, ())
+        if ced:
+            last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)
+            hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
     new_pages, state = _scatter(config, pages, state, layers, positions, block_tables, slots, page_size)
     return hidden, pages if frozen else new_pages, state

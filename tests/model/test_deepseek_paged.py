@@ -8,7 +8,9 @@ import pytest
 import model
 from model.deepseek import paged, preset
 from model.deepseek.config import window_bytes_per_sequence
+from model.deepseek.cache import decode_index_key
 from model.transformer import lm_head
+from pallas_kernels import indexer_topk
 from tests.model.deepseek_tiny import positions, tiny
 
 PAGE_SIZE, NUM_PAGES, B, L = 4, 40, 2, 37
@@ -36,11 +38,11 @@ def run():
             last = np.asarray(lm_head(params, config, hidden))
         hidden, pages, state = step(*args, pages, state, tables[:, :width], slots, PAGE_SIZE, ced=False)
         logits.append(np.asarray(lm_head(params, config, hidden)))
-    return config, np.asarray(full), full_cache, np.concatenate(logits, 1), last, pages, tables
+    return config, np.asarray(full), full_cache, np.concatenate(logits, 1), last, pages, tables, state, slots
 
 
 def test_chunked_steps_on_shuffled_pages_equal_the_full_forward(run):
-    _, full, _, got, last, _, _ = run
+    _, full, _, got, last, *_ = run
     np.testing.assert_allclose(got, full, atol=1e-5)
     np.testing.assert_allclose(last, full[:, -1], atol=1e-5)
 
@@ -48,7 +50,7 @@ def test_chunked_steps_on_shuffled_pages_equal_the_full_forward(run):
 def test_pages_hold_the_rows_of_the_contiguous_cache_bit_for_bit(run):
     """Row j of a ratio-r source sits in page table[j r // P], slot (j r % P) / r; the
     indexer and attention therefore read what model.forward's cache holds."""
-    config, _, full_cache, _, _, pages, tables = run
+    config, _, full_cache, _, _, pages, tables, *_ = run
     for i in config.kv_sources:
         r = config.compress_ratios[i]
         per_page = PAGE_SIZE // r
@@ -60,6 +62,31 @@ def test_pages_hold_the_rows_of_the_contiguous_cache_bit_for_bit(run):
                 assert rows.shape[0] == L // r and per_page * len(tables[b]) >= L // r
     for i, kind in enumerate(config.layer_kinds):  # Reuse and SWA layers own no pages
         assert bool(pages[i]) == (i in config.kv_sources), kind
+
+
+@pytest.mark.parametrize("layer", [2, 4])  # a ratio-2 source, the ratio-1 candidate source
+def test_indexer_top_k_over_gathered_pages_equals_a_float64_reference(run, layer):
+    """What a serving step's indexer selects (pallas_kernels.indexer_topk over the keys it
+    gathers from the pages) equals the top-k of I(t, s) = sum_h w_h ReLU(q_h . k_s) computed
+    in float64 over model.forward's own keys, rows visible iff s < (p + 1) / r."""
+    config, _, full_cache, _, _, pages, tables, state, slots = run
+    r, top_k = config.compress_ratios[layer], config.index_top_k
+    view = paged._gather(pages, state, jnp.asarray(tables), slots)[layer]["global"]["index_keys"]
+    keys = decode_index_key(view, jnp.float32)  # [B, R, Di]
+    want_keys = np.asarray(decode_index_key(full_cache.layers[layer]["global"]["index_keys"], jnp.float32), np.float64)
+    kq, kw = jax.random.split(jax.random.key(layer))
+    q = jax.random.normal(kq, (B, L, config.index_heads, config.index_dim))
+    w = jax.random.normal(kw, (B, L, config.index_heads))
+    pos = jnp.arange(L, dtype=jnp.int32)
+    for b in range(B):
+        got, _ = indexer_topk(q[b], w[b], keys[b], pos, top_k=top_k, compress_ratio=r)
+        scores = np.einsum("th,ths->ts", np.asarray(w[b], np.float64),
+                           np.maximum(np.einsum("thd,sd->ths", np.asarray(q[b], np.float64), want_keys[b]), 0))
+        for t in range(L):
+            visible = (t + 1) // r
+            best = np.sort(np.argsort(-scores[t, :visible], kind="stable")[:top_k])
+            np.testing.assert_array_equal(np.asarray(got[t]), np.pad(best, (0, top_k - len(best)),
+                                                                     constant_values=-1))
 
 
 def test_pool_allocates_the_global_budget_per_token_and_the_window_per_slot():
