@@ -43,7 +43,7 @@ def gemma3_model_path() -> str:
 
 
 def _resolve(source: str) -> tuple[str, str]:
-    """(kind, path) with kind in {"gguf", "hf"}."""
+    """(kind, path) with kind in {"gguf", "hf", "preset"} (a preset's path is its name)."""
     if not isinstance(source, (str, os.PathLike)):
         raise ValueError(f"model source must be 'default', {GEMMA3!r}, a .gguf path or a HF directory, "
                          f"got {source!r}")
@@ -56,7 +56,7 @@ def _resolve(source: str) -> tuple[str, str]:
         return "gguf", gemma3_model_path()
     if not os.path.exists(source):
         raise ValueError(f"model source {source!r} does not exist (expected 'default', {GEMMA3!r}, "
-                         "a .gguf file or a Hugging Face checkpoint directory)")
+                         f"a .gguf file, a Hugging Face checkpoint directory or a preset: {sorted(_presets())})")
     if os.path.isdir(source):
         return "hf", source
     if source.endswith(".gguf"):

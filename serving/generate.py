@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("prompt")
     parser.add_argument("--model", default="default",
-                        help="'default' (embedded SmolLM2-135M-Instruct), a .gguf file or a HF directory")
+                        help="'default' (embedded SmolLM2-135M-Instruct), a .gguf file, a HF directory, or "
+                             "'deepseek-v4.1-tiny' (random weights, byte tokenizer: use --raw)")
     parser.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES,
                         help="how the weights stay in memory: float32, bfloat16, gguf (a GGUF file's own "
                              "blocks), or a packed format (int8, w8a8, int4, fp8, q8_0, q4_0, q4_1)")
