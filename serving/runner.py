@@ -624,8 +624,9 @@ class ModelRunner:
         """Compile every step shape this runner can meet (`buckets`, ahead of time: nothing
         runs), then the page copies of copy-on-write for up to max_num_seqs pairs and, with
         swap, the page reads and writes of swapping for up to every page; returns each step
-        bucket with its seconds. Steps asking for logprobs, prompt logprobs or penalties
-        are variants compiled on first use."""
+        bucket with its seconds (a CSA2 model's: each at every block table width). Steps
+        asking for logprobs, prompt logprobs or penalties, and a CSA2 model's state
+        restores (restore_state), are variants compiled on first use."""
         times = []
         shapes = self.buckets(max_num_batched_tokens)
         bar = tqdm.tqdm(shapes.items(), desc="compiling steps", unit="shape", disable=not progress)
