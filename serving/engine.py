@@ -201,15 +201,12 @@ class EngineCore:
                  vocab_size: int | None = None, tiers: TierConfig | None = None, fingerprint: bytes = b"",
                  state_slots: bool = False):
         """state_slots: the runner keeps per-sequence state outside the pages (DeepSeek-V4.1's
-        window rings): each running sequence gets a slot (Row.slot); a sequence that starts
-        on pages it did not compute (a prefix-cache hit, a fork) has its state rebuilt by
-        the runner's `restore_state` first. Swapping and the host / disk tiers do not
-        carry that state yet and are refused."""
+        window rings): each running sequence gets a slot (Row.slot); a sequence that goes on
+        from pages it did not just compute (a prefix-cache hit from any tier, a fork, a
+        swap-in) has its state rebuilt by the runner's `restore_state` first: pages are all
+        that is cached, swapped or moved between tiers."""
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
-        if state_slots and (preemption_mode == SWAP or tiers is not None):
-            raise ValueError("a model with per-sequence state outside the KV pages (CSA2 window rings) runs "
-                             "without the hierarchical cache or swap preemption yet")
         if not sched_config.enable_chunked_prefill and sched_config.max_num_batched_tokens < max_model_len:
             raise ValueError(f"without chunked prefill max_num_batched_tokens "
                              f"({sched_config.max_num_batched_tokens}) must be >= max_model_len "
@@ -758,6 +755,8 @@ class EngineCore:
             self._move_tiered_pages()  # ensure may have evicted pages queued to be copied down
             self.runner.write_pages(self.kv.tables[s.seq_id], seq.swapped)
             seq.swapped = None
+            if self.state_slots:  # its slot went back when it was swapped out
+                self._restore[s.seq_id] = s.num_computed_tokens
             return
         queued = len(self.kv.loads)
         hit = self.kv.admit(s.seq_id, self.tokens(s.seq_id), use_cache=self._reads_cache(s.seq_id),

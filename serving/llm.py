@@ -187,8 +187,8 @@ class LLM:
                              "page yet)")
         check_kv_cache_dtype(kv_cache_dtype, config, block_size)
         if csa2:
-            _check_csa2(config, block_size, kv_cache_dtype, preemption_mode, speculative_config, enable_lora,
-                        tensor_parallel_size, data_parallel_size, enable_hierarchical_cache)
+            _check_csa2(config, block_size, kv_cache_dtype, speculative_config, enable_lora, tensor_parallel_size,
+                        data_parallel_size)
         tp = check_int("tensor_parallel_size", tensor_parallel_size, 1)
         dp = check_int("data_parallel_size", data_parallel_size, 1)
         ep = check_int("expert_parallel_size", expert_parallel_size, 1)
@@ -664,17 +664,16 @@ def _drafter(speculative_config: dict | None, config: model.ModelConfig, dtype) 
     return Drafter(draft_config, draft_params, spec)
 
 
-def _check_csa2(config, block_size, kv_cache_dtype, preemption_mode, speculative_config, enable_lora,
-                tensor_parallel_size, data_parallel_size, enable_hierarchical_cache) -> None:
+def _check_csa2(config, block_size, kv_cache_dtype, speculative_config, enable_lora, tensor_parallel_size,
+                data_parallel_size) -> None:
     """What a DeepSeek-V4.1 (CSA2) model is served with: ValueError naming what it is not (yet)."""
     if kv_cache_dtype != "auto":
         raise ValueError(f"{config.name} stores its KV in fixed formats (NVFP4 rows, MXFP4 index keys, FP8 "
                          f"window): kv_cache_dtype must be 'auto', got {kv_cache_dtype!r}")
     paged_csa2.check_page_size(config, block_size)
     unsupported = [name for name, on in (
-        ("preemption_mode='swap'", preemption_mode == SWAP),
         ("speculative_config", speculative_config is not None), ("enable_lora", enable_lora),
-        ("tensor_parallel_size > 1", tensor_parallel_size != 1), ("data_parallel_size > 1", data_parallel_size != 1),
-        ("enable_hierarchical_cache", enable_hierarchical_cache)) if on]
+        ("tensor_parallel_size > 1", tensor_parallel_size != 1),
+        ("data_parallel_size > 1", data_parallel_size != 1)) if on]
     if unsupported:
         raise ValueError(f"{config.name} (CSA2 attention) is not served with {', '.join(unsupported)} yet")

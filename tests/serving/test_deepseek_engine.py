@@ -2,6 +2,8 @@
 model.forward greedy loop, its pool's bytes, the refused configurations, and one engine
 step of the Flash plan lowered for TPU."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,16 +37,30 @@ def _prompts(seed, *lens):
     return [rng.integers(0, 256, n).tolist() for n in lens]
 
 
-def _greedy(config, params, prompt, n):
-    """n greedy tokens of model.forward: the prompt in one call, then one token per call."""
-    cache = model.init_cache(config, 1, MAX_LEN)
-    logits, cache = model.forward(params, config, jnp.asarray([prompt]), jnp.arange(len(prompt))[None], cache)
-    out = [int(jnp.argmax(logits[0, -1]))]
-    while len(out) < n:
-        pos = jnp.asarray([[len(prompt) + len(out) - 1]])
-        logits, cache = model.forward(params, config, jnp.asarray([[out[-1]]]), pos, cache)
-        out.append(int(jnp.argmax(logits[0, -1])))
-    return out
+REF_ROWS, REF_LEN = 4, 96  # the reference's one prefill shape (rows padded, positions -1)
+
+
+def _references(prompts: list[list[int]], n: int) -> list[list[int]]:
+    """n greedy tokens after each prompt from plain model.forward calls: the prompts padded
+    into one [4, 96] prefill (one compile for every test), then one token per call."""
+    config, params = tiny(0)
+    tokens, positions = np.zeros((REF_ROWS, REF_LEN), np.int32), np.full((REF_ROWS, REF_LEN), -1, np.int32)
+    lens = np.zeros(REF_ROWS, np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)], positions[i, :len(p)], lens[i] = p, np.arange(len(p)), len(p)
+    cache = model.init_cache(config, REF_ROWS, MAX_LEN)
+    logits, cache = model.forward(params, config, tokens, positions, cache, logits_indices=np.maximum(lens - 1, 0))
+    out = [np.asarray(jnp.argmax(logits, axis=-1))]
+    for i in range(n - 1):
+        pos = np.where(lens > 0, lens + i, -1)[:, None].astype(np.int32)
+        logits, cache = model.forward(params, config, out[-1][:, None].astype(np.int32), pos, cache)
+        out.append(np.asarray(jnp.argmax(logits[:, -1], axis=-1)))
+    return [np.stack(out, 1)[i].tolist() for i in range(len(prompts))]
+
+
+@functools.cache
+def _reference(prompt: tuple[int, ...], n: int) -> list[int]:
+    return _references([list(prompt)], n)[0]
 
 
 def test_greedy_tokens_equal_a_forward_loop_batched_chunked_and_preempted(llm):
@@ -54,8 +70,7 @@ def test_greedy_tokens_equal_a_forward_loop_batched_chunked_and_preempted(llm):
     params_ = SamplingParams(temperature=0, max_tokens=NEW)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params_)
     assert llm.engine.num_preemptions > 0
-    for prompt, out in zip(prompts, outs):
-        assert list(out.outputs[0].token_ids) == _greedy(config, params, prompt, NEW)
+    assert [list(o.outputs[0].token_ids) for o in outs] == _references(prompts, NEW)
     # the same work again hits the prefix cache (its replays are new shapes); a third time
     # meets no new shape: a warm engine compiles nothing
     for i in range(2):
@@ -70,7 +85,6 @@ def test_a_prefix_hit_reuses_the_cached_rows_and_replays_the_windows_exactly(llm
     """The second prompt finds 64 cached tokens (8 pages of compressed rows and index keys);
     its window rings and pending compressor token are rebuilt by replaying the receptive
     field, num_layers * (W - 1) + 1 = 57 tokens (not the whole prefix), before it computes."""
-    config, params = tiny(0)
     shared, = _prompts(1, 67)
     first, second = (shared + tail for tail in _prompts(2, 5, 9))
     sp = SamplingParams(temperature=0, max_tokens=12)
@@ -78,17 +92,37 @@ def test_a_prefix_hit_reuses_the_cached_rows_and_replays_the_windows_exactly(llm
     a = llm.generate([{"prompt_token_ids": first}], sp)[0]
     b = llm.generate([{"prompt_token_ids": second}], sp)[0]
     assert b.num_cached_tokens == 64
-    assert list(a.outputs[0].token_ids) == _greedy(config, params, first, 12)
-    assert list(b.outputs[0].token_ids) == _greedy(config, params, second, 12)
+    assert [list(a.outputs[0].token_ids), list(b.outputs[0].token_ids)] == _references([first, second], 12)
 
 
 @pytest.mark.parametrize("prompt_len", [49, 50])  # the forks recompute an odd or an even position
 def test_n_samples_fork_on_their_parents_pages_with_its_state(llm, prompt_len):
-    config, params = tiny(0)
     prompt, = _prompts(3, prompt_len)
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, n=3))[0]
-    want = _greedy(config, params, prompt, 8)
+    want = _reference(tuple(prompt), 8)
     assert [list(c.token_ids) for c in out.outputs] == [want] * 3
+
+
+def test_swap_preemption_and_a_host_tier_hit_restore_the_state_from_the_pages():
+    """Only pages are swapped out and copied down to the host tier: a swapped-in sequence
+    and one that hits the host tier both replay their windows before going on."""
+    swap = LLM("deepseek-v4.1-tiny", preemption_mode="swap", **ENGINE)
+    prompts = _prompts(0, *PROMPT_LENS)
+    outs = swap.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=NEW))
+    assert swap.engine.num_preemptions > 0
+    assert [list(o.outputs[0].token_ids) for o in outs] == _references(prompts, NEW)
+
+    tiered = LLM("deepseek-v4.1-tiny", enable_hierarchical_cache=True, host_cache_bytes=1 << 20,
+                 hicache_write_policy="write_through", **ENGINE)
+    shared, filler = _prompts(6, 67, 90)
+    first, second = shared + [1, 2, 3, 4, 5], shared + [9, 8, 7]
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    for prompt in (first, filler):  # the filler's pages evict the first prompt's from the device
+        tiered.generate([{"prompt_token_ids": prompt}], sp)
+    out = tiered.generate([{"prompt_token_ids": second}], sp)[0]
+    assert out.num_cached_tokens == 64 and tiered.engine.kv.hits["host"] == 64
+    assert list(out.outputs[0].token_ids) == _reference(tuple(second), 12)
+    tiered.close()
 
 
 def test_bounded_replay_equals_model_deepseek_replay():
@@ -131,7 +165,6 @@ def test_text_in_text_out_with_the_byte_tokenizer(llm):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be 'auto'"),
     (dict(block_size=1), "does not fit compression ratio 2"),
-    (dict(preemption_mode="swap"), "swap"),
     (dict(window_replay="none"), "window_replay"),
     (dict(enable_lora=True), "enable_lora"),
 ])
