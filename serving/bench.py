@@ -667,7 +667,8 @@ def bench_deepseek(args) -> None:
         after = _flash_pallas_calls(decode, i + 1)
         print(f"| {kind} | {flash.layer_kinds.count(kind)} | {after['sparse_attention'] - before['sparse_attention']} "
               f"| {after['indexer'] - before['indexer']} |", flush=True)
-    for label, lens in (("decode step, 4 rows", decode), ("prefill step, one 128-token chunk (CED)", (128,))):
+    for label, lens in (("decode step, 4 rows", decode),
+                        ("step of one 128-token chunk (CED) and 3 decode rows, run apart", (128, 1, 1, 1))):
         calls = _flash_pallas_calls(lens)
         print(f"whole {label}: {calls['all']} Pallas calls ({calls['sparse_attention']} sparse attention, "
               f"{calls['indexer']} indexer) for {flash.num_layers} layers, {len(flash.index_sources)} index sources")

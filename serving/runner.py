@@ -191,24 +191,42 @@ def _step(params, config, page_size, pool, batch: StepBatch, want_logprobs, want
 
 
 def _csa2_forward(params, config, page_size, pool, batch: StepBatch, mesh, every_token: bool, frozen: bool):
-    """A DeepSeek-V4.1 (CSA2) step: the packed tokens as rows [S, max_q_len] through
-    model.deepseek.paged.forward_rows on the paged pool and the rows' state slots, the CED
-    way unless every token's hidden state is wanted (prompt logprobs). Returns (hidden at
-    each row's last token [S, H], hidden [N, H] in packed order or None, pool)."""
+    """A DeepSeek-V4.1 (CSA2) step through model.deepseek.paged.forward_rows on the paged
+    pool and the rows' state slots, the CED way unless every token's hidden state is wanted
+    (prompt logprobs). The packed tokens become rows [S, max_q_len]; a step with one chunk
+    runs it alone as [1, max_q_len] and the other rows as [S, 1], not S rows padded to the
+    chunk. Returns (hidden at each row's last token [S, H], hidden [N, H] in packed order
+    or None, pool)."""
     starts, q_lens = batch.cu_q_lens[:-1], batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
-    col = jnp.arange(batch.max_q_len)
-    valid = col[None] < q_lens[:, None]
-    index = jnp.minimum(starts[:, None] + col[None], batch.tokens.shape[0] - 1)
-    tokens = jnp.where(valid, batch.tokens[index], 0)
-    positions = jnp.where(valid, batch.positions[index], -1)
-    hidden, pages, state = paged_csa2.forward_rows(params, config, tokens, positions, pool["target"], pool["state"],
-                                                   batch.block_tables, batch.state_slots, page_size, mesh,
-                                                   ced=not every_token, frozen=frozen)
+    num_rows = q_lens.shape[0]
+    pages, state = pool["target"], pool["state"]
+
+    def run(rows, width, pages, state):
+        """Rows `rows` int32 [R] (-1: none) over their first `width` tokens: (hidden, pages, state)."""
+        col = jnp.arange(width)
+        r = jnp.maximum(rows, 0)
+        valid = (rows[:, None] >= 0) & (col[None] < q_lens[r][:, None])
+        index = jnp.minimum(starts[r][:, None] + col[None], batch.tokens.shape[0] - 1)
+        return paged_csa2.forward_rows(params, config, jnp.where(valid, batch.tokens[index], 0),
+                                       jnp.where(valid, batch.positions[index], -1), pages, state,
+                                       batch.block_tables[r], jnp.where(rows >= 0, batch.state_slots[r], -1),
+                                       page_size, mesh, ced=not every_token, frozen=frozen)
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    if batch.max_chunks == 1 and batch.max_q_len > 1:  # the one row with more than one token, alone
+        chunk = jnp.argmax(q_lens > 1).astype(jnp.int32)
+        one, pages, state = run(chunk[None], batch.max_q_len, pages, state)
+        hidden, pages, state = run(jnp.where(rows == chunk, -1, rows), 1, pages, state)
+        if every_token:
+            hidden = jnp.broadcast_to(hidden, (num_rows, batch.max_q_len, hidden.shape[-1])).at[chunk].set(one[0])
+        else:
+            hidden = hidden.at[chunk].set(one[0])
+    else:
+        hidden, pages, state = run(rows, batch.max_q_len, pages, state)
     pool = {"target": pages, "state": state}
     if not every_token:
         return hidden, None, pool
     token = jnp.arange(batch.tokens.shape[0])
-    row = jnp.clip(jnp.searchsorted(batch.cu_q_lens, token, side="right") - 1, 0, q_lens.shape[0] - 1)
+    row = jnp.clip(jnp.searchsorted(batch.cu_q_lens, token, side="right") - 1, 0, num_rows - 1)
     packed = hidden[row, jnp.clip(token - starts[row], 0, batch.max_q_len - 1)]
     last = jnp.take_along_axis(hidden, jnp.maximum(q_lens - 1, 0)[:, None, None], axis=1)[:, 0]
     return last, packed, pool

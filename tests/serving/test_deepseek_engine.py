@@ -151,6 +151,24 @@ def test_bounded_replay_equals_model_deepseek_replay():
     assert list(got.outputs[0].token_ids) == want
 
 
+def test_prompt_logprobs_and_logprobs_equal_the_forward(llm):
+    """Every prompt token's logprob (the non-CED path, each chunk alone beside a decoding
+    row) and the sampled tokens' logprobs equal one forward over the whole text, float64."""
+    config, params = tiny(0)
+    prompt, other = _prompts(7, 45, 6)
+    sp = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1, logprobs=1)
+    out = llm.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": other}], sp)[0]
+    text = prompt + list(out.outputs[0].token_ids)
+    logits, _ = model.forward(params, config, np.asarray([text], np.int32), np.arange(len(text), dtype=np.int32)[None],
+                              model.init_cache(config, 1, MAX_LEN))
+    logits = np.asarray(logits[0], np.float64)
+    logprobs = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    want = logprobs[np.arange(len(text) - 1), text[1:]]
+    got = [lp[t] for lp, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+    got += [lp[t] for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+    np.testing.assert_allclose(got, want, atol=1e-4)
+
+
 def test_engine_pool_holds_the_global_budget_per_token(llm):
     config = llm.config
     assert paged.global_bytes_per_token(llm.runner.pool["target"], 8) == config.kv_bytes_per_token
@@ -184,18 +202,19 @@ def test_bad_requests_and_rows_are_value_errors(llm):
 def test_a_flash_engine_step_lowers_to_pallas_kernels_for_tpu():
     """The Flash plan's shapes (abstract arrays only): every layer one sparse-attention
     kernel, every index source (Full and Reindex layers) one indexer kernel, in a decode
-    step and in a prefill step (CED: decoder layers on the chunk's tail)."""
+    step; twice that in a step with one prefill chunk (CED: decoder layers on the chunk's
+    tail), which runs the chunk and the other rows apart."""
     config = preset("deepseek-v4.1-flash")
     params = jax.eval_shape(lambda k: model.init_params(config, k, jnp.bfloat16), jax.random.key(0))
     pages, state = jax.eval_shape(lambda: paged.init_pool(config, 64, 16, 4))
     runner = ModelRunner.__new__(ModelRunner)  # its batch packing only: a Flash pool does not fit here
     runner.__dict__.update(config=config, draft=None, lora=None, csa2=True, max_num_seqs=4, max_pages_per_seq=64,
                            page_size=16, mask_words=-(-config.vocab_size // 32))
-    for lens, start in (((1, 1, 1, 1), 300), ((128,), 0)):
+    for lens, start, passes in (((1, 1, 1, 1), 300, 1), ((128, 1), 0, 2)):
         batch = runner.step_batch([Row((0,) * n, start, tuple(range(32)), sample=True, slot=i)
                                    for i, n in enumerate(lens)])
         mlir = export_tpu(lambda p, pool, b: _step(p, config, 16, pool, b, False, False), params,
                           {"target": pages, "state": state}, jax.tree.map(lambda a: spec(np.asarray(a)), batch))
-        assert kernel_calls(mlir, "tpu_custom_call") == config.num_layers + len(config.index_sources)
-        assert kernel_calls(mlir, "kvfold_sparse_attention") == config.num_layers
-        assert kernel_calls(mlir, "kvfold_indexer_scores") == len(config.index_sources)
+        assert kernel_calls(mlir, "tpu_custom_call") == passes * (config.num_layers + len(config.index_sources))
+        assert kernel_calls(mlir, "kvfold_sparse_attention") == passes * config.num_layers
+        assert kernel_calls(mlir, "kvfold_indexer_scores") == passes * len(config.index_sources)
