@@ -30,6 +30,11 @@ Many fine-tunes of one base (S-LoRA): PEFT adapters chosen per request, mixed in
     llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=16)
     out = llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "path/to/peft_dir"))
 
+DeepSeek-V4.1's attention (CSA2: compressed FP4 rows in the pages, FP8 window rings in a
+state slot per sequence, sparse indexer) on the tiny preset with random weights:
+
+    llm = LLM("deepseek-v4.1-tiny", seed=0)        # window_replay="exact" | "bounded" after a prefix hit
+
 Prefixes the device pool evicts kept in host memory and on disk (SGLang's HiCache), so
 they are loaded back, not recomputed; the disk tier outlives the engine
 (serving/kv_tiers.py):
@@ -114,7 +119,7 @@ class LLM:
 
         if weights_dtype is None and tensor_parallel_size > 1:  # packed weights are not sharded yet
             weights_dtype = "bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32"
-        config, params = model_lib.load(model, dtype, weights_dtype, seed=seed)
+        config, params = model_lib.load(model, dtype, weights_dtype, seed=check_int("seed", seed))
         self._setup(config, params, model_lib.load_tokenizer(model), max_model_len, block_size,
                     num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
                     kv_cache_dtype, scheduling_policy, capacity_policy, chunking_policy,

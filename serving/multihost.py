@@ -79,6 +79,9 @@ class BroadcastRunner:
     def add_lora(self, request):
         return self._call("add_lora", request)
 
+    def restore_state(self, rows):
+        return self._call("restore_state", rows)
+
     def __getattr__(self, name):  # params, pool, num_compilations, ...
         return getattr(self.runner, name)
 
