@@ -193,10 +193,10 @@ def _step(params, config, page_size, pool, batch: StepBatch, want_logprobs, want
 def _csa2_forward(params, config, page_size, pool, batch: StepBatch, mesh, every_token: bool, frozen: bool):
     """A DeepSeek-V4.1 (CSA2) step through model.deepseek.paged.forward_rows on the paged
     pool and the rows' state slots, the CED way unless every token's hidden state is wanted
-    (prompt logprobs). The packed tokens become rows [S, max_q_len]; a step with one chunk
-    runs it alone as [1, max_q_len] and the other rows as [S, 1], not S rows padded to the
-    chunk. Returns (hidden at each row's last token [S, H], hidden [N, H] in packed order
-    or None, pool)."""
+    (prompt logprobs). The packed rows run in passes of rows padded to a common length (the
+    longest row alone, the next two at half its bucket, ...; rows of one token together),
+    not all S rows padded to the longest. Returns (hidden at each row's last token [S, H],
+    hidden [N, H] in packed order or None, pool)."""
     starts, q_lens = batch.cu_q_lens[:-1], batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]
     num_rows = q_lens.shape[0]
     pages, state = pool["target"], pool["state"]
@@ -211,17 +211,24 @@ def _csa2_forward(params, config, page_size, pool, batch: StepBatch, mesh, every
                                        jnp.where(valid, batch.positions[index], -1), pages, state,
                                        batch.block_tables[r], jnp.where(rows >= 0, batch.state_slots[r], -1),
                                        page_size, mesh, ced=not every_token, frozen=frozen)
-    rows = jnp.arange(num_rows, dtype=jnp.int32)
-    if batch.max_chunks == 1 and batch.max_q_len > 1:  # the one row with more than one token, alone
-        chunk = jnp.argmax(q_lens > 1).astype(jnp.int32)
-        one, pages, state = run(chunk[None], batch.max_q_len, pages, state)
-        hidden, pages, state = run(jnp.where(rows == chunk, -1, rows), 1, pages, state)
-        if every_token:
-            hidden = jnp.broadcast_to(hidden, (num_rows, batch.max_q_len, hidden.shape[-1])).at[chunk].set(one[0])
-        else:
-            hidden = hidden.at[chunk].set(one[0])
-    else:
-        hidden, pages, state = run(rows, batch.max_q_len, pages, state)
+    # Rows ranked by length: the rank-i row holds at most max_q_len / (i + 1) tokens (they
+    # share the step's max_q_len), so pass k runs ranks [2^k - 1, 2^(k+1) - 1) at width
+    # max_q_len / 2^k: each pass holds max_q_len token slots, and the rest run at width 1.
+    passes, first = 0, 0  # passes of chunks; the first rank left to the width-1 pass
+    while first < min(batch.max_chunks, num_rows) and batch.max_q_len >> passes > 1:
+        passes, first = passes + 1, 2 * first + 1
+    order = jnp.argsort(-q_lens, stable=True).astype(jnp.int32)
+    out = jnp.zeros((num_rows,) + ((batch.max_q_len,) if every_token else ()) + (config.hidden_size,),
+                    params["final_norm"].dtype)
+    for k in range(passes + 1):
+        ranks = np.arange((1 << k) - 1, min((1 << (k + 1)) - 1, num_rows) if k < passes else num_rows)
+        if not len(ranks):
+            continue
+        hidden, pages, state = run(order[ranks], 1 if k == passes else batch.max_q_len >> k, pages, state)
+        if every_token:  # [R, width, H] into [R, max_q_len, H]
+            hidden = jnp.pad(hidden, ((0, 0), (0, batch.max_q_len - hidden.shape[1]), (0, 0)))
+        out = out.at[order[ranks]].set(hidden.astype(out.dtype))
+    hidden = out
     pool = {"target": pages, "state": state}
     if not every_token:
         return hidden, None, pool
