@@ -548,9 +548,10 @@ def _truncated(config, num_layers: int):
                                layer_kinds=layer_plan(ratios, *plan.values()), **plan)
 
 
-def _flash_pallas_calls(lens: tuple[int, ...], num_layers: int | None = None) -> dict[str, int]:
-    """Pallas calls (by kernel) in one engine step of the Flash plan lowered for TPU from
-    abstract arrays (its first num_layers layers): rows of `lens` new tokens."""
+def flash_pallas_calls(lens: tuple[int, ...], num_layers: int | None = None) -> dict[str, int]:
+    """Pallas calls (by kernel: "sparse_attention", "indexer", "all") in one engine step of
+    the Flash plan lowered for TPU from abstract arrays (its first num_layers layers): rows
+    of `lens` new tokens (tests/serving/test_deepseek_engine.py checks them too)."""
     import jax
     import jax.numpy as jnp
 
@@ -663,13 +664,13 @@ def bench_deepseek(args) -> None:
     decode = (1, 1, 1, 1)
     for kind in dict.fromkeys(flash.layer_kinds):
         i = flash.layer_kinds.index(kind)
-        before = _flash_pallas_calls(decode, i) if i else {"sparse_attention": 0, "indexer": 0}
-        after = _flash_pallas_calls(decode, i + 1)
+        before = flash_pallas_calls(decode, i) if i else {"sparse_attention": 0, "indexer": 0}
+        after = flash_pallas_calls(decode, i + 1)
         print(f"| {kind} | {flash.layer_kinds.count(kind)} | {after['sparse_attention'] - before['sparse_attention']} "
               f"| {after['indexer'] - before['indexer']} |", flush=True)
     for label, lens in (("decode step, 4 rows", decode),
                         ("step of one 128-token chunk (CED) and 3 decode rows, run apart", (128, 1, 1, 1))):
-        calls = _flash_pallas_calls(lens)
+        calls = flash_pallas_calls(lens)
         print(f"whole {label}: {calls['all']} Pallas calls ({calls['sparse_attention']} sparse attention, "
               f"{calls['indexer']} indexer) for {flash.num_layers} layers, {len(flash.index_sources)} index sources")
 

@@ -465,8 +465,7 @@ class ModelRunner:
             batch = self.step_batch(rows, lora_slot)
             *out, pool = _step(self.params, self.config, self.page_size, self._step_pool(), batch, want_logprobs,
                                want_prompt_logprobs, self.lora.stacks if self.lora else None, self.mesh)
-            self.state = pool.pop("state", None)
-            self.pool = pool
+            self._keep(pool)
         return self._results(rows, np.asarray(batch.cu_q_lens)[:-1], *jax.tree.map(np.asarray, out))
 
     def replay_len(self, cached: int) -> int:
@@ -484,12 +483,16 @@ class ModelRunner:
             batch = self.step_batch(rows)
             *_, pool = _step(self.params, self.config, self.page_size, self._step_pool(), batch, False, False,
                              None, self.mesh, frozen=True)
-            self.state = pool.pop("state")
-            self.pool = pool
+            self._keep(pool)
 
     def _step_pool(self) -> dict:
         """What `_step` takes and returns (donated): the pages, and the state slots of a CSA2 model."""
         return self.pool if self.state is None else {**self.pool, "state": self.state}
+
+    def _keep(self, pool: dict) -> None:
+        """Take back what `_step` returned: `_step_pool`'s parts."""
+        self.state = pool.pop("state", None)
+        self.pool = pool
 
     def _sampling_arrays(self, rows: list[Row], b: int) -> list[np.ndarray]:
         """seeds, counters, temperature, top_k, top_p, min_p for `rows` padded to b."""

@@ -13,11 +13,9 @@ import model
 from model.deepseek import paged, preset
 from model.deepseek.replay import persistent_part, resume
 from serving import LLM, SamplingParams
+from serving.bench import flash_pallas_calls
 from serving.engine import Row
-from serving.runner import ModelRunner, _step
 from tests.model.deepseek_tiny import tiny
-from pallas_kernels.lowering import export_tpu, kernel_calls
-from tests.pallas_kernels.helpers import spec
 
 MAX_LEN, NEW = 128, 16
 PROMPT_LENS = (5, 37, 20, 11)
@@ -205,16 +203,8 @@ def test_a_flash_engine_step_lowers_to_pallas_kernels_for_tpu():
     step; twice that in a step with one prefill chunk (CED: decoder layers on the chunk's
     tail), which runs the chunk and the other rows apart."""
     config = preset("deepseek-v4.1-flash")
-    params = jax.eval_shape(lambda k: model.init_params(config, k, jnp.bfloat16), jax.random.key(0))
-    pages, state = jax.eval_shape(lambda: paged.init_pool(config, 64, 16, 4))
-    runner = ModelRunner.__new__(ModelRunner)  # its batch packing only: a Flash pool does not fit here
-    runner.__dict__.update(config=config, draft=None, lora=None, csa2=True, max_num_seqs=4, max_pages_per_seq=64,
-                           page_size=16, mask_words=-(-config.vocab_size // 32))
-    for lens, start, passes in (((1, 1, 1, 1), 300, 1), ((128, 1), 0, 2)):
-        batch = runner.step_batch([Row((0,) * n, start, tuple(range(32)), sample=True, slot=i)
-                                   for i, n in enumerate(lens)])
-        mlir = export_tpu(lambda p, pool, b: _step(p, config, 16, pool, b, False, False), params,
-                          {"target": pages, "state": state}, jax.tree.map(lambda a: spec(np.asarray(a)), batch))
-        assert kernel_calls(mlir, "tpu_custom_call") == passes * (config.num_layers + len(config.index_sources))
-        assert kernel_calls(mlir, "kvfold_sparse_attention") == passes * config.num_layers
-        assert kernel_calls(mlir, "kvfold_indexer_scores") == passes * len(config.index_sources)
+    for lens, passes in (((1, 1, 1, 1), 1), ((128, 1), 2)):
+        calls = flash_pallas_calls(lens)
+        assert calls["all"] == passes * (config.num_layers + len(config.index_sources))
+        assert calls["sparse_attention"] == passes * config.num_layers
+        assert calls["indexer"] == passes * len(config.index_sources)
