@@ -10,6 +10,11 @@ weights_dtype (the same name on `model.load`, `LLM(...)` and `--weights-dtype`):
 - "gguf" (GGUF files only): each matrix keeps the file's own blocks where kvfold reads
   them packed (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K); other tensor types are dequantized
   to float32.
+- "gguf_a8" (GGUF files only): the same blocks, multiplied as llama.cpp multiplies them:
+  every matmul first rounds its activations to int8 per block of the weight's rows
+  (quant.packed.round_activation_blocks), which lets a CPU with AVX-512 VNNI use integer
+  dot products (faster at decode, and a little less accurate: `python -m serving.bench
+  decode --weights-dtype gguf gguf_a8` prints both).
 - a packed format of quant/packed.py (q8_0, q4_0, q4_1, q5_0, int8, int4, fp8, w8a8): every
   matrix packed in it (a GGUF tensor already in that type keeps its bytes). q4_k / q5_k /
   q6_k only keep tensors of that type (there is no quantizer for them): "gguf" keeps each
@@ -21,6 +26,7 @@ float32 copy of more than one tensor.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -28,8 +34,9 @@ import numpy as np
 from quant.packed import FORMATS, GGUF_FORMATS, PackedWeight, concat_columns, from_gguf, quantize
 
 KEEP_GGUF = "gguf"
+KEEP_GGUF_A8 = "gguf_a8"  # the file's blocks, with activations rounded to int8 per block
 CHUNK_BYTES = 16 << 20  # float32 rows dequantized at a time while packing a matrix
-WEIGHTS_DTYPES = ("float32", "bfloat16", KEEP_GGUF) + tuple(FORMATS)
+WEIGHTS_DTYPES = ("float32", "bfloat16", KEEP_GGUF, KEEP_GGUF_A8) + tuple(FORMATS)
 MATRICES = frozenset({"embed", "lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
 
 
@@ -83,8 +90,8 @@ def check_weights_dtype(weights_dtype: str | None, source_kind: str) -> None:
         return
     if weights_dtype not in WEIGHTS_DTYPES:
         raise ValueError(f"unknown weights_dtype {weights_dtype!r}; allowed: {', '.join(WEIGHTS_DTYPES)}")
-    if weights_dtype == KEEP_GGUF and source_kind != "gguf":
-        raise ValueError("weights_dtype='gguf' keeps a GGUF file's own blocks; this source is a "
+    if weights_dtype in (KEEP_GGUF, KEEP_GGUF_A8) and source_kind != "gguf":
+        raise ValueError(f"weights_dtype={weights_dtype!r} keeps a GGUF file's own blocks; this source is a "
                          "Hugging Face directory (pick a packed format such as 'int8' or 'q4_1')")
 
 
@@ -134,6 +141,8 @@ def store_gguf(key: str, raw: np.ndarray, qtype: str, shape: tuple[int, int],
     if key not in MATRICES or qtype not in GGUF_FORMATS:
         return None
     fmt = GGUF_FORMATS[qtype].name
+    if weights_dtype == KEEP_GGUF_A8:
+        return dataclasses.replace(from_gguf(raw, qtype, shape), int8_activations=True)
     if weights_dtype == KEEP_GGUF or weights_dtype == fmt:
         return from_gguf(raw, qtype, shape)
     return None

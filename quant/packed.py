@@ -22,6 +22,11 @@ weight, which is the model's layout:
   activations to int8 (absmax / 127; SmoothQuant's W8A8 without the smoothing), which lets
   a CPU run an int8 x int8 matmul: faster there, less accurate (see `quantize_activations`).
 
+Any packed weight can also round its activations: with `int8_activations` (set by
+weights_dtype "gguf_a8" on a GGUF file's blocks) every matmul first rounds x to int8 per
+activation block (`round_activation_blocks`), as llama.cpp rounds activations to its Q8
+blocks before multiplying GGUF blocks; the CPU kernel then runs integer dot products.
+
 Two 4-bit codes share a byte the way GGUF packs them: within each group, byte j holds row
 j in its low nibble and row j + group / 2 in its high nibble. `dequantize` works on any
 row slice that covers whole groups (the kernels decode their tiles the same way with int32
@@ -96,6 +101,8 @@ class PackedWeight:
     fmt: a FORMATS key; group: weights per scale along `in`; shape: (in, out). These
     three are static (part of the pytree structure, so they key the jit cache). super:
     the K-quants' float16 super-block scales (Format.super_block), else None.
+    int8_activations (static, GGUF block formats only): every matmul first rounds x to
+    int8 per activation block (`round_activation_blocks`).
     """
 
     codes: jax.Array
@@ -105,6 +112,9 @@ class PackedWeight:
     group: int = dataclasses.field(metadata=dict(static=True))
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     super: jax.Array | None = None  # K-quants: float16 [2 (d, dmin) or 1 (d), in // 256, out]
+    # GGUF block formats (weights_dtype "gguf_a8"): the matmul rounds x to int8 per
+    # activation block first (`round_activation_blocks`), as llama.cpp computes GGUF blocks
+    int8_activations: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def format(self) -> Format:
@@ -252,19 +262,50 @@ def quantize(w, fmt: str) -> PackedWeight:
                         fmt, group, (d_in, d_out))
 
 
+def activation_blocks(fmt: str, group: int, d_in: int) -> np.ndarray:
+    """The input rows that share one activation scale when a matmul rounds x per block, int
+    [blocks, rows]: 16 stored code rows of one group (or a smaller group's rows), which for
+    a 4-bit format hold 32 input rows, j and j + group / 2 (GGUF's nibble order). The CPU
+    kernel (pallas_kernels/quant_matmul/cpu_kernel.cc) multiplies one such block of codes
+    by one block of int8 activations."""
+    nibbles = FORMATS[fmt].bits == 4
+    group_rows = group // 2 if nibbles else group
+    rows = group_rows if group_rows % 16 else 16
+    if not nibbles:
+        return np.arange(d_in).reshape(-1, rows)
+    half = group // 2
+    stored = np.arange(d_in // 2)
+    low = (stored // half * group + stored % half).reshape(-1, rows)
+    return np.concatenate([low, low + half], axis=1)
+
+
+def round_activation_blocks(x: jax.Array, fmt: str, group: int) -> jax.Array:
+    """x [T, in] rounded as an int8-activation matmul of `fmt` rounds it, float32: per token
+    and activation block (`activation_blocks`), round(x / d) * d with d = max |x| / 127
+    over the block (float32, ties to even; an all-zero block stays zero). llama.cpp rounds
+    activations the same way, per 32 inputs, before its dot products with GGUF blocks."""
+    x = x.astype(jnp.float32)
+    blocks = activation_blocks(fmt, group, x.shape[1])
+    xb = x[:, blocks]  # [T, blocks, rows]
+    d = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) / 127.0
+    q = jnp.where(d > 0, jnp.round(xb / jnp.where(d > 0, d, 1.0)), 0.0)
+    return jnp.zeros_like(x).at[:, blocks].set(q * d)
+
+
 def concat_columns(parts: list[PackedWeight]) -> PackedWeight:
     """One PackedWeight [in, sum of outs] from parts of one format and input width (a
     weight packed a slice of output channels at a time)."""
     first = parts[0]
-    if any((p.fmt, p.group, p.shape[0]) != (first.fmt, first.group, first.shape[0]) for p in parts):
-        raise ValueError("concat_columns: parts differ in format, group or input width")
+    key = lambda p: (p.fmt, p.group, p.shape[0], p.int8_activations)  # noqa: E731
+    if any(key(p) != key(first) for p in parts):
+        raise ValueError("concat_columns: parts differ in format, group, input width or activations")
     if len(parts) == 1:
         return first
     cat = lambda arrays, axis=1: jnp.concatenate(arrays, axis=axis)  # noqa: E731
     return PackedWeight(cat([p.codes for p in parts]), cat([p.scale for p in parts]),
                         None if first.offset is None else cat([p.offset for p in parts]),
                         first.fmt, first.group, (first.shape[0], sum(p.shape[1] for p in parts)),
-                        None if first.super is None else cat([p.super for p in parts], 2))
+                        None if first.super is None else cat([p.super for p in parts], 2), first.int8_activations)
 
 
 # -- GGUF blocks -> packed -------------------------------------------------------------

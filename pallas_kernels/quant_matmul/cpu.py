@@ -4,8 +4,12 @@ FFI, which reads the packed codes as they are stored and decodes a few rows at a
 XLA:CPU has no dequantizing matmul: the XLA path (xla.py) turns the whole packed weight
 into a float temporary at every step, which costs several times the float32 matmul, while
 llama.cpp reads the same blocks directly. This kernel reads them directly too, for steps of
-a few tokens (decode), but keeps activations in float32 where llama.cpp rounds them to 8
-bits, so its result is the reference's up to the order of float additions.
+a few tokens (decode). It keeps activations in float32, so its result is the reference's
+up to the order of float additions, except for weights packed with int8_activations
+(weights_dtype "gguf_a8"): where the CPU has AVX-512 VNNI and VBMI it then rounds x per
+activation block itself and multiplies int8 codes by int8 activations as llama.cpp does
+(integer dot products: 4x the multiply-adds of a float instruction); without them the entry
+rounds x first and the float tiles run.
 
 The kernel is compiled once per machine with the system's C++ compiler (`-march=native`,
 about 5 s) into a cache keyed by the source, the jaxlib headers and the CPU, then
@@ -111,6 +115,12 @@ def max_tokens() -> int:
     return MAX_TOKENS if lib is not None and lib.KvfoldQuantMatmulAvx512() else PORTABLE_MAX_TOKENS
 
 
+def vnni() -> bool:
+    """Whether the built kernel has the int8-activation tiles (AVX-512 VNNI and VBMI)."""
+    lib = _library()
+    return lib is not None and bool(lib.KvfoldQuantMatmulVnni())
+
+
 def register(library: Path, target: str) -> ctypes.CDLL:
     """Register a built kernel library with XLA:CPU under the FFI name `target`."""
     lib = ctypes.cdll.LoadLibrary(str(library))
@@ -125,11 +135,14 @@ def supports(fmt: str, num_tokens: int, d_out: int) -> bool:
             and num_tokens <= max_tokens())
 
 
-def quant_matmul_cpu(x, codes, scale, offset, *, fmt: str, group: int, target: str = TARGET):
+def quant_matmul_cpu(x, codes, scale, offset, *, fmt: str, group: int, target: str = TARGET,
+                     int8_activations: bool = False):
     """x [T, in] float32 times the packed weight (codes, float scale and offset per group, as
     PackedWeight.float_scales gives them) of a weight-only format: float32 [T, out].
     target: the FFI name of a registered build (`register`); the default one is built and
-    registered here if it is not yet (RuntimeError when it cannot be)."""
+    registered here if it is not yet (RuntimeError when it cannot be). int8_activations:
+    round x per activation block first and multiply int8 codes (quant.packed
+    round_activation_blocks; a build without `vnni()` refuses it)."""
     from quant.packed import FORMATS
 
     if target == TARGET and not available():
@@ -143,4 +156,5 @@ def quant_matmul_cpu(x, codes, scale, offset, *, fmt: str, group: int, target: s
         scale = scale.astype(jnp.float32)
     offset = scale if offset is None else offset.astype(scale.dtype)
     return call(x.astype(jnp.float32), codes, scale, offset, group=np.int64(group), bits=np.int64(f.bits),
-                zero=np.float32(f.zero), has_offset=np.int64(f.offset))
+                zero=np.float32(f.zero), has_offset=np.int64(f.offset),
+                int8_activations=np.int64(int8_activations))

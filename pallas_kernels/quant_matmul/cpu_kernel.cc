@@ -15,16 +15,24 @@
 // loops the compiler vectorizes where the CPU lacks AVX-512; cpu.py builds with
 // -march=native on the machine that runs it). Activations stay float32, so the result is
 // the dequantize-then-matmul reference's up to the order of float additions.
+// With int8_activations (weights_dtype "gguf_a8", on a CPU with AVX-512 VNNI and VBMI) each
+// block of x is rounded to int8 codes with one scale dx (quant.packed.round_activation_blocks
+// states the same in JAX) and the block sums are integer dot products, four code bytes by
+// four activation bytes per instruction lane, as llama.cpp multiplies GGUF blocks:
+//   y[t, n] += scale[g, n] * dx (sum_k xq[t, k] code[k, n] - zero * sum_k xq[t, k])
+//              + offset[g, n] * dx sum_k xq[t, k]
 // Codes are int8 (8-bit formats) or two 4-bit codes a byte, GGUF's order inside a group:
 // byte row j of a group holds row j in its low nibble and row j + group / 2 in its high.
 // Scales and offsets are float16 or float32. Column ranges are spread over XLA's intra-op
 // thread pool.
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -45,13 +53,19 @@ struct Problem {
   const uint8_t* codes;  // [K, N] int8, or [K / 2, N] nibbles
   const void* scale;     // [K / group, N]
   const void* offset;    // [K / group, N] or null
-  const float* xs;       // [T, blocks]: x summed over each block's rows
+  const float* xs;       // [T, blocks]: x summed over each block's rows (with int8
+                         // activations: dx times the block's int8 codes summed)
   float* y;              // [T, N]
   int64_t T, K, N, group;
   int64_t rows;          // stored code rows per block (16, or a smaller group's)
   int64_t blocks;        // stored code rows / rows
   bool nibbles, f16;
   float zero;
+  // int8 activations (VNNI): each block's x rounded to int8 codes with one scale dx, four
+  // codes to an int32 in the order a dot-product lane takes them (lanes()), [T, blocks,
+  // lanes()], and the scales [T, blocks]
+  const int32_t* xq = nullptr;
+  const float* dx = nullptr;
 
   // Stored row r of the codes holds weight row r (int8), or rows k and k + group / 2 with
   // k = (r / half) * group + r % half (nibbles, half = group / 2).
@@ -61,6 +75,18 @@ struct Problem {
     return nibbles ? r / half() * group + r % half() : r;
   }
   int64_t group_of(int64_t b) const { return b * rows / (nibbles ? half() : group); }
+  // Dot-product lanes per block: a lane multiplies four weights of one column, stored rows
+  // j and j + 1 (both nibbles each) or int8 rows j .. j + 3.
+  int64_t lanes() const { return nibbles ? rows / 2 : rows / 4; }
+  // The weight rows of block b's lane l, in the lane's byte order.
+  void lane_rows(int64_t b, int64_t l, int64_t k[4]) const {
+    const int64_t r = first_row(b);
+    if (nibbles) {
+      k[0] = r + 2 * l, k[1] = k[0] + 1, k[2] = k[0] + half(), k[3] = k[1] + half();
+    } else {
+      for (int i = 0; i < 4; ++i) k[i] = r + 4 * l + i;
+    }
+  }
 };
 
 inline float load(const void* p, bool f16, int64_t i) {
@@ -163,8 +189,120 @@ void block_tile_avx512(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define KVFOLD_VNNI 1
+// The byte and word permutations that put codes into dot-product lanes (block_tile_vnni).
+struct LaneIndex {
+  // nibbles, vector v (columns 16 v ..): lane i takes bytes (a, b, a, b) of column 16 v + i
+  // from stored rows a and b (the second source's bytes are numbered from 64)
+  alignas(64) uint8_t nibble[4][64];
+  // int8 rows: word i of pair h is column 32 h + i of rows (r, r + 1); lane i of vector
+  // 2 h + u joins word 16 u + i of pairs (j, j + 1) and (j + 2, j + 3)
+  alignas(64) uint8_t pair[2][64];
+  alignas(64) uint16_t join[2][32];
+  LaneIndex() {
+    for (int v = 0; v < 4; ++v)
+      for (int i = 0; i < 64; ++i) nibble[v][i] = static_cast<uint8_t>(16 * v + i / 4 + (i & 1 ? 64 : 0));
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 32; ++i) {
+        pair[h][2 * i] = static_cast<uint8_t>(32 * h + i);
+        pair[h][2 * i + 1] = static_cast<uint8_t>(64 + 32 * h + i);
+        join[h][i] = static_cast<uint16_t>(i % 2 ? 32 + 16 * h + i / 2 : 16 * h + i / 2);
+      }
+  }
+};
+const LaneIndex kLaneIndex;
+// The tile with int8 activations, as llama.cpp computes its quantized dot products: the
+// codes go to the bytes of dot-product lanes (vpdpbusd: four unsigned bytes times four
+// signed ones, summed into an int32) with one byte permutation per vector, and the int32
+// block sums are scaled once per block like the float tile's. Nibble lanes hold stored
+// rows j and j + 1, low nibbles then high ones; int8 lanes hold rows j .. j + 3, their
+// codes offset by 128 to be unsigned (the offset's share, 128 dx sum(x codes), is taken
+// off with the zero point's).
+template <int TW, int NV, bool F16>
+void block_tile_vnni(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
+  constexpr int S = TW == 1 ? 2 : 1;  // accumulator sets, as in the float tile
+  constexpr __mmask64 cols = NV == 4 ? ~__mmask64{0} : (__mmask64{1} << (16 * NV)) - 1;
+  __m512i acc[S][TW][NV];
+  for (int s = 0; s < S; ++s)
+    for (int t = 0; t < TW; ++t)
+      for (int v = 0; v < NV; ++v) acc[s][t][v] = _mm512_setzero_si512();
+  const int64_t lanes = p.lanes();
+  const int32_t* xq = p.xq + (t0 * p.blocks + b) * lanes;
+  const int64_t xstride = p.blocks * lanes;
+  const uint8_t* codes = p.codes + b * p.rows * p.N + n0;
+  const LaneIndex& index = kLaneIndex;
+  // lane l of the block into accumulator set u (a constant, so the sets stay in registers)
+  auto nibble_lane = [&](int64_t l, auto u) {
+    const uint8_t* c = codes + 2 * l * p.N;
+    const __m512i ra = _mm512_maskz_loadu_epi8(cols, c), rb = _mm512_maskz_loadu_epi8(cols, c + p.N);
+    for (int v = 0; v < NV; ++v) {
+      const __m512i w = _mm512_permutex2var_epi8(
+          ra, _mm512_load_si512(reinterpret_cast<const __m512i*>(index.nibble[v])), rb);
+      // the high word of each lane shifted by 4: its bytes become the high nibbles
+      const __m512i d = _mm512_and_si512(_mm512_mask_srli_epi16(w, 0xAAAAAAAA, w, 4), _mm512_set1_epi8(0x0F));
+      for (int t = 0; t < TW; ++t)
+        acc[u][t][v] = _mm512_dpbusd_epi32(acc[u][t][v], d, _mm512_set1_epi32(xq[t * xstride + l]));
+    }
+  };
+  auto int8_lane = [&](int64_t l, auto u) {
+    const uint8_t* c = codes + 4 * l * p.N;
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512i r[4];
+    for (int q = 0; q < 4; ++q) r[q] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(cols, c + q * p.N), flip);
+    for (int h = 0; h < (NV + 1) / 2; ++h) {
+      const __m512i ix = _mm512_load_si512(reinterpret_cast<const __m512i*>(index.pair[h]));
+      const __m512i p01 = _mm512_permutex2var_epi8(r[0], ix, r[1]), p23 = _mm512_permutex2var_epi8(r[2], ix, r[3]);
+      for (int w = 0; w < 2 && 2 * h + w < NV; ++w) {
+        const int v = 2 * h + w;
+        const __m512i d = _mm512_permutex2var_epi16(
+            p01, _mm512_load_si512(reinterpret_cast<const __m512i*>(index.join[w])), p23);
+        for (int t = 0; t < TW; ++t)
+          acc[u][t][v] = _mm512_dpbusd_epi32(acc[u][t][v], d, _mm512_set1_epi32(xq[t * xstride + l]));
+      }
+    }
+  };
+  using Zero = std::integral_constant<int, 0>;
+  using Last = std::integral_constant<int, S - 1>;
+  int64_t l = 0;
+  if (p.nibbles) {
+    for (; l + 2 <= lanes; l += 2) nibble_lane(l, Zero{}), nibble_lane(l + 1, Last{});
+    if (l < lanes) nibble_lane(l, Zero{});
+  } else {
+    for (; l + 2 <= lanes; l += 2) int8_lane(l, Zero{}), int8_lane(l + 1, Last{});
+    if (l < lanes) int8_lane(l, Zero{});
+  }
+  const int64_t g = p.group_of(b);
+  const float zero = p.zero + (p.nibbles ? 0.0f : 128.0f);
+  for (int v = 0; v < NV; ++v) {
+    const int64_t at = g * p.N + n0 + 16 * v;
+    auto load16 = [&](const void* a) {
+      return F16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                       static_cast<const uint16_t*>(a) + at)))
+                 : _mm512_loadu_ps(static_cast<const float*>(a) + at);
+    };
+    const __m512 sc = load16(p.scale);
+    const __m512 off = p.offset ? load16(p.offset) : _mm512_setzero_ps();
+    for (int t = 0; t < TW; ++t) {
+      const float s = p.xs[(t0 + t) * p.blocks + b], d = p.dx[(t0 + t) * p.blocks + b];
+      float* y = p.y + (t0 + t) * p.N + n0 + 16 * v;
+      const __m512i sum = S == 2 ? _mm512_add_epi32(acc[0][t][v], acc[S - 1][t][v]) : acc[0][t][v];
+      // dx * codes . x codes - zero * dx * sum(x codes), then the scale and the offset
+      const __m512 dot = _mm512_fmsub_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d), _mm512_set1_ps(zero * s));
+      _mm512_storeu_ps(y, _mm512_fmadd_ps(off, _mm512_set1_ps(s), _mm512_fmadd_ps(sc, dot, _mm512_loadu_ps(y))));
+    }
+  }
+}
+#endif
+
 template <int TW, int NV>
 void block_tile(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
+#if defined(KVFOLD_VNNI)
+  if (p.xq) {
+    if (p.f16) return block_tile_vnni<TW, NV, true>(p, b, t0, n0);
+    return block_tile_vnni<TW, NV, false>(p, b, t0, n0);
+  }
+#endif
 #if defined(__AVX512F__)
   if (p.f16) return block_tile_avx512<TW, NV, true>(p, b, t0, n0);
   return block_tile_avx512<TW, NV, false>(p, b, t0, n0);
@@ -239,7 +377,7 @@ struct Shared {
 
 ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                        ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y,
-                       int64_t group, int64_t bits, float zero, int64_t has_offset) {
+                       int64_t group, int64_t bits, float zero, int64_t has_offset, int64_t int8_activations) {
   const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2)
     return ffi::Error::InvalidArgument("quant_matmul_cpu: x, codes and scale must be 2-D");
@@ -265,14 +403,55 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   p = Problem{x.typed_data(), static_cast<const uint8_t*>(codes.untyped_data()), scale.untyped_data(),
               has_offset ? offset.untyped_data() : nullptr, nullptr, y->typed_data(),
               T, K, N, group, rows, blocks, nibbles, st == ffi::DataType::F16, zero};
-  std::vector<float> xs(T * blocks);  // each block's x sum (both row ranges of a nibble block)
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int64_t t = 0; t < T; ++t) {
-      const float* xt = p.x + t * K + p.first_row(b);
-      float s = 0.0f;
-      for (int64_t j = 0; j < rows; ++j) s += xt[j] + (nibbles ? xt[j + p.half()] : 0.0f);
-      xs[t * blocks + b] = s;
-    }
+  std::vector<float> xs(T * blocks), dx;  // each block's x sum (both row ranges of a nibble block)
+  std::vector<int32_t> xq;
+  if (int8_activations) {
+#if defined(KVFOLD_VNNI)
+    if (rows % (nibbles ? 2 : 4))
+      return ffi::Error::InvalidArgument("quant_matmul_cpu: int8 activations need blocks of whole dot-product lanes");
+    // Each token's x rounded per block: codes round(x / dx) with dx = max |x| / 127 over the
+    // block's weight rows (quant.packed.round_activation_blocks states the same in JAX).
+    const int64_t lanes = p.lanes();
+    xq.resize(T * blocks * lanes);
+    dx.resize(T * blocks);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* xt = p.x + t * K;
+        int64_t k[4];
+        float amax = 0.0f;
+        for (int64_t l = 0; l < lanes; ++l) {
+          p.lane_rows(b, l, k);
+          for (int i = 0; i < 4; ++i) amax = std::max(amax, std::fabs(xt[k[i]]));
+        }
+        const float d = amax / 127.0f;
+        int32_t sum = 0;
+        for (int64_t l = 0; l < lanes; ++l) {
+          p.lane_rows(b, l, k);
+          uint32_t word = 0;
+          for (int i = 0; i < 4; ++i) {
+            const int32_t q = d > 0.0f ? static_cast<int32_t>(std::nearbyint(xt[k[i]] / d)) : 0;
+            sum += q;
+            word |= static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(q))) << (8 * i);
+          }
+          xq[(t * blocks + b) * lanes + l] = static_cast<int32_t>(word);
+        }
+        dx[t * blocks + b] = d;
+        xs[t * blocks + b] = d * static_cast<float>(sum);
+      }
+    p.xq = xq.data();
+    p.dx = dx.data();
+#else
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: this build has no int8 activations (AVX-512 VNNI and VBMI)");
+#endif
+  } else {
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        const float* xt = p.x + t * K + p.first_row(b);
+        float s = 0.0f;
+        for (int64_t j = 0; j < rows; ++j) s += xt[j] + (nibbles ? xt[j + p.half()] : 0.0f);
+        xs[t * blocks + b] = s;
+      }
+  }
   p.xs = xs.data();
   // Two column ranges per thread (whole 64-column tiles), so a slow thread's share is split.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads()), tiles = (N + kCols - 1) / kCols;
@@ -300,6 +479,15 @@ extern "C" int KvfoldQuantMatmulAvx512() {
 #endif
 }
 
+// 1 when built with the int8-activation tiles (AVX-512 VNNI and VBMI), else 0.
+extern "C" int KvfoldQuantMatmulVnni() {
+#if defined(KVFOLD_VNNI)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldQuantMatmul, QuantMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -311,4 +499,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldQuantMatmul, QuantMatmul,
                                   .Attr<int64_t>("group")
                                   .Attr<int64_t>("bits")
                                   .Attr<float>("zero")
-                                  .Attr<int64_t>("has_offset"));
+                                  .Attr<int64_t>("has_offset")
+                                  .Attr<int64_t>("int8_activations"));

@@ -6,16 +6,23 @@ import jax.numpy as jnp
 
 from pallas_kernels import validate as v
 from pallas_kernels.dispatch import bind, dispatch
-from quant.packed import ACTIVATION_INT8, PackedWeight, quantize_activations
+from quant.packed import ACTIVATION_INT8, PackedWeight, quantize_activations, round_activation_blocks
 from pallas_kernels.quant_matmul import cpu
 from pallas_kernels.quant_matmul.kernel_gpu import quant_matmul_gpu
 from pallas_kernels.quant_matmul.kernel_tpu import quant_matmul_tpu
 from pallas_kernels.quant_matmul.xla import quant_matmul_xla
 
 
-def _xla(x, codes, scale, offset, *, fmt, group):
-    w = PackedWeight(codes, scale, offset, fmt, group, (x.shape[1], codes.shape[1]))
+def _xla(x, codes, scale, offset, *, fmt, group, int8_activations=False):
+    w = PackedWeight(codes, scale, offset, fmt, group, (x.shape[1], codes.shape[1]),
+                     int8_activations=int8_activations)
     return quant_matmul_xla(x, w).astype(x.dtype)
+
+
+def _rounded_blocks(x, codes, scale, offset, *, kernel, interpret, fmt, group):
+    """A kernel on x rounded per activation block (int8_activations weights)."""
+    return kernel(round_activation_blocks(x, fmt, group).astype(x.dtype), codes, scale, offset,
+                  interpret=interpret, fmt=fmt, group=group)
 
 
 def _rounded_activations(x, codes, scale, offset, *, kernel, interpret, **options):
@@ -26,14 +33,22 @@ def _rounded_activations(x, codes, scale, offset, *, kernel, interpret, **option
                   interpret=interpret, **options)
 
 
-def _cpu(x, codes, scale, offset, *, fmt, group):
-    return cpu.quant_matmul_cpu(x, codes, scale, offset, fmt=fmt, group=group).astype(x.dtype)
+def _cpu(x, codes, scale, offset, *, fmt, group, int8_activations=False):
+    """The C++ kernel; int8_activations: it rounds x itself where built with VNNI, else x is
+    rounded here and the float tiles run."""
+    rounds = int8_activations and cpu.vnni()
+    if int8_activations and not rounds:
+        x = round_activation_blocks(x, fmt, group).astype(x.dtype)
+    return cpu.quant_matmul_cpu(x, codes, scale, offset, fmt=fmt, group=group,
+                                int8_activations=rounds).astype(x.dtype)
 
 
 def quant_matmul(x, w: PackedWeight, *, interpret=None):
     """x @ w for a weight kept packed (quant/packed.py: GGUF Q8_0 / Q4_0 / Q4_1 blocks,
     kvfold's int8 / int4 / fp8 / w8a8); the kernels dequantize one tile of the weight at a
-    time. For w8a8 each token's x is first rounded to int8 (absmax / 127) on every path.
+    time. For w8a8 each token's x is first rounded to int8 (absmax / 127) on every path;
+    for a weight with int8_activations, each activation block of x
+    (quant.packed.round_activation_blocks) on every path.
 
     Args:
       x: [num_tokens, in], float.
@@ -58,7 +73,11 @@ def quant_matmul(x, w: PackedWeight, *, interpret=None):
     if w.fmt in ACTIVATION_INT8:
         tpu = bind(_rounded_activations, kernel=quant_matmul_tpu, **options)
         gpu = bind(_rounded_activations, kernel=quant_matmul_gpu, **options)
+    if w.int8_activations:
+        tpu = bind(_rounded_blocks, kernel=quant_matmul_tpu, **options)
+        gpu = bind(_rounded_blocks, kernel=quant_matmul_gpu, **options)
     scale, offset = w.float_scales()  # K-quants: float32 per group from their two-level scales
-    native = bind(_cpu, **options) if cpu.supports(w.fmt, x.shape[0], w.shape[1]) else None
-    return dispatch(x, w.codes, scale, offset, ref=bind(_xla, **options), tpu=tpu, gpu=gpu, cpu=native,
-                    interpret=interpret)
+    rounding = dict(int8_activations=True) if w.int8_activations else {}
+    native = bind(_cpu, **options, **rounding) if cpu.supports(w.fmt, x.shape[0], w.shape[1]) else None
+    return dispatch(x, w.codes, scale, offset, ref=bind(_xla, **options, **rounding), tpu=tpu, gpu=gpu,
+                    cpu=native, interpret=interpret)

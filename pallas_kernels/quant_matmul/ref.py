@@ -1,12 +1,13 @@
 """The truth for the quantized matmul: dequantize the whole weight, then one float32 matmul
-(of the per-token int8-rounded activations for w8a8)."""
+(of the per-token int8-rounded activations for w8a8, of x rounded per activation block for
+a weight with int8_activations)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from quant.packed import ACTIVATION_INT8, PackedWeight, quantize_activations
+from quant.packed import ACTIVATION_INT8, PackedWeight, quantize_activations, round_activation_blocks
 
 
 def quant_matmul_ref(x: jax.Array, w: PackedWeight) -> jax.Array:
@@ -15,5 +16,7 @@ def quant_matmul_ref(x: jax.Array, w: PackedWeight) -> jax.Array:
     if w.fmt in ACTIVATION_INT8:
         xq, scale = quantize_activations(x)
         x = xq.astype(jnp.float32) * scale
+    if w.int8_activations:
+        x = round_activation_blocks(x, w.fmt, w.group)
     return jnp.matmul(x, w.dequantize(jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)

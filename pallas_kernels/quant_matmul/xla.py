@@ -12,7 +12,8 @@ one token). Its int8 x int8 -> int32 matmul, though, reads a quarter of the byte
   round activations to 8 bits; the int32 product is rescaled by the two scales. One token
   is padded to two (XLA:CPU lowers a one-row int8 matmul to a slow matrix-vector loop).
 - every other format dequantizes inside the jitted step and runs a float32 matmul: the
-  float copy is a temporary of that step, never kept between steps.
+  float copy is a temporary of that step, never kept between steps (of x rounded per
+  activation block for a weight with int8_activations).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from quant.packed import ACTIVATION_INT8, PackedWeight, quantize_activations
+from quant.packed import ACTIVATION_INT8, PackedWeight, quantize_activations, round_activation_blocks
 
 
 def _int8_product(x: jax.Array, w: PackedWeight) -> jax.Array:
@@ -35,4 +36,6 @@ def quant_matmul_xla(x: jax.Array, w: PackedWeight) -> jax.Array:
     x = x.astype(jnp.float32)
     if w.fmt in ACTIVATION_INT8:
         return _int8_product(x, w)
+    if w.int8_activations:  # as the CPU kernel rounds them at decode, so every step length agrees
+        x = round_activation_blocks(x, w.fmt, w.group)
     return jnp.matmul(x, w.dequantize(jnp.float32))

@@ -233,3 +233,80 @@ def test_k_quant_lowers_to_one_kernel_call_for_tpu_and_cuda():
     fn = lambda x, w: quant_matmul(x, w)  # noqa: E731
     assert kernel_calls(export_tpu(fn, spec(x), w), "tpu_custom_call") == 1
     assert kernel_calls(export_cuda(fn, spec(x), w), TRITON_CALL) == 1
+
+
+# -- int8 activations (weights_dtype "gguf_a8") ------------------------------------------
+
+GGUF_BLOCKS = [f for f in FORMATS if FORMATS[f].gguf]
+
+
+def _gguf_weight(fmt, d_in, d_out, seed):
+    """A packed GGUF-format weight that rounds its activations (int8_activations)."""
+    w = _k_quant(fmt, d_in, d_out, seed) if FORMATS[fmt].super_block else _inputs(fmt, 1, d_in, d_out, seed)[1]
+    return dataclasses.replace(w, int8_activations=True)
+
+
+def _blocks_by_hand(fmt, group, d_in):
+    """activation_blocks restated from the storage order: a block is 16 stored code rows of
+    one group; stored row r of an 8-bit format is input row r, of a 4-bit one input rows
+    r // (group / 2) * group + r % (group / 2) (low nibble) and that + group / 2 (high)."""
+    nibbles = FORMATS[fmt].bits == 4
+    half = group // 2
+    blocks = []
+    for first in range(0, d_in // 2 if nibbles else d_in, 16):
+        rows = []
+        for r in range(first, first + 16):
+            rows += [r // half * group + r % half, r // half * group + r % half + half] if nibbles else [r]
+        blocks.append(sorted(rows))
+    return blocks
+
+
+def _round_by_hand(x, blocks):
+    """float32 numpy: round(x / d) * d per token and block, d = max |x| / 127."""
+    x = np.asarray(x, np.float32)
+    out = np.zeros_like(x)
+    for rows in blocks:
+        xb = x[:, rows]
+        d = np.abs(xb).max(axis=1, keepdims=True) / np.float32(127)
+        q = np.where(d > 0, np.round(xb / np.where(d > 0, d, 1)), 0).astype(np.float32)
+        out[:, rows] = q * d
+    return out
+
+
+@pytest.mark.parametrize("fmt", GGUF_BLOCKS)
+def test_activation_blocks_follow_the_storage_order(fmt):
+    from quant.packed import activation_blocks, round_activation_blocks
+
+    group, d_in = FORMATS[fmt].group, 512
+    got = activation_blocks(fmt, group, d_in)
+    assert [sorted(b) for b in got.tolist()] == _blocks_by_hand(fmt, group, d_in)
+    assert sorted(got.ravel().tolist()) == list(range(d_in))  # every input row in one block
+    x = np.random.default_rng(3).normal(size=(3, d_in)).astype(np.float32)
+    x[1, 5] = 40.0  # an outlier coarsens only its own block
+    x[2, 64:96] = 0.0  # a zero block stays zero
+    rounded = np.asarray(round_activation_blocks(jnp.asarray(x), fmt, group))
+    # XLA may divide by 127 as a multiply by its reciprocal: the scales agree to an ulp
+    np.testing.assert_allclose(rounded, _round_by_hand(x, _blocks_by_hand(fmt, group, d_in)), rtol=1e-6)
+    d = np.zeros_like(x)
+    for rows in _blocks_by_hand(fmt, group, d_in):
+        d[:, rows] = np.abs(x[:, rows]).max(axis=1, keepdims=True) / 127
+    assert np.all(np.abs(rounded - x) <= d / 2 * (1 + 1e-6))
+    assert np.all(rounded[2, 64:96] == 0) and rounded[1, 5] == pytest.approx(40.0)
+
+
+@pytest.mark.parametrize("fmt", GGUF_BLOCKS)
+def test_int8_activation_weights_round_on_every_path(fmt):
+    """A weight with int8_activations: the entry at decode (on CPU, the C++ kernel, which
+    rounds x itself), at a prefill's length (xla.py), the reference and the TPU kernel all
+    compute the oracle of the rounded x, so decode and prefill agree."""
+    from pallas_kernels.quant_matmul import cpu
+    from quant.packed import round_activation_blocks
+
+    w = _gguf_weight(fmt, 512, 48, seed=GGUF_BLOCKS.index(fmt))
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(cpu.max_tokens() + 8, 512)), jnp.float32)
+    want = _oracle(round_activation_blocks(x, fmt, w.group), w)
+    _close(quant_matmul(x[:3], w), want[:3], rtol=1e-5)
+    _close(quant_matmul(x, w), want, rtol=1e-5)
+    _close(quant_matmul_ref(x[:3], w), want[:3], rtol=1e-5)
+    _close(quant_matmul(x[:3], w, interpret=True), want[:3], rtol=1e-5)
+    assert np.abs(np.asarray(quant_matmul(x[:3], w), np.float64) - _oracle(x[:3], w)).max() > 1e-4  # it rounded

@@ -117,3 +117,27 @@ def test_a_failed_build_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="building the CPU quantized-matmul kernel failed"):
         cpu.build(force=True)
     assert not list(tmp_path.iterdir())  # no half-written library left behind
+
+
+@pytest.mark.skipif(not cpu.vnni(), reason="the int8-activation tiles need AVX-512 VNNI and VBMI")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("fmt", sorted(f for f in cpu.CPU_FORMATS if FORMATS[f].gguf))
+def test_int8_activation_tiles_match_the_oracle_of_rounded_x(fmt, shape):
+    """The kernel's own rounding of x (per activation block, in C++) and its integer dot
+    products (nibble lanes of two stored rows, int8 lanes of four rows offset to unsigned)
+    give the float64 oracle of the rounded x, over the shapes of the float tiles."""
+    from quant.packed import round_activation_blocks
+
+    t, d_in, d_out = shape
+    w = _weight(fmt, d_in, d_out, seed=5)
+    x = jnp.asarray(np.random.default_rng(t + 1).normal(size=(t, w.shape[0])), jnp.float32)
+    scale, offset = w.float_scales()
+    got = cpu.quant_matmul_cpu(x, w.codes, scale, offset, fmt=fmt, group=w.group, int8_activations=True)
+    _close(got, _oracle(round_activation_blocks(x, fmt, w.group), w), rtol=1e-5)
+
+
+def test_a_build_without_vnni_refuses_int8_activations(portable):
+    x, w = _inputs("q4_1", 2, 128, 48, seed=9)
+    with pytest.raises(Exception, match="no int8 activations"):
+        cpu.quant_matmul_cpu(x, w.codes, w.scale, w.offset, fmt="q4_1", group=32, target=portable[0],
+                             int8_activations=True).block_until_ready()
