@@ -285,11 +285,15 @@ def round_activation_blocks(x: jax.Array, fmt: str, group: int) -> jax.Array:
     over the block (float32, ties to even; an all-zero block stays zero). llama.cpp rounds
     activations the same way, per 32 inputs, before its dot products with GGUF blocks."""
     x = x.astype(jnp.float32)
-    blocks = activation_blocks(fmt, group, x.shape[1])
-    xb = x[:, blocks]  # [T, blocks, rows]
-    d = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) / 127.0
+    t, d_in = x.shape
+    rows = activation_blocks(fmt, group, 2 * group).shape[1]  # inputs per block
+    if FORMATS[fmt].bits == 4:  # [T, groups, low / high half, blocks in a half, 16 inputs]
+        xb, axes = x.reshape(t, d_in // group, 2, group // rows, rows // 2), (2, 4)
+    else:
+        xb, axes = x.reshape(t, d_in // rows, rows), (2,)
+    d = jnp.max(jnp.abs(xb), axis=axes, keepdims=True) / 127.0
     q = jnp.where(d > 0, jnp.round(xb / jnp.where(d > 0, d, 1.0)), 0.0)
-    return jnp.zeros_like(x).at[:, blocks].set(q * d)
+    return (q * d).reshape(t, d_in)
 
 
 def concat_columns(parts: list[PackedWeight]) -> PackedWeight:

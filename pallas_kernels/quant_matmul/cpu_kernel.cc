@@ -212,6 +212,53 @@ struct LaneIndex {
   }
 };
 const LaneIndex kLaneIndex;
+
+// Block b of one token's x rounded to int8: the codes in lane order (lanes() int32 words),
+// the scale dx and dx times the codes' sum. A block of 16 stored rows is one or two runs
+// of 16 inputs (rows r .. r + 15, and r + half .. for nibbles), rounded 16 at a time: the
+// division is IEEE's and the conversion rounds to nearest even, as jnp.round(x / d).
+void round_block(const Problem& p, const float* x, int64_t b, int32_t* lanes, float* dx, float* xs) {
+  const int64_t r = p.first_row(b);
+  if (p.rows == 16) {
+    const __m512 a = _mm512_loadu_ps(x + r), c = p.nibbles ? _mm512_loadu_ps(x + r + p.half()) : a;
+    const float d = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(a)), _mm512_reduce_max_ps(_mm512_abs_ps(c))) / 127.0f;
+    const __m512 dv = _mm512_set1_ps(d > 0.0f ? d : 1.0f);
+    const __m512i qa = d > 0.0f ? _mm512_cvtps_epi32(_mm512_div_ps(a, dv)) : _mm512_setzero_si512();
+    const __m512i qc = d > 0.0f ? _mm512_cvtps_epi32(_mm512_div_ps(c, dv)) : _mm512_setzero_si512();
+    const __m128i ba = _mm512_cvtepi32_epi8(qa), bc = _mm512_cvtepi32_epi8(qc);
+    int32_t sum = _mm512_reduce_add_epi32(qa);
+    if (p.nibbles) {  // lane l: rows 2l, 2l + 1 of the first run, then of the second
+      sum += _mm512_reduce_add_epi32(qc);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lanes), _mm_unpacklo_epi16(ba, bc));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lanes + 4), _mm_unpackhi_epi16(ba, bc));
+    } else {  // lane l: rows 4l .. 4l + 3
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lanes), ba);
+    }
+    *dx = d;
+    *xs = d * static_cast<float>(sum);
+    return;
+  }
+  int64_t k[4];
+  float amax = 0.0f;
+  for (int64_t l = 0; l < p.lanes(); ++l) {
+    p.lane_rows(b, l, k);
+    for (int i = 0; i < 4; ++i) amax = std::max(amax, std::fabs(x[k[i]]));
+  }
+  const float d = amax / 127.0f;
+  int32_t sum = 0;
+  for (int64_t l = 0; l < p.lanes(); ++l) {
+    p.lane_rows(b, l, k);
+    uint32_t word = 0;
+    for (int i = 0; i < 4; ++i) {
+      const int32_t q = d > 0.0f ? static_cast<int32_t>(std::nearbyint(x[k[i]] / d)) : 0;
+      sum += q;
+      word |= static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(q))) << (8 * i);
+    }
+    lanes[l] = static_cast<int32_t>(word);
+  }
+  *dx = d;
+  *xs = d * static_cast<float>(sum);
+}
 // The tile with int8 activations, as llama.cpp computes its quantized dot products: the
 // codes go to the bytes of dot-product lanes (vpdpbusd: four unsigned bytes times four
 // signed ones, summed into an int32) with one byte permutation per vector, and the int32
@@ -415,29 +462,8 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
     xq.resize(T * blocks * lanes);
     dx.resize(T * blocks);
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t b = 0; b < blocks; ++b) {
-        const float* xt = p.x + t * K;
-        int64_t k[4];
-        float amax = 0.0f;
-        for (int64_t l = 0; l < lanes; ++l) {
-          p.lane_rows(b, l, k);
-          for (int i = 0; i < 4; ++i) amax = std::max(amax, std::fabs(xt[k[i]]));
-        }
-        const float d = amax / 127.0f;
-        int32_t sum = 0;
-        for (int64_t l = 0; l < lanes; ++l) {
-          p.lane_rows(b, l, k);
-          uint32_t word = 0;
-          for (int i = 0; i < 4; ++i) {
-            const int32_t q = d > 0.0f ? static_cast<int32_t>(std::nearbyint(xt[k[i]] / d)) : 0;
-            sum += q;
-            word |= static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(q))) << (8 * i);
-          }
-          xq[(t * blocks + b) * lanes + l] = static_cast<int32_t>(word);
-        }
-        dx[t * blocks + b] = d;
-        xs[t * blocks + b] = d * static_cast<float>(sum);
-      }
+      for (int64_t b = 0; b < blocks; ++b)
+        round_block(p, p.x + t * K, b, &xq[(t * blocks + b) * lanes], &dx[t * blocks + b], &xs[t * blocks + b]);
     p.xq = xq.data();
     p.dx = dx.data();
 #else

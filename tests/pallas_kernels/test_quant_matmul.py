@@ -273,7 +273,7 @@ def _round_by_hand(x, blocks):
     return out
 
 
-@pytest.mark.parametrize("fmt", GGUF_BLOCKS)
+@pytest.mark.parametrize("fmt", GGUF_BLOCKS + ["int4"])  # int4: a 4-bit group of 128, two blocks per half
 def test_activation_blocks_follow_the_storage_order(fmt):
     from quant.packed import activation_blocks, round_activation_blocks
 
