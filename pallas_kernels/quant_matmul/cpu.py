@@ -35,10 +35,13 @@ import numpy as np
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGET = "kvfold_quant_matmul"
-# Above this many rows xla.py's dequantize + float matmul is faster (576 x 1536 q4_1 on this
-# project's CPU: even at 32 tokens, 0.96 vs 1.16 ms at 128). A build without AVX-512 (the
-# portable loops, compiled for AVX2) evens with xla.py at 8 tokens: 0.47 ms each.
-MAX_TOKENS = 32
+# Above this many rows xla.py's dequantize + float matmul is faster (measured on this
+# project's CPU, q4_1: 576 x 1536 at 64 tokens 0.65 ms here vs 0.99, at 128 1.28 vs 1.07;
+# 1536 x 576 at 64 0.85 vs 1.03, at 128 1.69 vs 1.10). With int8 activations the crossover
+# is about twice as far (576 x 1536 at 128: 0.86 vs 1.13 ms; at 256: 1.66 vs 1.93). The
+# portable loops (a build without AVX-512, compiled for AVX2) even with xla.py at 8 tokens.
+MAX_TOKENS = 64
+INT8_MAX_TOKENS = 128
 PORTABLE_MAX_TOKENS = 8
 # Every packed format but fp8 (no E4M3 decoder here) and w8a8, whose int8 x int8 matmul on
 # XLA's path (xla.py) ran faster than this kernel (70 vs 80 us at one token, 76 vs 266 us at
@@ -108,11 +111,14 @@ def available() -> bool:
     return _library() is not None
 
 
-def max_tokens() -> int:
-    """The most tokens a step may have for the kernel to take it: MAX_TOKENS with AVX-512,
+def max_tokens(int8_activations: bool = False) -> int:
+    """The most tokens a step may have for the kernel to take it: MAX_TOKENS with AVX-512
+    (INT8_MAX_TOKENS for weights with int8 activations where it has VNNI), and
     PORTABLE_MAX_TOKENS for the portable loops."""
     lib = _library()
-    return MAX_TOKENS if lib is not None and lib.KvfoldQuantMatmulAvx512() else PORTABLE_MAX_TOKENS
+    if lib is None or not lib.KvfoldQuantMatmulAvx512():
+        return PORTABLE_MAX_TOKENS
+    return INT8_MAX_TOKENS if int8_activations and lib.KvfoldQuantMatmulVnni() else MAX_TOKENS
 
 
 def vnni() -> bool:
@@ -128,11 +134,12 @@ def register(library: Path, target: str) -> ctypes.CDLL:
     return lib
 
 
-def supports(fmt: str, num_tokens: int, d_out: int) -> bool:
-    """Whether the kernel takes this matmul: a format it decodes, few rows, whole 16-column
-    strips, a CPU backend (a GPU or TPU host never builds it) and a built kernel."""
+def supports(fmt: str, num_tokens: int, d_out: int, int8_activations: bool = False) -> bool:
+    """Whether the kernel takes this matmul: a format it decodes, few rows (`max_tokens`),
+    whole 16-column strips, a CPU backend (a GPU or TPU host never builds it) and a built
+    kernel."""
     return (fmt in CPU_FORMATS and d_out % 16 == 0 and jax.default_backend() == "cpu" and available()
-            and num_tokens <= max_tokens())
+            and num_tokens <= max_tokens(int8_activations))
 
 
 def quant_matmul_cpu(x, codes, scale, offset, *, fmt: str, group: int, target: str = TARGET,

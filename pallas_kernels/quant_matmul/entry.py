@@ -78,6 +78,7 @@ def quant_matmul(x, w: PackedWeight, *, interpret=None):
         gpu = bind(_rounded_blocks, kernel=quant_matmul_gpu, **options)
     scale, offset = w.float_scales()  # K-quants: float32 per group from their two-level scales
     rounding = dict(int8_activations=True) if w.int8_activations else {}
-    native = bind(_cpu, **options, **rounding) if cpu.supports(w.fmt, x.shape[0], w.shape[1]) else None
+    native = (bind(_cpu, **options, **rounding) if cpu.supports(w.fmt, x.shape[0], w.shape[1], w.int8_activations)
+              else None)
     return dispatch(x, w.codes, scale, offset, ref=bind(_xla, **options, **rounding), tpu=tpu, gpu=gpu,
                     cpu=native, interpret=interpret)
