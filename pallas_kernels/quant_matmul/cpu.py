@@ -127,6 +127,14 @@ def vnni() -> bool:
     return lib is not None and bool(lib.KvfoldQuantMatmulVnni())
 
 
+def int8_tiles(fmt: str, group: int) -> bool:
+    """Whether the kernel can round x itself and run integer dot products for this weight:
+    a build with `vnni()`, and activation blocks of whole dot-product lanes (4 inputs)."""
+    from quant.packed import activation_blocks
+
+    return vnni() and activation_blocks(fmt, group, 2 * group).shape[1] % 4 == 0
+
+
 def register(library: Path, target: str) -> ctypes.CDLL:
     """Register a built kernel library with XLA:CPU under the FFI name `target`."""
     lib = ctypes.cdll.LoadLibrary(str(library))

@@ -19,24 +19,22 @@ def _xla(x, codes, scale, offset, *, fmt, group, int8_activations=False):
     return quant_matmul_xla(x, w).astype(x.dtype)
 
 
-def _rounded_blocks(x, codes, scale, offset, *, kernel, interpret, fmt, group):
-    """A kernel on x rounded per activation block (int8_activations weights)."""
-    return kernel(round_activation_blocks(x, fmt, group).astype(x.dtype), codes, scale, offset,
-                  interpret=interpret, fmt=fmt, group=group)
-
-
-def _rounded_activations(x, codes, scale, offset, *, kernel, interpret, **options):
-    """A weight-only kernel on x rounded per token to int8 (w8a8's activations), so every
-    backend computes what ref.py states."""
-    xq, xs = quantize_activations(x)
-    return kernel((xq.astype(jnp.float32) * xs).astype(x.dtype), codes, scale, offset,
-                  interpret=interpret, **options)
+def _rounded_activations(x, codes, scale, offset, *, kernel, interpret, fmt, group, blocks=False):
+    """A weight-only kernel on x rounded to int8 per token (w8a8's activations) or, with
+    blocks, per activation block (int8_activations weights), so every backend computes
+    what ref.py states."""
+    if blocks:
+        x_rounded = round_activation_blocks(x, fmt, group)
+    else:
+        xq, xs = quantize_activations(x)
+        x_rounded = xq.astype(jnp.float32) * xs
+    return kernel(x_rounded.astype(x.dtype), codes, scale, offset, interpret=interpret, fmt=fmt, group=group)
 
 
 def _cpu(x, codes, scale, offset, *, fmt, group, int8_activations=False):
     """The C++ kernel; int8_activations: it rounds x itself where built with VNNI, else x is
     rounded here and the float tiles run."""
-    rounds = int8_activations and cpu.vnni()
+    rounds = int8_activations and cpu.int8_tiles(fmt, group)
     if int8_activations and not rounds:
         x = round_activation_blocks(x, fmt, group).astype(x.dtype)
     return cpu.quant_matmul_cpu(x, codes, scale, offset, fmt=fmt, group=group,
@@ -70,12 +68,10 @@ def quant_matmul(x, w: PackedWeight, *, interpret=None):
                          f"{list(w.shape)}: x must be [num_tokens, {w.shape[0]}]")
     options = dict(fmt=w.fmt, group=w.group)
     tpu, gpu = bind(quant_matmul_tpu, **options), bind(quant_matmul_gpu, **options)
-    if w.fmt in ACTIVATION_INT8:
-        tpu = bind(_rounded_activations, kernel=quant_matmul_tpu, **options)
-        gpu = bind(_rounded_activations, kernel=quant_matmul_gpu, **options)
-    if w.int8_activations:
-        tpu = bind(_rounded_blocks, kernel=quant_matmul_tpu, **options)
-        gpu = bind(_rounded_blocks, kernel=quant_matmul_gpu, **options)
+    if w.fmt in ACTIVATION_INT8 or w.int8_activations:
+        rounded = dict(options, blocks=True) if w.int8_activations else options
+        tpu = bind(_rounded_activations, kernel=quant_matmul_tpu, **rounded)
+        gpu = bind(_rounded_activations, kernel=quant_matmul_gpu, **rounded)
     scale, offset = w.float_scales()  # K-quants: float32 per group from their two-level scales
     rounding = dict(int8_activations=True) if w.int8_activations else {}
     native = (bind(_cpu, **options, **rounding) if cpu.supports(w.fmt, x.shape[0], w.shape[1], w.int8_activations)
