@@ -23,6 +23,7 @@ page 16 on an accelerator). A row that fails prints its error and the exit statu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import time
 
@@ -366,8 +367,8 @@ def _quant_matmul_rows(on_cpu, dtype, iters):
     platform's kernel, against the float matmul of the dequantized weight kept resident in
     x's dtype. Bytes: the weight as stored, x and out, so GB/s compares how fast each reads
     what it keeps. On CPU the kernel is the C++ one (cpu.py) on SmolLM2's up projection
-    (576 -> 1536) at 1 and 16 tokens, and fp8, which it does not take, shows the XLA path
-    only; elsewhere the Pallas kernel (TPU, Triton on GPU) at 16 tokens of 4096 -> 4096."""
+    (576 -> 1536) at 1 and 16 tokens, q8_0 and q4_1 also with int8 activations ("a8"), and
+    fp8, which it does not take, shows the XLA path only; elsewhere the Pallas kernel (TPU, Triton on GPU) at 16 tokens of 4096 -> 4096."""
     from pallas_kernels.quant_matmul import cpu, quant_matmul
     from quant.packed import FORMATS, quantize
     from pallas_kernels.quant_matmul.xla import quant_matmul_xla
@@ -381,6 +382,9 @@ def _quant_matmul_rows(on_cpu, dtype, iters):
     kernel = jax.jit(quant_matmul)
     impl = "kvfold C++ (CPU)" if on_cpu else "kvfold Pallas"
     packed = {fmt: quantize(w, fmt) for fmt in FORMATS if not FORMATS[fmt].super_block}  # K-quants: GGUF only
+    if on_cpu:  # weights_dtype "gguf_a8": GGUF blocks times int8 activations (VNNI dot products)
+        packed |= {f"{fmt} a8": dataclasses.replace(packed[fmt], int8_activations=True)
+                   for fmt in ("q8_0", "q4_1")}
     rows = []
     for tokens in (1, 16) if on_cpu else (16,):
         x = jnp.asarray(rng.standard_normal((tokens, d_in)), dtype)
@@ -391,7 +395,7 @@ def _quant_matmul_rows(on_cpu, dtype, iters):
         for fmt, wq in packed.items():
             args, nbytes = (x, wq), wq.nbytes + io
             rows.append(_row(f"{name} {fmt}", "XLA path", xla, args, nbytes, iters))
-            if not on_cpu or cpu.supports(fmt, tokens, d_out):
+            if not on_cpu or cpu.supports(wq.fmt, tokens, d_out, wq.int8_activations):
                 rows.append(_row(f"{name} {fmt}", impl, kernel, args, nbytes, iters))
     return rows
 
