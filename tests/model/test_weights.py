@@ -209,6 +209,21 @@ def test_gguf_a8_rounds_activations_with_little_loss(default_model, smollm2_gold
     assert ppl / ppl32 < 1.01 and 0.94 < agree < 1.0, (ppl / ppl32, agree)  # < 1: it did round
 
 
+def test_llm_serves_gguf_a8_like_the_dense_forward(default_tokenizer, smollm2_golden):  # noqa: F811
+    """LLM(weights_dtype="gguf_a8"): the paged engine (its prefill and decode steps on the CPU
+    kernel's int8 tiles) decodes the greedy tokens of a dense-cache forward loop over the
+    same params (training.data.greedy_answers), so the rounding is the same on every step."""
+    from serving import LLM, SamplingParams
+    from training.data import greedy_answers
+
+    config, params = model.load("default", weights_dtype="gguf_a8")
+    llm = LLM.from_loaded(config, params, default_tokenizer, max_model_len=256, weights_dtype="gguf_a8")
+    prompt = smollm2_golden["prompt0"].tolist()
+    want = greedy_answers(params, config, [prompt], 12)[0].tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert llm.generate({"prompt_token_ids": prompt}, greedy)[0].outputs[0].token_ids == want
+
+
 def test_weights_dtype_choices_are_checked_against_the_source():
     from tests.model.test_hf_parity import tiny_path
 
