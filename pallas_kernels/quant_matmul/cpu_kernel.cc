@@ -131,6 +131,19 @@ void block_tile_generic(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
 }
 
 #if defined(__AVX512F__)
+// 16 scales (or offsets) from `at` on, float16 or float32, as floats.
+template <bool F16>
+inline __m512 load16(const void* a, int64_t at) {
+  if constexpr (F16)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(a) + at)));
+  return _mm512_loadu_ps(static_cast<const float*>(a) + at);
+}
+
+// A block's share of 16 outputs: y += scale * dot + offset * s (s: the block's x sum).
+inline void add_block(float* y, __m512 scale, __m512 offset, __m512 dot, float s) {
+  _mm512_storeu_ps(y, _mm512_fmadd_ps(offset, _mm512_set1_ps(s), _mm512_fmadd_ps(scale, dot, _mm512_loadu_ps(y))));
+}
+
 // The same with AVX-512 intrinsics: TW tokens by NV vectors of 16 columns of block sums in
 // registers. At one token, the low and high nibbles (or even and odd int8 rows) go to two
 // accumulator sets so consecutive multiply-adds do not wait on each other.
@@ -176,19 +189,14 @@ void block_tile_avx512(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
   const int64_t g = p.group_of(b);
   for (int v = 0; v < NV; ++v) {
     const int64_t at = g * p.N + n0 + 16 * v;
-    auto load16 = [&](const void* a) {
-      return F16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                       static_cast<const uint16_t*>(a) + at)))
-                 : _mm512_loadu_ps(static_cast<const float*>(a) + at);
-    };
-    const __m512 sc = load16(p.scale);
-    const __m512 off = p.offset ? load16(p.offset) : _mm512_setzero_ps();
+    const __m512 sc = load16<F16>(p.scale, at);
+    const __m512 off = p.offset ? load16<F16>(p.offset, at) : _mm512_setzero_ps();
     for (int t = 0; t < TW; ++t) {
       const float s = p.xs[(t0 + t) * p.blocks + b];
       float* y = p.y + (t0 + t) * p.N + n0 + 16 * v;
       __m512 sum = S == 2 ? _mm512_add_ps(ga[0][t][v], ga[S - 1][t][v]) : ga[0][t][v];
       sum = _mm512_sub_ps(sum, _mm512_set1_ps(p.zero * s));
-      _mm512_storeu_ps(y, _mm512_fmadd_ps(off, _mm512_set1_ps(s), _mm512_fmadd_ps(sc, sum, _mm512_loadu_ps(y))));
+      add_block(y, sc, off, sum, s);
     }
   }
 }
@@ -328,20 +336,15 @@ void block_tile_vnni(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
   const float zero = p.zero + (p.nibbles ? 0.0f : 128.0f);
   for (int v = 0; v < NV; ++v) {
     const int64_t at = g * p.N + n0 + 16 * v;
-    auto load16 = [&](const void* a) {
-      return F16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                       static_cast<const uint16_t*>(a) + at)))
-                 : _mm512_loadu_ps(static_cast<const float*>(a) + at);
-    };
-    const __m512 sc = load16(p.scale);
-    const __m512 off = p.offset ? load16(p.offset) : _mm512_setzero_ps();
+    const __m512 sc = load16<F16>(p.scale, at);
+    const __m512 off = p.offset ? load16<F16>(p.offset, at) : _mm512_setzero_ps();
     for (int t = 0; t < TW; ++t) {
       const float s = p.xs[(t0 + t) * p.blocks + b], d = p.dx[(t0 + t) * p.blocks + b];
       float* y = p.y + (t0 + t) * p.N + n0 + 16 * v;
       const __m512i sum = S == 2 ? _mm512_add_epi32(acc[0][t][v], acc[S - 1][t][v]) : acc[0][t][v];
       // dx * codes . x codes - zero * dx * sum(x codes), then the scale and the offset
       const __m512 dot = _mm512_fmsub_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d), _mm512_set1_ps(zero * s));
-      _mm512_storeu_ps(y, _mm512_fmadd_ps(off, _mm512_set1_ps(s), _mm512_fmadd_ps(sc, dot, _mm512_loadu_ps(y))));
+      add_block(y, sc, off, dot, s);
     }
   }
 }
