@@ -101,8 +101,8 @@ class PackedWeight:
     fmt: a FORMATS key; group: weights per scale along `in`; shape: (in, out). These
     three are static (part of the pytree structure, so they key the jit cache). super:
     the K-quants' float16 super-block scales (Format.super_block), else None.
-    int8_activations (static, GGUF block formats only): every matmul first rounds x to
-    int8 per activation block (`round_activation_blocks`).
+    int8_activations (static; weights_dtype "gguf_a8" sets it on GGUF blocks): every
+    matmul first rounds x to int8 per activation block (`round_activation_blocks`).
     """
 
     codes: jax.Array
@@ -287,7 +287,7 @@ def round_activation_blocks(x: jax.Array, fmt: str, group: int) -> jax.Array:
     x = x.astype(jnp.float32)
     t, d_in = x.shape
     rows = activation_blocks(fmt, group, 2 * group).shape[1]  # inputs per block
-    if FORMATS[fmt].bits == 4:  # [T, groups, low / high half, blocks in a half, 16 inputs]
+    if FORMATS[fmt].bits == 4:  # [T, groups, low / high half, blocks in a half, rows / 2 inputs]
         xb, axes = x.reshape(t, d_in // group, 2, group // rows, rows // 2), (2, 4)
     else:
         xb, axes = x.reshape(t, d_in // rows, rows), (2,)
