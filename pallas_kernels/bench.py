@@ -368,7 +368,8 @@ def _quant_matmul_rows(on_cpu, dtype, iters):
     x's dtype. Bytes: the weight as stored, x and out, so GB/s compares how fast each reads
     what it keeps. On CPU the kernel is the C++ one (cpu.py) on SmolLM2's up projection
     (576 -> 1536) at 1 and 16 tokens, q8_0 and q4_1 also with int8 activations ("a8"), and
-    fp8, which it does not take, shows the XLA path only; elsewhere the Pallas kernel (TPU, Triton on GPU) at 16 tokens of 4096 -> 4096."""
+    fp8, which it does not take, shows the XLA path only; elsewhere the Pallas kernel (TPU,
+    Triton on GPU) at 16 tokens of 4096 -> 4096."""
     from pallas_kernels.quant_matmul import cpu, quant_matmul
     from quant.packed import FORMATS, quantize
     from pallas_kernels.quant_matmul.xla import quant_matmul_xla
@@ -395,7 +396,8 @@ def _quant_matmul_rows(on_cpu, dtype, iters):
         for fmt, wq in packed.items():
             args, nbytes = (x, wq), wq.nbytes + io
             rows.append(_row(f"{name} {fmt}", "XLA path", xla, args, nbytes, iters))
-            if not on_cpu or cpu.supports(wq.fmt, tokens, d_out, wq.int8_activations):
+            tiles = wq.int8_activations and cpu.int8_tiles(wq.fmt, wq.group)
+            if not on_cpu or cpu.supports(wq.fmt, tokens, d_out, tiles):
                 rows.append(_row(f"{name} {fmt}", impl, kernel, args, nbytes, iters))
     return rows
 

@@ -262,20 +262,27 @@ def quantize(w, fmt: str) -> PackedWeight:
                         fmt, group, (d_in, d_out))
 
 
+def activation_block_size(fmt: str, group: int) -> int:
+    """Inputs per activation block (`activation_blocks`): 16 stored code rows of one group,
+    or a smaller group's rows; a stored row of a 4-bit format holds two inputs."""
+    nibbles = FORMATS[fmt].bits == 4
+    group_rows = group // 2 if nibbles else group
+    rows = group_rows if group_rows % 16 else 16
+    return 2 * rows if nibbles else rows
+
+
 def activation_blocks(fmt: str, group: int, d_in: int) -> np.ndarray:
     """The input rows that share one activation scale when a matmul rounds x per block, int
     [blocks, rows]: 16 stored code rows of one group (or a smaller group's rows), which for
     a 4-bit format hold 32 input rows, j and j + group / 2 (GGUF's nibble order). The CPU
     kernel (pallas_kernels/quant_matmul/cpu_kernel.cc) multiplies one such block of codes
     by one block of int8 activations."""
-    nibbles = FORMATS[fmt].bits == 4
-    group_rows = group // 2 if nibbles else group
-    rows = group_rows if group_rows % 16 else 16
-    if not nibbles:
-        return np.arange(d_in).reshape(-1, rows)
+    size = activation_block_size(fmt, group)
+    if FORMATS[fmt].bits != 4:
+        return np.arange(d_in).reshape(-1, size)
     half = group // 2
     stored = np.arange(d_in // 2)
-    low = (stored // half * group + stored % half).reshape(-1, rows)
+    low = (stored // half * group + stored % half).reshape(-1, size // 2)
     return np.concatenate([low, low + half], axis=1)
 
 
@@ -286,7 +293,7 @@ def round_activation_blocks(x: jax.Array, fmt: str, group: int) -> jax.Array:
     activations the same way, per 32 inputs, before its dot products with GGUF blocks."""
     x = x.astype(jnp.float32)
     t, d_in = x.shape
-    rows = activation_blocks(fmt, group, 2 * group).shape[1]  # inputs per block
+    rows = activation_block_size(fmt, group)
     if FORMATS[fmt].bits == 4:  # [T, groups, low / high half, blocks in a half, rows / 2 inputs]
         xb, axes = x.reshape(t, d_in // group, 2, group // rows, rows // 2), (2, 4)
     else:

@@ -111,14 +111,14 @@ def available() -> bool:
     return _library() is not None
 
 
-def max_tokens(int8_activations: bool = False) -> int:
+def max_tokens(int8_tiles: bool = False) -> int:
     """The most tokens a step may have for the kernel to take it: MAX_TOKENS with AVX-512
-    (INT8_MAX_TOKENS for weights with int8 activations where it has VNNI), and
-    PORTABLE_MAX_TOKENS for the portable loops."""
+    (INT8_MAX_TOKENS on its int8-activation tiles, `int8_tiles`), and PORTABLE_MAX_TOKENS
+    for the portable loops."""
     lib = _library()
     if lib is None or not lib.KvfoldQuantMatmulAvx512():
         return PORTABLE_MAX_TOKENS
-    return INT8_MAX_TOKENS if int8_activations and lib.KvfoldQuantMatmulVnni() else MAX_TOKENS
+    return INT8_MAX_TOKENS if int8_tiles else MAX_TOKENS
 
 
 def vnni() -> bool:
@@ -130,9 +130,9 @@ def vnni() -> bool:
 def int8_tiles(fmt: str, group: int) -> bool:
     """Whether the kernel can round x itself and run integer dot products for this weight:
     a build with `vnni()`, and activation blocks of whole dot-product lanes (4 inputs)."""
-    from quant.packed import activation_blocks
+    from quant.packed import activation_block_size
 
-    return vnni() and activation_blocks(fmt, group, 2 * group).shape[1] % 4 == 0
+    return vnni() and activation_block_size(fmt, group) % 4 == 0
 
 
 def register(library: Path, target: str) -> ctypes.CDLL:
@@ -142,12 +142,12 @@ def register(library: Path, target: str) -> ctypes.CDLL:
     return lib
 
 
-def supports(fmt: str, num_tokens: int, d_out: int, int8_activations: bool = False) -> bool:
+def supports(fmt: str, num_tokens: int, d_out: int, int8_tiles: bool = False) -> bool:
     """Whether the kernel takes this matmul: a format it decodes, few rows (`max_tokens`),
     whole 16-column strips, a CPU backend (a GPU or TPU host never builds it) and a built
     kernel."""
     return (fmt in CPU_FORMATS and d_out % 16 == 0 and jax.default_backend() == "cpu" and available()
-            and num_tokens <= max_tokens(int8_activations))
+            and num_tokens <= max_tokens(int8_tiles))
 
 
 def quant_matmul_cpu(x, codes, scale, offset, *, fmt: str, group: int, target: str = TARGET,

@@ -31,14 +31,13 @@ def _rounded_activations(x, codes, scale, offset, *, kernel, interpret, fmt, gro
     return kernel(x_rounded.astype(x.dtype), codes, scale, offset, interpret=interpret, fmt=fmt, group=group)
 
 
-def _cpu(x, codes, scale, offset, *, fmt, group, int8_activations=False):
-    """The C++ kernel; int8_activations: it rounds x itself where built with VNNI, else x is
+def _cpu(x, codes, scale, offset, *, fmt, group, int8_activations=False, int8_tiles=False):
+    """The C++ kernel; int8_activations: on its int8_tiles it rounds x itself, else x is
     rounded here and the float tiles run."""
-    rounds = int8_activations and cpu.int8_tiles(fmt, group)
-    if int8_activations and not rounds:
+    if int8_activations and not int8_tiles:
         x = round_activation_blocks(x, fmt, group).astype(x.dtype)
     return cpu.quant_matmul_cpu(x, codes, scale, offset, fmt=fmt, group=group,
-                                int8_activations=rounds).astype(x.dtype)
+                                int8_activations=int8_tiles).astype(x.dtype)
 
 
 def quant_matmul(x, w: PackedWeight, *, interpret=None):
@@ -74,7 +73,8 @@ def quant_matmul(x, w: PackedWeight, *, interpret=None):
         gpu = bind(_rounded_activations, kernel=quant_matmul_gpu, **rounded)
     scale, offset = w.float_scales()  # K-quants: float32 per group from their two-level scales
     rounding = dict(int8_activations=True) if w.int8_activations else {}
-    native = (bind(_cpu, **options, **rounding) if cpu.supports(w.fmt, x.shape[0], w.shape[1], w.int8_activations)
+    tiles = dict(int8_tiles=True) if w.int8_activations and cpu.int8_tiles(w.fmt, w.group) else {}
+    native = (bind(_cpu, **options, **rounding, **tiles) if cpu.supports(w.fmt, x.shape[0], w.shape[1], **tiles)
               else None)
     return dispatch(x, w.codes, scale, offset, ref=bind(_xla, **options, **rounding), tpu=tpu, gpu=gpu,
                     cpu=native, interpret=interpret)

@@ -136,6 +136,20 @@ def test_int8_activation_tiles_match_the_oracle_of_rounded_x(fmt, shape):
     _close(got, _oracle(round_activation_blocks(x, fmt, w.group), w), rtol=1e-5)
 
 
+@pytest.mark.skipif(not cpu.vnni(), reason="the int8-activation tiles need AVX-512 VNNI and VBMI")
+def test_int8_activations_of_an_uneven_block_round_row_by_row():
+    """A block that is not 16 rows (int8 per channel over 100 inputs: one block of 25
+    four-row lanes, an odd count) takes the kernel's row-by-row rounding and the odd lane's
+    tail; the result is still the oracle of the rounded x."""
+    from quant.packed import round_activation_blocks
+
+    x, w = _inputs("int8", 1, 100, 80, seed=12)
+    assert w.group == 100 and cpu.int8_tiles("int8", w.group)
+    scale, offset = w.float_scales()
+    got = cpu.quant_matmul_cpu(x, w.codes, scale, offset, fmt="int8", group=w.group, int8_activations=True)
+    _close(got, _oracle(round_activation_blocks(x, "int8", w.group), w), rtol=1e-5)
+
+
 def test_a_build_without_vnni_refuses_int8_activations(portable):
     x, w = _inputs("q4_1", 2, 128, 48, seed=9)
     with pytest.raises(Exception, match="no int8 activations"):
