@@ -12,29 +12,28 @@ activation block itself and multiplies int8 codes by int8 activations as llama.c
 rounds x first and the float tiles run.
 
 The kernel is compiled once per machine with the system's C++ compiler (`-march=native`,
-about 5 s) into a cache keyed by the source, the jaxlib headers and the CPU, then
-registered with jax.ffi. `available()` says whether that worked; without a compiler the
-CPU path stays on xla.py.
+about 5 s; pallas_kernels/cpu_ffi.py) into a cache keyed by the source, the jaxlib headers
+and the CPU, then registered with jax.ffi. `available()` says whether that worked; without
+a compiler the CPU path stays on xla.py.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import cpu_ffi
+from pallas_kernels.cpu_ffi import FLAGS
+
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGET = "kvfold_quant_matmul"
+SYMBOL = "KvfoldQuantMatmul"
+WHAT = "the CPU quantized-matmul kernel"
 # Above this many rows xla.py's dequantize + float matmul is faster (measured on this
 # project's CPU, q4_1: 576 x 1536 at 64 tokens 0.65 ms here vs 0.99, at 128 1.28 vs 1.07;
 # 1536 x 576 at 64 0.85 vs 1.03, at 128 1.69 vs 1.10). With int8 activations the crossover
@@ -47,63 +46,19 @@ PORTABLE_MAX_TOKENS = 8
 # XLA's path (xla.py) ran faster than this kernel (70 vs 80 us at one token, 76 vs 266 us at
 # 16 on 576 x 1536: `python -m pallas_kernels.bench`).
 CPU_FORMATS = frozenset({"q8_0", "q4_0", "q4_1", "q5_0", "int8", "int4", "q4_k", "q5_k", "q6_k"})
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
-
-
-def _cpu_signature() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = ""
-    return platform.machine() + flags
-
-
-def library_path(flags: tuple[str, ...] = FLAGS) -> Path:
-    """Where the compiled kernel lives: $KVFOLD_CACHE (default ~/.cache/kvfold), one file per
-    source, jaxlib, compiler flags and CPU."""
-    import jaxlib
-
-    key = hashlib.sha256(b"\0".join(s.encode() for s in (
-        SOURCE.read_text(), jaxlib.__version__, " ".join(flags), _cpu_signature()))).hexdigest()[:16]
-    root = Path(os.environ.get("KVFOLD_CACHE", Path.home() / ".cache" / "kvfold"))
-    return root / f"quant_matmul_cpu-{key}.so"
 
 
 def build(force: bool = False, flags: tuple[str, ...] = FLAGS) -> Path:
-    """Compile cpu_kernel.cc with `flags` (when not cached) and return the library's path.
-
-    Raises RuntimeError naming the problem when there is no C++ compiler or it fails."""
-    path = library_path(flags)
-    if path.exists() and not force:
-        return path
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        raise RuntimeError("no C++ compiler (g++ / c++ / $CXX) to build the CPU quantized-matmul kernel")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    cmd = [cxx, *flags, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        os.unlink(tmp)
-        raise RuntimeError(f"building the CPU quantized-matmul kernel failed ({' '.join(cmd)}):\n{done.stderr}")
-    os.replace(tmp, path)  # atomic: concurrent builders (test workers) each write a whole file
-    return path
+    """Compile cpu_kernel.cc with `flags` (when not cached, pallas_kernels/cpu_ffi.py) and
+    return the library's path; RuntimeError naming the problem when it cannot."""
+    return cpu_ffi.build(SOURCE, WHAT, force, flags)
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The built and registered kernel library, once per process; None (with one warning)
     when it cannot be built, or when KVFOLD_QUANT_MATMUL_CPU=0 turns it off."""
-    if os.environ.get("KVFOLD_QUANT_MATMUL_CPU", "1") == "0":
-        return None
-    try:
-        return register(build(), TARGET)
-    except (RuntimeError, OSError) as e:
-        import warnings
-
-        warnings.warn(f"packed matmuls on CPU fall back to dequantize + matmul: {e}", stacklevel=3)
-        return None
+    return cpu_ffi.load(SOURCE, TARGET, SYMBOL, WHAT, "KVFOLD_QUANT_MATMUL_CPU")
 
 
 def available() -> bool:
@@ -137,9 +92,7 @@ def int8_tiles(fmt: str, group: int) -> bool:
 
 def register(library: Path, target: str) -> ctypes.CDLL:
     """Register a built kernel library with XLA:CPU under the FFI name `target`."""
-    lib = ctypes.cdll.LoadLibrary(str(library))
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.KvfoldQuantMatmul), platform="cpu")
-    return lib
+    return cpu_ffi.register(library, target, SYMBOL)
 
 
 def supports(fmt: str, num_tokens: int, d_out: int, int8_tiles: bool = False) -> bool:

@@ -1,0 +1,84 @@
+"""C++ kernels for XLA:CPU, called through the XLA FFI: built once per machine with the
+system's C++ compiler (`-march=native`, a few seconds) into a cache keyed by the source, the
+jaxlib headers, the compiler flags and the CPU, then loaded with ctypes. The CPU paths of
+the quantized matmul (quant_matmul/cpu.py) and of decode attention
+(ragged_paged_attention/cpu.py) are such kernels."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+def _cpu_signature() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return platform.machine() + flags
+
+
+def library_path(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Where the compiled `source` lives: $KVFOLD_CACHE (default ~/.cache/kvfold), one file per
+    source text, jaxlib, compiler flags and CPU."""
+    import jaxlib
+
+    key = hashlib.sha256(b"\0".join(s.encode() for s in (
+        source.read_text(), jaxlib.__version__, " ".join(flags), _cpu_signature()))).hexdigest()[:16]
+    root = Path(os.environ.get("KVFOLD_CACHE", Path.home() / ".cache" / "kvfold"))
+    return root / f"{source.parent.name}_cpu-{key}.so"
+
+
+def build(source: Path, what: str, force: bool = False, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Compile `source` with `flags` (when not cached) and return the library's path.
+
+    Raises RuntimeError naming `what` and the problem when there is no C++ compiler or it
+    fails; a failed build leaves nothing in the cache."""
+    path = library_path(source, flags)
+    if path.exists() and not force:
+        return path
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError(f"no C++ compiler (g++ / c++ / $CXX) to build {what}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    cmd = [cxx, *flags, "-isystem", jax.ffi.include_dir(), str(source), "-o", tmp]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        os.unlink(tmp)
+        raise RuntimeError(f"building {what} failed ({' '.join(cmd)}):\n{done.stderr}")
+    os.replace(tmp, path)  # atomic: concurrent builders (test workers) each write a whole file
+    return path
+
+
+def register(library: Path, target: str, symbol: str) -> ctypes.CDLL:
+    """Load a built library and register its FFI handler `symbol` with XLA:CPU as `target`."""
+    lib = ctypes.cdll.LoadLibrary(str(library))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return lib
+
+
+def load(source: Path, target: str, symbol: str, what: str, switch: str) -> ctypes.CDLL | None:
+    """The built and registered library of `source`; None (with one warning) when it cannot
+    be built, or when the environment variable `switch` is "0". Call it once per process
+    (functools.cache)."""
+    if os.environ.get(switch, "1") == "0":
+        return None
+    try:
+        return register(build(source, what), target, symbol)
+    except (RuntimeError, OSError) as e:
+        import warnings
+
+        warnings.warn(f"{what} is not available, its XLA path runs instead: {e}", stacklevel=3)
+        return None
