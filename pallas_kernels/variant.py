@@ -96,6 +96,13 @@ def sigmoid(bias: float = 0.0) -> AttentionVariant:
     return AttentionVariant(weight_fn=lambda s: jax.nn.sigmoid(s + bias))
 
 
+def soft_cap_of(variant: AttentionVariant) -> float | None:
+    """The cap of a variant that is softmax over soft-capped logits and nothing else (what
+    `resolve(None, cap)` builds), else None."""
+    fn = variant.logits_fn
+    return fn.cap if variant.uses_softmax and isinstance(fn, _SoftCap) else None
+
+
 def resolve(variant: AttentionVariant | None, soft_cap_value: float | None) -> AttentionVariant:
     """The entry points' `variant` plus their `soft_cap` shorthand (soft-cap applied first)."""
     variant = SOFTMAX if variant is None else variant

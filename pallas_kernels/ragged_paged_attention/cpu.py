@@ -1,0 +1,72 @@
+"""The CPU path of decode attention: a C++ kernel (cpu_kernel.cc) called through the XLA FFI,
+one call per layer for steps whose query tokens are decode rows over float32 pages.
+
+xla.py's block walk is a while loop of small XLA thunks, which on XLA:CPU costs about 70 us
+a layer at one decode row whatever the context; this kernel reads each live position's K
+and V row once per KV head, for all the query heads that share it. It computes the same
+function as the XLA path (results equal to float32 rounding), for softmax attention with or
+without soft-capping, sliding windows and sinks; other steps (chunks, draft trees, low-bit
+pages, other variants, gradients) stay on xla.py. Built like the quantized matmul's kernel
+(pallas_kernels/cpu_ffi.py); `available()` says whether that worked.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import cpu_ffi
+from pallas_kernels.variant import SOFTMAX, soft_cap_of
+
+SOURCE = Path(__file__).with_name("cpu_kernel.cc")
+TARGET = "kvfold_decode_attention"
+SYMBOL = "KvfoldDecodeAttention"
+WHAT = "the CPU decode-attention kernel"
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The built and registered kernel library, once per process; None (with one warning)
+    when it cannot be built, or when KVFOLD_DECODE_ATTENTION_CPU=0 turns it off."""
+    return cpu_ffi.load(SOURCE, TARGET, SYMBOL, WHAT, "KVFOLD_DECODE_ATTENTION_CPU")
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it now if needed) and registered with XLA:CPU."""
+    return _library() is not None
+
+
+def supports(q, k_pages, variant, tree, kv_format) -> bool:
+    """Whether the kernel takes this step's attention (its tokens being decode rows): float32
+    q and pages, no draft tree, softmax with at most a soft cap, a CPU backend and a built
+    kernel."""
+    return (kv_format is None and tree is None and q.dtype == jnp.float32 and k_pages.dtype == jnp.float32
+            and (variant == SOFTMAX or soft_cap_of(variant) is not None)
+            and jax.default_backend() == "cpu" and available())
+
+
+def decode_attention_cpu(q, k_pages, v_pages, block_tables, seq, q_pos, sinks=None, *, sm_scale: float,
+                         sliding_window: int | None = None, soft_cap: float | None = None):
+    """(out [T, Hq, D] f32, lse [T, Hq] f32): token t (of sequence seq[t], at position
+    q_pos[t]) attends over positions [0, q_pos[t]] of its sequence's float32 pages
+    [num_pages, page_size, Hkv, D] (the last sliding_window of them on a sliding layer);
+    seq[t] outside [0, num_seqs) or q_pos[t] < 0 is padding (out 0, lse -inf). sinks: [Hq]
+    logits that join each softmax's denominator. RuntimeError when the kernel is not
+    available."""
+    if not available():
+        raise RuntimeError(f"{WHAT} is not available (no compiler, a failed build, "
+                           "or KVFOLD_DECODE_ATTENTION_CPU=0)")
+    num_tokens, num_q_heads, _ = q.shape
+    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                     jax.ShapeDtypeStruct((num_tokens, num_q_heads), jnp.float32)),
+                            vmap_method="sequential")
+    has_sinks = sinks is not None
+    sinks = sinks.astype(jnp.float32) if has_sinks else jnp.zeros((1,), jnp.float32)
+    return call(q, k_pages, v_pages, block_tables, seq, q_pos, sinks, sm_scale=np.float32(sm_scale),
+                sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
+                has_sinks=np.int64(has_sinks))

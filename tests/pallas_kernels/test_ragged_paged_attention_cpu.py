@@ -1,0 +1,134 @@
+"""The CPU kernel of decode attention (pallas_kernels/ragged_paged_attention/cpu_kernel.cc,
+through the XLA FFI) against a float64 oracle over the gathered pages, and the entry's
+choice of it: decode-only steps over float32 pages, nothing else."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import cpu
+from pallas_kernels.ragged_paged_attention.ref import token_layout, write_new_kv
+from tests.pallas_kernels.helpers import assert_close, dense_attention_f64
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernel runs on a CPU backend")
+
+PAGE_SIZE = 4
+
+
+def _decode_batch(seed, kv_lens, *, num_q_heads=6, num_kv_heads=2, head_dim=64, padding=1, width=None):
+    """Decode rows (one token each) over pages in a shuffled pool, tables wider than the
+    live pages with garbage past them, and `padding` tokens past the last row."""
+    rng = np.random.default_rng(seed)
+    kv_lens = np.asarray(kv_lens, np.int32)
+    used = -(-kv_lens // PAGE_SIZE)
+    width = width or int(used.max()) + 2
+    num_pages = int(used.sum()) + 2
+    perm = rng.permutation(num_pages)
+    table = np.full((len(kv_lens), width), -1, np.int32)
+    table[:, -1] = 10**6
+    start = 0
+    for s, n in enumerate(used):
+        table[s, :n] = perm[start:start + n]
+        start += n
+    t = len(kv_lens) + padding
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    cu = jnp.arange(len(kv_lens) + 1, dtype=jnp.int32)
+    args = (f32(t, num_q_heads, head_dim), f32(t, num_kv_heads, head_dim), f32(t, num_kv_heads, head_dim),
+            f32(num_pages, PAGE_SIZE, num_kv_heads, head_dim), f32(num_pages, PAGE_SIZE, num_kv_heads, head_dim),
+            jnp.asarray(table), cu, jnp.asarray(kv_lens))
+    return args, f32(num_q_heads)
+
+
+def _oracle(q, k_pages, v_pages, table, seq, pos, sm_scale, window=None, cap=None, sinks=None):
+    """Per token: its sequence's positions gathered from the pages by a plain loop, then
+    float64 softmax attention; padding tokens out 0, lse -inf."""
+    q, k_pages, v_pages, table = (np.asarray(x) for x in (q, k_pages, v_pages, table))
+    outs, lses = [], []
+    for t, (s, p) in enumerate(zip(np.asarray(seq), np.asarray(pos))):
+        if s >= table.shape[0] or p < 0:
+            outs.append(np.zeros(q.shape[1:])), lses.append(np.full(q.shape[1], -np.inf))
+            continue
+        rows = [(table[s, i // PAGE_SIZE], i % PAGE_SIZE) for i in range(p + 1)]
+        k = np.stack([k_pages[page, slot] for page, slot in rows])
+        v = np.stack([v_pages[page, slot] for page, slot in rows])
+        mask = np.arange(p + 1) > (p - window if window else -1)
+        logits_fn = None if cap is None else (lambda x: cap * np.tanh(x / cap))
+        out, lse = dense_attention_f64(q[t], k, v, mask, sm_scale, sinks, logits_fn)
+        outs.append(out), lses.append(lse)
+    return np.stack(outs), np.stack(lses)
+
+
+def test_the_kernel_builds_here():
+    """CI installs a C++ compiler (Makefile setup): a silent fallback to the XLA path would
+    hide a broken build."""
+    assert cpu.available()
+
+
+@pytest.mark.parametrize("window,cap,with_sinks", [(None, None, False), (5, None, True), (None, 2.0, False)])
+@pytest.mark.parametrize("heads,head_dim", [((6, 2), 64), ((3, 3), 40)], ids=["gqa-64", "mha-40"])
+def test_kernel_matches_the_float64_oracle(window, cap, with_sinks, heads, head_dim):
+    """Contexts of one position, a partial page, whole pages and several pages; GQA groups
+    of 3 and plain multi-head; a head_dim that is not a multiple of the kernel's 16 lanes;
+    sliding window, soft cap, sinks; a padding token."""
+    args, sinks = _decode_batch(1, [1, 6, 8, 13], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim)
+    q, k, v, k_pages, v_pages, table, cu, kv_lens = args
+    seq, pos = token_layout(cu, kv_lens, q.shape[0])
+    k_pages, v_pages = write_new_kv(k_pages, v_pages, k, v, table, seq, pos)
+    sinks = sinks if with_sinks else None
+    scale = head_dim ** -0.5
+    out, lse = cpu.decode_attention_cpu(q, k_pages, v_pages, table, seq, pos, sinks, sm_scale=scale,
+                                        sliding_window=window, soft_cap=cap)
+    want_out, want_lse = _oracle(q, k_pages, v_pages, table, seq, pos, scale, window, cap, sinks)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
+
+
+def test_long_contexts_spread_over_threads_match_the_oracle():
+    """Enough work for the kernel to hand (token, KV head) items to XLA's thread pool."""
+    args, _ = _decode_batch(2, [300, 517, 9, 260, 400], num_q_heads=8, num_kv_heads=2)
+    q, k, v, k_pages, v_pages, table, cu, kv_lens = args
+    seq, pos = token_layout(cu, kv_lens, q.shape[0])
+    k_pages, v_pages = write_new_kv(k_pages, v_pages, k, v, table, seq, pos)
+    assert int(jnp.sum(pos + 1)) * 8 * 64 >= 1 << 18  # the kernel's threshold for helpers
+    out, lse = cpu.decode_attention_cpu(q, k_pages, v_pages, table, seq, pos, sm_scale=0.125)
+    want_out, want_lse = _oracle(q, k_pages, v_pages, table, seq, pos, 0.125)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
+
+
+def _lowered(args, **kw):
+    return jax.jit(lambda *a: ragged_paged_attention(*a, **kw)).lower(*args).as_text()
+
+
+def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
+    """A decode-only step (max_q_len 1) over float32 pages lowers to the kernel and gives the
+    dense reference's outputs, lse and pages; chunks, bfloat16 pages, low-bit pages and
+    other variants stay on the XLA path."""
+    args, sinks = _decode_batch(3, [5, 11, 2], width=40)
+    kw = dict(sliding_window=6, sinks=sinks)
+    assert cpu.TARGET in _lowered(args, max_q_len=1, **kw)
+    want = ragged_paged_attention(*args, **kw)  # the dense reference (no max_q_len)
+    got = ragged_paged_attention(*args, max_q_len=1, **kw)
+    for g, w in zip(got, want):
+        assert_close(g, w)
+    assert cpu.TARGET not in _lowered(args, max_q_len=2, max_chunks=1)
+    bf16 = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args)
+    assert cpu.TARGET not in _lowered(bf16, max_q_len=1)
+    from pallas_kernels.variant import AttentionVariant
+    sigmoid = AttentionVariant(weight_fn=jax.nn.sigmoid)
+    assert cpu.TARGET not in _lowered(args, max_q_len=1, variant=sigmoid)
+
+
+def test_mismatched_buffers_are_refused_by_the_kernel():
+    args, _ = _decode_batch(4, [3])
+    q, _, _, k_pages, v_pages, table, cu, kv_lens = args
+    seq, pos = token_layout(cu, kv_lens, q.shape[0])
+    with pytest.raises(Exception, match="page shapes do not match"):
+        cpu.decode_attention_cpu(q, k_pages[..., :32], v_pages[..., :32], table, seq, pos,
+                                 sm_scale=0.1).block_until_ready()
+    with pytest.raises(Exception, match="lengths do not match"):
+        cpu.decode_attention_cpu(q, k_pages, v_pages, table, seq[:1], pos, sm_scale=0.1).block_until_ready()
