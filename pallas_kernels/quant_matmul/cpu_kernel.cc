@@ -23,19 +23,21 @@
 //              + offset[g, n] * dx sum_k xq[t, k]
 // Codes are int8 (8-bit formats) or two 4-bit codes a byte, GGUF's order inside a group:
 // byte row j of a group holds row j in its low nibble and row j + group / 2 in its high.
-// Scales and offsets are float16 or float32. Column ranges are spread over XLA's intra-op
-// thread pool.
+// Scales and offsets are float16 or float32. Column ranges are spread over a crew of helper
+// threads, one fewer than XLA's intra-op pool has (Crew).
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
 #include <cstdint>
-#include <memory>
+#include <mutex>
 #include <thread>
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
@@ -419,17 +421,95 @@ void run_columns(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
-// Column ranges handed out through one counter to the calling thread and the pool's; a
-// helper that starts after all are taken returns at once (the state outlives the call).
+// Column ranges handed out through one counter to the calling thread and the crew's.
 struct Shared {
   Problem p;
   int64_t chunks, chunk_cols;
   std::atomic<int64_t> next{0}, done{0};
   void work() {
+    if (next.load() >= chunks) return;
     for (int64_t i; (i = next.fetch_add(1)) < chunks; done.fetch_add(1))
       run_columns(p, i * chunk_cols, std::min(p.N, (i + 1) * chunk_cols));
   }
 };
+
+inline void relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Helper threads that stay awake between calls. A decode step is a few hundred matmuls of
+// 5-50 us each, one after another: a helper woken through XLA's thread pool for each of them
+// arrived after most of the work was done (a sleeping thread takes tens of us to wake here),
+// so the calls ran on about one core. The crew's threads poll for kSpin after their last
+// job, yielding the core to any other runnable thread, then sleep until the next one. One
+// call at a time holds the crew; a concurrent call (XLA running two thunks at once) runs on
+// its own thread.
+class Crew {
+ public:
+  static constexpr std::chrono::microseconds kSpin{200};
+
+  explicit Crew(int64_t helpers) {
+    for (int64_t i = 0; i < helpers; ++i) std::thread([this] { loop(); }).detach();
+  }
+
+  // shared->work() on the calling thread and the crew; false (nothing run) when another
+  // call holds the crew.
+  bool run(Shared* shared) {
+    Shared* idle = nullptr;
+    if (!job_.compare_exchange_strong(idle, shared)) return false;
+    if (sleeping_.load() > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      wake_.notify_all();
+    }
+    shared->work();
+    while (shared->done.load() < shared->chunks) relax();
+    // Withdraw the job, then wait for helpers still inside it: a helper counts itself busy
+    // before it reads the job, so it either sees the withdrawal or is waited for.
+    job_.store(nullptr);
+    while (busy_.load() > 0) relax();
+    return true;
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      auto last = std::chrono::steady_clock::now();
+      for (int64_t spins = 1;; ++spins) {
+        busy_.fetch_add(1);
+        Shared* job = job_.load();
+        if (job) job->work();  // a job whose ranges are all taken returns at once
+        busy_.fetch_sub(1);
+        if (job) {
+          last = std::chrono::steady_clock::now();
+          relax();
+          continue;
+        }
+        std::this_thread::yield();  // a runnable thread sharing this core (XLA's pool) goes first
+        if (spins % 64 == 0 && std::chrono::steady_clock::now() - last > kSpin) break;
+      }
+      std::unique_lock<std::mutex> lock(mu_);
+      sleeping_.fetch_add(1);
+      wake_.wait(lock, [this] { return job_.load() != nullptr; });
+      sleeping_.fetch_sub(1);
+    }
+  }
+
+  std::atomic<Shared*> job_{nullptr};
+  std::atomic<int64_t> busy_{0}, sleeping_{0};
+  std::mutex mu_;
+  std::condition_variable wake_;
+};
+
+// The process's crew: one helper fewer than XLA's intra-op threads (the caller is one),
+// started at the first call that wants helpers and never stopped.
+Crew& crew(int64_t threads) {
+  static Crew* const c = new Crew(threads - 1);
+  return *c;
+}
 
 ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                        ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y,
@@ -454,8 +534,8 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   // 64 byte rows).
   const int64_t stored = nibbles ? K / 2 : K, group_rows = nibbles ? group / 2 : group;
   const int64_t rows = group_rows % 16 ? group_rows : 16, blocks = stored / rows;
-  auto shared = std::make_shared<Shared>();
-  Problem& p = shared->p;
+  Shared shared;
+  Problem& p = shared.p;
   p = Problem{x.typed_data(), static_cast<const uint8_t*>(codes.untyped_data()), scale.untyped_data(),
               has_offset ? offset.untyped_data() : nullptr, nullptr, y->typed_data(),
               T, K, N, group, rows, blocks, nibbles, st == ffi::DataType::F16, zero};
@@ -490,15 +570,12 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   p.xs = xs.data();
   // Two column ranges per thread (whole 64-column tiles), so a slow thread's share is split.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads()), tiles = (N + kCols - 1) / kCols;
-  shared->chunks = std::min(tiles, 2 * threads);
-  shared->chunk_cols = (tiles + shared->chunks - 1) / shared->chunks * kCols;
-  shared->chunks = (N + shared->chunk_cols - 1) / shared->chunk_cols;
-  // Below about 2^18 multiply-adds a helper's wake-up costs more than it saves (576 x 192 at
-  // one token: 8 us alone, 11 us with a helper; 576 x 576: 19 us alone, 16 us with one).
-  const int64_t helpers = T * K * N < (int64_t{1} << 18) ? 0 : std::min(threads, shared->chunks) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([shared] { shared->work(); });
-  shared->work();
-  while (shared->done.load() < shared->chunks) std::this_thread::yield();
+  shared.chunks = std::min(tiles, 2 * threads);
+  shared.chunk_cols = (tiles + shared.chunks - 1) / shared.chunks * kCols;
+  shared.chunks = (N + shared.chunk_cols - 1) / shared.chunk_cols;
+  // Below about 2^18 multiply-adds handing out work costs more than it saves (576 x 192 at
+  // one token: 8 us alone, 11 us with a helper woken through XLA's pool).
+  if (threads == 1 || T * K * N < (int64_t{1} << 18) || !crew(threads).run(&shared)) shared.work();
   return ffi::Error::Success();
 }
 

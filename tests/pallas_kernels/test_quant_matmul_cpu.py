@@ -11,7 +11,7 @@ import pytest
 
 from pallas_kernels import quant_matmul
 from pallas_kernels.quant_matmul import cpu
-from quant.packed import FORMATS
+from quant.packed import FORMATS, dequantize
 from tests.pallas_kernels.test_quant_matmul import _close, _inputs, _k_quant, _oracle
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernel runs on a CPU backend")
@@ -155,3 +155,33 @@ def test_a_build_without_vnni_refuses_int8_activations(portable):
     with pytest.raises(Exception, match="no int8 activations"):
         cpu.quant_matmul_cpu(x, w.codes, w.scale, w.offset, fmt="q4_1", group=32, target=portable[0],
                              int8_activations=True).block_until_ready()
+
+
+def test_calls_running_at_once_each_get_their_own_result():
+    """One call at a time holds the kernel's crew of helper threads; calls that XLA runs at
+    the same time (programs from several Python threads) run beside it on their own thread.
+    Each program is a chain of matmuls big enough for the crew, each result feeding the
+    next, so a helper's late or misdirected write changes the end result: every thread's
+    result is the float64 chain's, run after run."""
+    import concurrent.futures
+
+    weights = [_inputs("q4_1", 1, 512, 512, seed=20 + i)[1] for i in range(6)]
+    assert 512 * 512 >= 1 << 18  # big enough for the crew
+    dense = [np.asarray(dequantize(w.codes, *w.float_scales(), w.fmt, w.group), np.float64) for w in weights]
+
+    @jax.jit
+    def chain(x, ws):
+        for w in ws:
+            x = jnp.tanh(_run(x, w) * 0.05)
+        return x
+
+    def check(seed):
+        x = np.random.default_rng(seed).normal(size=(1, 512))
+        want = x
+        for w in dense:
+            want = np.tanh(want @ w * 0.05)
+        for _ in range(30):
+            _close(chain(jnp.asarray(x, jnp.float32), weights), want, rtol=1e-4)
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        list(pool.map(check, range(3)))
