@@ -12,8 +12,9 @@
 //   out[g]  = sum_p exp(s[g, p] - m[g]) v[p] / l[g],   lse[g] = m[g] + log l[g]
 //
 // with m the row maximum and l the sum of the exponentials (two passes over the scores, kept
-// in a buffer: a decode row's positions fit in cache). A sink logit per query head joins the
-// denominator only. A token with seq[t] outside [0, num_seqs) or q_pos[t] < 0 is padding:
+// in a buffer: a decode row's positions fit in cache; AVX-512 dot products and weighted sums
+// where head_dim is a multiple of 16, plain loops otherwise). A sink logit per query head
+// joins the denominator only. A token with seq[t] outside [0, num_seqs) or q_pos[t] < 0 is padding:
 // out 0, lse -inf. Block-table entries are clamped into the pool, as the XLA path does
 // (the entries a live position reads must be valid pages; the entry checks that when it
 // can). Work items (token, KV head) are spread over XLA's intra-op thread pool when a call
@@ -23,10 +24,15 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <thread>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -55,8 +61,67 @@ float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// Token t's query heads [h * G, (h + 1) * G) over their KV head h.
-void attend(const Problem& p, int64_t t, int64_t h, std::vector<float>& scores) {
+// exp(x) for x <= 0 within about 2 ulp (Cephes' expf: x = k ln 2 + r, |r| <= ln 2 / 2, a
+// degree-6 polynomial for exp(r), 2^k through the exponent bits), in plain float and integer
+// operations so that a loop of them vectorizes (libm's expf is a call per element: at 1,000
+// positions it was most of the kernel). Below -87 the result is 0, as the true one rounds to
+// a subnormal there; softmax weights that small do not change a float sum.
+inline float exp_nonpositive(float x) {
+  const bool tiny = x < -87.0f;
+  x = tiny ? -87.0f : x;
+  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return tiny ? 0.0f : e * scale;
+}
+
+#if defined(__AVX512F__)
+// The scores of G query heads (q [G, D], D a multiple of 16) against n rows of the pages
+// (their offsets from k), sm_scale applied: scores[g * n + i].
+void score_rows(const float* q, const float* k, const int64_t* rows, int64_t n, int64_t G, int64_t D, float scale,
+                float* scores) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* r = k + rows[i];
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(r));
+      for (int64_t d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), _mm512_loadu_ps(r + d), acc);
+      scores[g * n + i] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+
+// out[g] = sum_i w[g * n + i] v[rows[i]] for G heads, D a multiple of 16: 64 outputs at a
+// time in four accumulators, so consecutive multiply-adds do not wait on each other.
+void weigh_rows(const float* w, const float* v, const int64_t* rows, int64_t n, int64_t G, int64_t D, float* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* wg = w + g * n;
+    for (int64_t d = 0; d < D; d += 64) {
+      const int64_t vecs = std::min<int64_t>(4, (D - d) / 16);
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t i = 0; i < n; ++i) {
+        const __m512 wi = _mm512_set1_ps(wg[i]);
+        const float* r = v + rows[i] + d;
+        for (int64_t u = 0; u < vecs; ++u) acc[u] = _mm512_fmadd_ps(wi, _mm512_loadu_ps(r + 16 * u), acc[u]);
+      }
+      for (int64_t u = 0; u < vecs; ++u) _mm512_storeu_ps(out + g * D + d + 16 * u, acc[u]);
+    }
+  }
+}
+#endif
+
+// Token t's query heads [h * G, (h + 1) * G) over their KV head h. `rows` and `scores` are
+// the calling thread's scratch.
+void attend(const Problem& p, int64_t t, int64_t h, std::vector<int64_t>& rows, std::vector<float>& scores) {
   const int64_t G = p.Hq / p.Hkv, D = p.D;
   float* out = p.out + (t * p.Hq + h * G) * D;
   float* lse = p.lse + t * p.Hq + h * G;
@@ -67,49 +132,57 @@ void attend(const Problem& p, int64_t t, int64_t h, std::vector<float>& scores) 
     return;
   }
   const int64_t lo = p.window > 0 ? std::max<int64_t>(0, hi - p.window + 1) : 0, n = hi - lo + 1;
+  // Each position's row offset in the pages (the same in K and V), found once.
   const int32_t* table = p.tables + s * p.W;
+  rows.resize(n);
+  const int64_t stride = p.Hkv * D;  // from one slot of a page to the next
+  for (int64_t position = lo, i = 0; position <= hi;) {  // a page at a time
+    const int64_t page = std::clamp<int64_t>(table[position / p.ps], 0, p.P - 1), slot = position % p.ps;
+    const int64_t slots = std::min(p.ps - slot, hi - position + 1), first = (page * p.ps + slot) * stride + h * D;
+    for (int64_t j = 0; j < slots; ++j) rows[i++] = first + j * stride;
+    position += slots;
+  }
   const float* q = p.q + (t * p.Hq + h * G) * D;
-  auto row = [&](const float* pages, int64_t position) {
-    const int64_t page = std::clamp<int64_t>(table[position / p.ps], 0, p.P - 1);
-    return pages + ((page * p.ps + position % p.ps) * p.Hkv + h) * D;
-  };
   scores.resize(G * n);
-  std::vector<float> m(G, -std::numeric_limits<float>::infinity()), l(G, 0.0f);
-  for (int64_t i = 0; i < n; ++i) {
-    const float* k = row(p.k, lo + i);
-    for (int64_t g = 0; g < G; ++g) {
-      float x = dot(q + g * D, k, D) * p.sm_scale;
-      if (p.cap > 0.0f) x = p.cap * std::tanh(x / p.cap);
-      scores[g * n + i] = x;
-      m[g] = std::max(m[g], x);
-    }
-  }
+#if defined(__AVX512F__)
+  const bool vectors = D % 16 == 0;
+  if (vectors) score_rows(q, p.k, rows.data(), n, G, D, p.sm_scale, scores.data());
+#else
+  const bool vectors = false;
+#endif
+  if (!vectors)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t g = 0; g < G; ++g) scores[g * n + i] = dot(q + g * D, p.k + rows[i], D) * p.sm_scale;
   std::fill(out, out + G * D, 0.0f);
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t i = 0; i < n; ++i) {
-      const float e = std::exp(scores[g * n + i] - m[g]);
-      scores[g * n + i] = e;
-      l[g] += e;
-    }
-  for (int64_t i = 0; i < n; ++i) {
-    const float* v = row(p.v, lo + i);
-    for (int64_t g = 0; g < G; ++g) {
-      const float w = scores[g * n + i];
-      float* o = out + g * D;
-      for (int64_t d = 0; d < D; ++d) o[d] += w * v[d];
-    }
-  }
   for (int64_t g = 0; g < G; ++g) {
-    float total = m[g] + std::log(l[g]);  // l >= 1: the maximum's own term
-    float keep = 1.0f / l[g];
+    float* sg = scores.data() + g * n;
+    if (p.cap > 0.0f)
+      for (int64_t i = 0; i < n; ++i) sg[i] = p.cap * std::tanh(sg[i] / p.cap);
+    const float m = *std::max_element(sg, sg + n);
+    for (int64_t i = 0; i < n; ++i) sg[i] = exp_nonpositive(sg[i] - m);  // vectorizes; the sum would not
+    float l = 0.0f;
+    for (int64_t i = 0; i < n; ++i) l += sg[i];
+    float total = m + std::log(l);  // l >= 1: the maximum's own term
+    float keep = 1.0f / l;
     if (p.sinks) {  // logaddexp(lse, sink): the sink's share leaves the output
       const float sink = p.sinks[h * G + g], top = std::max(total, sink);
       const float with = top + std::log(std::exp(total - top) + std::exp(sink - top));
       keep *= std::exp(total - with);
       total = with;
     }
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] *= keep;
+    for (int64_t i = 0; i < n; ++i) sg[i] *= keep;
     lse[g] = total;
+  }
+#if defined(__AVX512F__)
+  if (vectors) return weigh_rows(scores.data(), p.v, rows.data(), n, G, D, out);
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    const float* v = p.v + rows[i];
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = scores[g * n + i];
+      float* o = out + g * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += w * v[d];
+    }
   }
 }
 
@@ -119,9 +192,10 @@ struct Shared {
   Problem p;
   std::atomic<int64_t> next{0}, done{0};
   void work() {
+    std::vector<int64_t> rows;
     std::vector<float> scores;
     const int64_t items = p.T * p.Hkv;
-    for (int64_t i; (i = next.fetch_add(1)) < items; done.fetch_add(1)) attend(p, i / p.Hkv, i % p.Hkv, scores);
+    for (int64_t i; (i = next.fetch_add(1)) < items; done.fetch_add(1)) attend(p, i / p.Hkv, i % p.Hkv, rows, scores);
   }
 };
 
