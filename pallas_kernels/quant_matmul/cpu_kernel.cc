@@ -426,18 +426,23 @@ struct Shared {
   Problem p;
   int64_t chunks, chunk_cols;
   std::atomic<int64_t> next{0}, done{0};
-  void work() {
-    if (next.load() >= chunks) return;
-    for (int64_t i; (i = next.fetch_add(1)) < chunks; done.fetch_add(1))
+  bool work() {  // whether any range was left to take
+    if (next.load() >= chunks) return false;
+    bool ran = false;
+    for (int64_t i; (i = next.fetch_add(1)) < chunks; done.fetch_add(1), ran = true)
       run_columns(p, i * chunk_cols, std::min(p.N, (i + 1) * chunk_cols));
+    return ran;
   }
 };
 
-inline void relax() {
+// One turn of a wait loop: a pause for the first turns, then the core is given up to any
+// other runnable thread. A waiter that never yields can hold a core that the thread it waits
+// for needs: XLA may run another matmul on its own pool beside this one, and on two cores a
+// spinning wait then cost whole scheduler slices (decode steps of 17 instead of 7 ms).
+inline void relax(int64_t& turns) {
+  if (++turns > 64) return std::this_thread::yield();
 #if defined(__x86_64__)
   _mm_pause();
-#else
-  std::this_thread::yield();
 #endif
 }
 
@@ -466,11 +471,12 @@ class Crew {
       wake_.notify_all();
     }
     shared->work();
-    while (shared->done.load() < shared->chunks) relax();
+    int64_t turns = 0;
+    while (shared->done.load() < shared->chunks) relax(turns);
     // Withdraw the job, then wait for helpers still inside it: a helper counts itself busy
     // before it reads the job, so it either sees the withdrawal or is waited for.
     job_.store(nullptr);
-    while (busy_.load() > 0) relax();
+    while (busy_.load() > 0) relax(turns);
     return true;
   }
 
@@ -478,14 +484,16 @@ class Crew {
   void loop() {
     for (;;) {
       auto last = std::chrono::steady_clock::now();
+      int64_t turns = 0;
       for (int64_t spins = 1;; ++spins) {
         busy_.fetch_add(1);
         Shared* job = job_.load();
-        if (job) job->work();  // a job whose ranges are all taken returns at once
+        const bool ran = job && job->work();  // a job whose ranges are all taken returns at once
         busy_.fetch_sub(1);
-        if (job) {
+        if (job) {  // until the caller withdraws it
           last = std::chrono::steady_clock::now();
-          relax();
+          turns = ran ? 0 : turns;
+          relax(turns);
           continue;
         }
         std::this_thread::yield();  // a runnable thread sharing this core (XLA's pool) goes first
