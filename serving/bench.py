@@ -1,6 +1,7 @@
 """Benchmarks that print tables: ours against a peer measured in the same run.
 
     python -m serving.bench decode     [--batch-sizes 1 16] [--new-tokens 64] [--weights-dtype float32 gguf w8a8]
+                                       [--num-scheduler-steps 1 8]
     python -m serving.bench offline    [--num-prompts 16] [--new-tokens 64]
     python -m serving.bench trace PATH [--num-requests 1500] [--tiers] [--plot FILE.png]
     python -m serving.bench tiers PATH [--num-requests 48] [--kv-blocks 96] [--host-pages 64]
@@ -20,8 +21,9 @@ per second, prefill included, after a warm-up run that compiles), against
 transformers' `generate` on the same GGUF weights when transformers is installed.
 decode runs each --weights-dtype (model.load's: float32, gguf to keep the file's blocks,
 int8, w8a8, int4, fp8, q8_0, ...) with its resident weight bytes, and llama.cpp at batch 1
-on the same GGUF when llama-cpp-python is installed. Every subcommand that loads a model
-takes --weights-dtype.
+on the same GGUF when llama-cpp-python is installed, and each --num-scheduler-steps
+(LLM's: decode steps per jitted call). Every subcommand that loads a model takes
+--weights-dtype.
 trace: replays a Mooncake-format trace through the scheduler and radix cache in the
 simulator with a cost model fitted from this engine's measured steps; --tiers adds
 replays over host and disk tiers, each page moved costing what this engine measured.
@@ -74,6 +76,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import itertools
 import json
 import os
 import time
@@ -149,14 +152,14 @@ def _weights(args) -> str | None:
     return value[0] if isinstance(value, list) else value
 
 
-def _llm(args, max_num_seqs: int, weights_dtype: str | None = None):
+def _llm(args, max_num_seqs: int, weights_dtype: str | None = None, num_scheduler_steps: int = 1):
     from serving.llm import LLM
 
     # No prefix caching: the timed run would hit the warm-up's prompts, run prefill
     # chunks of other shapes (compiling inside the timing) and skip work the peer does.
     return LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=max_num_seqs,
                max_num_batched_tokens=max(512, 64 * max_num_seqs), enable_prefix_caching=False,
-               weights_dtype=weights_dtype)
+               weights_dtype=weights_dtype, num_scheduler_steps=num_scheduler_steps)
 
 
 def _time_llama_cpp(gguf_path: str, prompt: list[int], new_tokens: int) -> float | None:
@@ -201,28 +204,27 @@ def bench_decode(args) -> None:
     print(f"\ndecode: {args.model} ({file_mb:.1f} MB file), {args.new_tokens} new tokens, greedy, "
           f"{_device()}; kvfold and transformers (float32 weights) include the one-step prefill; "
           "llama.cpp (its own GGUF blocks, batch 1) is timed after its prompt, and so is kvfold's decode column")
-    print("| weights | batch | resident weights MB | kvfold tok/s | transformers tok/s | ratio "
+    print("| weights | steps per call | batch | resident weights MB | kvfold tok/s | transformers tok/s | ratio "
           "| kvfold decode tok/s | llama.cpp tok/s | ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for weights in args.weights_dtype:
-        for batch in args.batch_sizes:
-            llm = _llm(args, batch, weights)
-            resident = sum(int(a.nbytes) for a in jax.tree.leaves(llm.runner.params)) / 1e6
-            tok = llm.get_tokenizer()
-            ids = _prompt_ids(tok, PROMPT)
-            ours = _time_ours(llm, [ids] * batch, args.new_tokens)
-            decode = _decode_rate(llm, ids, batch, args.new_tokens)
-            del llm
-            if batch not in peers:
-                peers[batch] = (_time_transformers(path, [ids] * batch, args.new_tokens)
-                                if path.endswith(".gguf") else None)
-            if batch == 1 and llama is None and path.endswith(".gguf"):
-                llama = _time_llama_cpp(path, ids, args.new_tokens)
-            peer, lcpp = peers[batch], llama if batch == 1 else None
-            print(f"| {weights} | {batch} | {resident:.1f} | {ours:.1f} | "
-                  f"{f'{peer:.1f}' if peer else 'not installed'} | {f'{ours / peer:.2f}x' if peer else '-'} | "
-                  f"{decode:.1f} | {f'{lcpp:.1f}' if lcpp else '-'} | {f'{decode / lcpp:.2f}x' if lcpp else '-'} |",
-                  flush=True)
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for weights, steps, batch in itertools.product(args.weights_dtype, args.num_scheduler_steps, args.batch_sizes):
+        llm = _llm(args, batch, weights, steps)
+        resident = sum(int(a.nbytes) for a in jax.tree.leaves(llm.runner.params)) / 1e6
+        tok = llm.get_tokenizer()
+        ids = _prompt_ids(tok, PROMPT)
+        ours = _time_ours(llm, [ids] * batch, args.new_tokens)
+        decode = _decode_rate(llm, ids, batch, args.new_tokens)
+        del llm
+        if batch not in peers:
+            peers[batch] = (_time_transformers(path, [ids] * batch, args.new_tokens)
+                            if path.endswith(".gguf") else None)
+        if batch == 1 and llama is None and path.endswith(".gguf"):
+            llama = _time_llama_cpp(path, ids, args.new_tokens)
+        peer, lcpp = peers[batch], llama if batch == 1 else None
+        print(f"| {weights} | {steps} | {batch} | {resident:.1f} | {ours:.1f} | "
+              f"{f'{peer:.1f}' if peer else 'not installed'} | {f'{ours / peer:.2f}x' if peer else '-'} | "
+              f"{decode:.1f} | {f'{lcpp:.1f}' if lcpp else '-'} | {f'{decode / lcpp:.2f}x' if lcpp else '-'} |",
+              flush=True)
 
 
 def bench_offline(args) -> None:
@@ -1375,6 +1377,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
         if name == "decode":
             p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+            p.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1],
+                           help="one table row per choice (LLM's num_scheduler_steps: decode steps per call)")
         else:
             p.add_argument("--num-prompts", type=int, default=16)
     def trace_args(p, num_requests, block_tokens, output_scale, max_model_len):

@@ -5,6 +5,13 @@
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))
     print(out[0].outputs[0].text)
 
+Several decode steps per call (vLLM's multi-step scheduling): while every running
+sequence is a plain decode row, one jitted call runs 8 steps, each sampling exactly as a
+single step would, so the host's dispatch and bookkeeping are paid once per 8 tokens;
+tokens after a stop are dropped (each sequence holds 7 KV slots more for them):
+
+    llm = LLM(num_scheduler_steps=8)
+
 Speculative decoding with an EAGLE-3 draft (`python -m training.train_eagle3` writes one):
 
     llm = LLM(speculative_config={"method": "eagle3", "model": "path/to/draft",
@@ -114,7 +121,8 @@ class LLM:
                  hicache_write_policy: str = TierConfig.write_policy,
                  hicache_storage_backend: str = TierConfig.storage_backend, mooncake_master: str | None = None,
                  hicache_storage_prefetch_policy: str = TierConfig.prefetch_policy,
-                 hicache_host_memory: str = TierConfig.host_memory, window_replay: str = EXACT_REPLAY):
+                 hicache_host_memory: str = TierConfig.host_memory, window_replay: str = EXACT_REPLAY,
+                 num_scheduler_steps: int = 1):
         import model as model_lib
 
         if weights_dtype is None and tensor_parallel_size > 1:  # packed weights are not sharded yet
@@ -128,7 +136,7 @@ class LLM:
                     data_parallel_size, expert_parallel_size, precompile, enable_hierarchical_cache,
                     host_cache_bytes, disk_cache_dir, disk_cache_bytes, hicache_write_policy,
                     hicache_storage_backend, mooncake_master, hicache_storage_prefetch_policy,
-                    hicache_host_memory, window_replay)
+                    hicache_host_memory, window_replay, num_scheduler_steps)
 
     @classmethod
     def from_loaded(cls, config: model.ModelConfig, params: dict, tokenizer: model.Tokenizer,
@@ -153,7 +161,7 @@ class LLM:
                weights_dtype, tensor_parallel_size, data_parallel_size, expert_parallel_size, precompile,
                enable_hierarchical_cache, host_cache_bytes, disk_cache_dir, disk_cache_bytes,
                hicache_write_policy, hicache_storage_backend, mooncake_master,
-               hicache_storage_prefetch_policy, hicache_host_memory, window_replay):
+               hicache_storage_prefetch_policy, hicache_host_memory, window_replay, num_scheduler_steps):
         # Every argument is checked here, before anything is built.
         if weights_dtype is not None and weights_dtype not in WEIGHTS_DTYPES:
             raise ValueError(f"unknown weights_dtype {weights_dtype!r}; allowed: {', '.join(WEIGHTS_DTYPES)}")
@@ -197,6 +205,10 @@ class LLM:
         tp = check_int("tensor_parallel_size", tensor_parallel_size, 1)
         dp = check_int("data_parallel_size", data_parallel_size, 1)
         ep = check_int("expert_parallel_size", expert_parallel_size, 1)
+        steps = check_int("num_scheduler_steps", num_scheduler_steps, 1)
+        if steps > 1 and (speculative_config is not None or csa2 or tp * dp > 1):
+            raise ValueError("num_scheduler_steps > 1 is not supported with speculative decoding, a CSA2 model "
+                             "or tensor / data parallelism yet")
         multihost = jax.process_count() > 1  # process 0 broadcasts each runner call (serving/multihost.py)
         if multihost and (dp > 1 or preemption_mode != RECOMPUTE):
             raise ValueError("across hosts, data_parallel_size must be 1 and preemption_mode 'recompute'")
@@ -245,7 +257,9 @@ class LLM:
             for rank_mesh in rank_meshes:
                 step_config, placed = model.shard_params(params, config, rank_mesh)
                 rank_params.append(placed)
-        lookahead = draft.spec.lookahead if draft else 0
+        # KV slots each running sequence holds past its next token: a draft tree's, or the
+        # further positions a multi-step decode call writes
+        lookahead = draft.spec.lookahead if draft else steps - 1
         max_pages_per_seq = -(-(max_model_len + lookahead) // block_size)
         if num_kv_blocks is None:
             # Every running sequence at full length, capped by a memory budget. Not larger:
@@ -268,7 +282,8 @@ class LLM:
             max_loras=lora.max_loras if lora else 0)
         # one runner (its own pool) and one engine (its own scheduler and prefix cache) per rank
         self.runners = [ModelRunner(step_config, placed, num_kv_blocks, block_size, max_pages_per_seq,
-                                    max_num_seqs, dtype, kv_cache_dtype, draft, lora, rank_mesh, window_replay)
+                                    max_num_seqs, dtype, kv_cache_dtype, draft, lora, rank_mesh, window_replay,
+                                    steps)
                         for placed, rank_mesh in zip(rank_params, rank_meshes)]
         self.runner = self.runners[0]
         grammars = GrammarCompiler(tokenizer, config.vocab_size, tokenizer.eos_token_id)

@@ -153,11 +153,8 @@ class StepShape(typing.NamedTuple):
 
 
 
-@functools.partial(jax.jit, static_argnames=("config", "page_size", "want_logprobs",
-                                             "want_prompt_logprobs", "mesh", "frozen"),
-                   donate_argnames=("pool",))
-def _step(params, config, page_size, pool, batch: StepBatch, want_logprobs, want_prompt_logprobs,
-          lora_stacks=None, mesh=None, frozen=False):
+def _forward_step(params, config, page_size, pool, batch: StepBatch, want_logprobs, want_prompt_logprobs,
+                  lora_stacks=None, mesh=None, frozen=False):
     """One engine step of prefill chunks and decode rows: (sampled [S], logprob extras,
     prompt logprob extras (per token [N]), pool). With lora_stacks (serving/lora.py), each
     token's projections add its adapter slot's term (batch.lora_slots). mesh: the params
@@ -188,6 +185,31 @@ def _step(params, config, page_size, pool, batch: StepBatch, want_logprobs, want
         next_tokens, extra, prompt_extra = jax.tree.map(
             lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P())), (next_tokens, extra, prompt_extra))
     return next_tokens, extra, prompt_extra, pool
+
+
+_step = jax.jit(_forward_step, static_argnames=("config", "page_size", "want_logprobs", "want_prompt_logprobs",
+                                                "mesh", "frozen"), donate_argnames=("pool",))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "page_size", "steps"), donate_argnames=("pool",))
+def _decode_steps(params, config, page_size, pool, batch: StepBatch, steps: int):
+    """`steps` decode steps of a decode-only batch in one call (ModelRunner's
+    num_scheduler_steps): each step is `_step`'s, its sampled tokens the next step's input
+    one position on, each row's sampling counter one further. Returns (tokens [steps, S],
+    pool). Rows stay padding where they were (position -1)."""
+    live = batch.positions >= 0  # [N] = [S]: one token per row
+
+    def one(i, carry):
+        pool, batch, out = carry
+        tokens, _, _, pool = _forward_step(params, config, page_size, pool, batch, False, False)
+        batch = dataclasses.replace(batch, tokens=jnp.where(live, tokens, 0),
+                                    positions=jnp.where(live, batch.positions + 1, -1),
+                                    kv_lens=jnp.where(live, batch.kv_lens + 1, 0), counters=batch.counters + 1)
+        return pool, batch, out.at[i].set(tokens)
+
+    out = jnp.zeros((steps, batch.kv_lens.shape[0]), jnp.int32)
+    pool, _, out = jax.lax.fori_loop(0, steps, one, (pool, batch, out))
+    return out, pool
 
 
 def _csa2_forward(params, config, page_size, pool, batch: StepBatch, mesh, every_token: bool, frozen: bool):
@@ -415,13 +437,20 @@ class ModelRunner:
     def __init__(self, config: model.ModelConfig, params: dict, num_pages: int, page_size: int,
                  max_pages_per_seq: int, max_num_seqs: int, dtype=jnp.float32,
                  kv_cache_dtype: str = "auto", draft: Drafter | None = None, lora: LoRAManager | None = None,
-                 mesh=None, window_replay: str = EXACT_REPLAY):
+                 mesh=None, window_replay: str = EXACT_REPLAY, num_scheduler_steps: int = 1):
         """mesh: a tensor-parallel mesh (model.make_mesh) that `params` are sharded over
         (model.shard_params, whose config this takes); the pool is split by KV heads.
-        window_replay (CSA2 models): how many tokens restore_state replays, `replay_len`."""
+        window_replay (CSA2 models): how many tokens restore_state replays, `replay_len`.
+        num_scheduler_steps: decode steps a call runs when every row is a plain decode row
+        (`multi_step`); the engine must hold num_scheduler_steps - 1 lookahead slots."""
         if window_replay not in WINDOW_REPLAYS:
             raise ValueError(f"window_replay must be one of {WINDOW_REPLAYS}, got {window_replay!r}")
-        self.window_replay = window_replay
+        if not isinstance(num_scheduler_steps, int) or num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be an int >= 1, got {num_scheduler_steps!r}")
+        if num_scheduler_steps > 1 and (draft is not None or mesh is not None or paged_csa2.is_csa2(config)):
+            raise ValueError("num_scheduler_steps > 1 is not supported with speculative decoding, sharding "
+                             "or CSA2 models yet")
+        self.window_replay, self.num_scheduler_steps = window_replay, num_scheduler_steps
         if lora is not None and draft is not None:
             raise ValueError("LoRA adapters are not supported with speculative decoding yet")
         if mesh is not None and (lora is not None or draft is not None):
@@ -453,6 +482,12 @@ class ModelRunner:
         (and for prompt chunks that carry prompt logprobs), else None."""
         if not rows:
             return []
+        if self.multi_step(rows):
+            batch = self.step_batch(rows)
+            tokens, self.pool = _decode_steps(self.params, self.config, self.page_size, self.pool, batch,
+                                              self.num_scheduler_steps)
+            tokens = np.asarray(tokens)
+            return [RowResult(tuple(tokens[:, i].tolist())) for i in range(len(rows))]
         want_logprobs = any(_wants_logprobs(r) and r.sample for r in rows)
         want_prompt_logprobs = any(_prompt_targets(r) for r in rows)
         if self.draft is not None:
@@ -467,6 +502,19 @@ class ModelRunner:
                                want_prompt_logprobs, self.lora.stacks if self.lora else None, self.mesh)
             self._keep(pool)
         return self._results(rows, np.asarray(batch.cu_q_lens)[:-1], *jax.tree.map(np.asarray, out))
+
+    def multi_step(self, rows: list[Row]) -> bool:
+        """Whether `execute` runs num_scheduler_steps decode steps for these rows in one call
+        (vLLM's multi-step scheduling: one dispatch and one host round trip for several
+        tokens): every row a plain decode row, one token sampled with nothing that the host
+        changes from token to token (no logprobs, penalties, logit bias, bad words,
+        min_tokens still pending, structured output, LoRA adapter). Each row then gets its
+        next num_scheduler_steps tokens, sampled exactly as single steps would sample them;
+        the engine keeps those before a stop."""
+        return self.num_scheduler_steps > 1 and all(
+            len(r.tokens) == 1 and r.sample and r.tree is None and r.token_mask is None and r.adjust is None
+            and not r.params.bad_words and not r.lora and not _wants_logprobs(r) and not _prompt_targets(r)
+            for r in rows)
 
     def replay_len(self, cached: int) -> int:
         """Tokens before position `cached` that restore_state replays to rebuild a CSA2
@@ -673,6 +721,9 @@ class ModelRunner:
                 if self.draft is None:
                     _step.lower(self.params, self.config, self.page_size, self._step_pool(), batch, False, False,
                                 self.lora.stacks if self.lora else None, self.mesh).compile()
+                    if self.num_scheduler_steps > 1 and shape.max_q_len == 1:  # its multi-step call too
+                        _decode_steps.lower(self.params, self.config, self.page_size, self.pool, batch,
+                                            self.num_scheduler_steps).compile()
                 else:
                     _spec_step.lower(self.params, self.config, self.page_size, self.draft.params,
                                      self.draft.config, self.draft.spec, self.pool, batch, False, False).compile()

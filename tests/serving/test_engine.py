@@ -350,3 +350,59 @@ def test_penalties_and_biases_follow_a_numpy_statement_of_each(make_llm, tiny_mo
     assert banned[0] == base[0] and banned[1] != base[1]
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate("hi", SamplingParams(logit_bias={10**6: 1.0}))
+
+
+def test_multi_step_decode_samples_what_single_steps_sample(make_llm, monkeypatch):
+    """num_scheduler_steps=4 runs four decode steps per call while every row is a plain
+    decode row, and the engine ends up with exactly the single-step engine's tokens:
+    greedy and seeded sampling (each step's key is the sequence's seed and token count),
+    max_tokens that are not multiples of 4, sequences finishing at different steps, a stop
+    token in the middle of a call (the tokens after it are dropped), a request arriving
+    while others decode (that step has a chunk, so it runs alone), and rows that ask for
+    logprobs (single steps: the host reads them token by token)."""
+    from serving import runner as runner_module
+
+    calls = []
+    multi_calls = runner_module._decode_steps
+    monkeypatch.setattr(runner_module, "_decode_steps", lambda *a: calls.append(a[-1]) or multi_calls(*a))
+    ps = prompts(3)
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=13, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    one, multi = make_llm(), make_llm(num_scheduler_steps=4)
+    want = one.generate(ps, params)
+    got = multi.generate(ps, params)
+    assert ids(got) == ids(want) and [len(t) for t in ids(got)] == [10, 13, 6]
+    assert calls and set(calls) == {4}
+    stop = want[0].outputs[0].token_ids[5]
+    stopping = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop], ignore_eos=True)
+    a, b = one.generate(ps[0], stopping)[0].outputs[0], multi.generate(ps[0], stopping)[0].outputs[0]
+    assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason) and b.finish_reason == "stop"
+    assert len(b.token_ids) <= 6
+
+    def staggered(llm):  # request r1 arrives after r0 has decoded a few tokens
+        engine = llm.engine
+        engine.add_request("r0", ps[0]["prompt_token_ids"], params[0])
+        for _ in range(3):
+            engine.step()
+        engine.add_request("r1", ps[1]["prompt_token_ids"], params[1])
+        while engine.has_unfinished():
+            engine.step()
+        out = [tuple(engine.seqs[f"r{i}#0"].output.tokens) for i in range(2)]
+        for i in range(2):
+            engine.release(f"r{i}")
+        return out
+
+    assert staggered(multi) == staggered(one)
+    calls.clear()
+    logprobs = SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
+    a, b = one.generate(ps[2], logprobs)[0].outputs[0], multi.generate(ps[2], logprobs)[0].outputs[0]
+    assert b.token_ids == a.token_ids and len(b.logprobs) == 5 and not calls
+
+
+def test_multi_step_decode_is_refused_where_it_does_not_apply(make_llm):
+    for bad in (0, 2.0, "4"):
+        with pytest.raises(ValueError, match="num_scheduler_steps"):
+            make_llm(num_scheduler_steps=bad)
+    with pytest.raises(ValueError, match="num_scheduler_steps > 1 is not supported"):
+        make_llm(num_scheduler_steps=4, tensor_parallel_size=2)
