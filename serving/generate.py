@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="how the weights stay in memory: float32, bfloat16, gguf (a GGUF file's own "
                              "blocks), or a packed format (int8, w8a8, int4, fp8, q8_0, q4_0, q4_1)")
     parser.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1,
+                        help="decode steps per jitted call (LLM(num_scheduler_steps=...)); tokens print in bursts")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="shard the model over this many devices (LLM(tensor_parallel_size=...))")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=1,
                   speculative_config=speculative, weights_dtype=args.weights_dtype,
                   tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-                  expert_parallel_size=args.expert_parallel_size, precompile=args.precompile)
+                  expert_parallel_size=args.expert_parallel_size, precompile=args.precompile,
+                  num_scheduler_steps=args.num_scheduler_steps)
         tok = llm.get_tokenizer()
         if not args.raw and not tok.chat_template:
             raise ValueError(f"{args.model} has no chat template (a base model such as gemma3-270m): "

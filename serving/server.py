@@ -536,6 +536,8 @@ def _parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES,
                         help="how the weights stay in memory: float32, bfloat16, gguf (a GGUF file's own "
                              "blocks), or a packed format (int8, w8a8, int4, fp8, q8_0, q4_0, q4_1)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1,
+                        help="decode steps per jitted call while every row decodes (LLM(num_scheduler_steps=...))")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--enable-hierarchical-cache", action="store_true",
                         help="keep evicted prefixes in host memory (and on disk): LLM(enable_hierarchical_cache=True)")
@@ -637,7 +639,7 @@ def build(args: argparse.Namespace) -> FastAPI:
               disk_cache_bytes=args.disk_cache_bytes, hicache_write_policy=args.hicache_write_policy,
               hicache_storage_backend=args.hicache_storage_backend, mooncake_master=args.mooncake_master,
               hicache_storage_prefetch_policy=args.hicache_storage_prefetch_policy,
-              hicache_host_memory=args.hicache_host_memory)
+              hicache_host_memory=args.hicache_host_memory, num_scheduler_steps=args.num_scheduler_steps)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return create_app(llm, args.served_model_name or args.model, api_key, args.max_waiting_requests,
                       args.max_waiting_tokens, args.max_request_body_bytes, lora_modules, args.kv_role,

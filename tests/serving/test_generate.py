@@ -26,6 +26,8 @@ def test_cli_raw_sampling_is_seeded(cli_on_loaded_model, capsys):
     first = capsys.readouterr().out
     generate.main(args + ["--seed", "1"])
     assert capsys.readouterr().out == first and first.strip()
+    generate.main(args + ["--seed", "1", "--num-scheduler-steps", "4"])  # decode steps run 4 per call
+    assert capsys.readouterr().out == first
 
 
 @pytest.mark.parametrize("flag,value", [("--max-tokens", "0"), ("--temperature", "-1"),
