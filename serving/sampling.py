@@ -69,6 +69,17 @@ def apply_adjustments(logits: jnp.ndarray, ids: jnp.ndarray, counts: jnp.ndarray
     return jax.lax.cond(jnp.any(ids < logits.shape[-1]), adjusted, lambda: logits)
 
 
+def first_max(logits: jnp.ndarray) -> jnp.ndarray:
+    """jnp.argmax over the last axis (the first of tied maxima) as int32, from two plain
+    reductions: XLA:CPU runs argmax's paired reduction element by element (180 us over a
+    49,152-token vocabulary against 70 here, every decode step). A row without a maximum
+    (NaN logits) gives 0."""
+    vocab = logits.shape[-1]
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    index = jnp.min(jnp.where(logits == top, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+    return jnp.where(index < vocab, index, 0)
+
+
 def sample(logits: jnp.ndarray, keys: jax.Array, temperature: jnp.ndarray, top_k: jnp.ndarray,
            top_p: jnp.ndarray, min_p: jnp.ndarray | None = None) -> jnp.ndarray:
     """Next tokens int32 [B] from logits [B, V].
@@ -77,7 +88,7 @@ def sample(logits: jnp.ndarray, keys: jax.Array, temperature: jnp.ndarray, top_k
     (<= 0 = off); top_p: float [B] in (0, 1] (1 = off); min_p: float [B] (0 = off).
     """
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = first_max(logits)
     if min_p is None:
         min_p = jnp.zeros_like(top_p)
     # Sorting the vocabulary dominates a CPU decode step: skip it for all-greedy batches.
