@@ -466,10 +466,10 @@ class Crew {
   bool run(Shared* shared) {
     Shared* idle = nullptr;
     if (!job_.compare_exchange_strong(idle, shared)) return false;
-    if (sleeping_.load() > 0) {
-      std::lock_guard<std::mutex> lock(mu_);
-      wake_.notify_all();
-    }
+    // Without the helpers' mutex: a helper that has just decided to sleep may miss this
+    // and sleep through the job (the caller takes every range then), but the caller never
+    // waits on a lock a helper holds (nor on one a fork copied locked into a child).
+    if (sleeping_.load() > 0) wake_.notify_all();
     shared->work();
     int64_t turns = 0;
     while (shared->done.load() < shared->chunks) relax(turns);

@@ -358,8 +358,9 @@ def test_multi_step_decode_samples_what_single_steps_sample(make_llm, monkeypatc
     greedy and seeded sampling (each step's key is the sequence's seed and token count),
     max_tokens that are not multiples of 4, sequences finishing at different steps, a stop
     token in the middle of a call (the tokens after it are dropped), a request arriving
-    while others decode (that step has a chunk, so it runs alone), and rows that ask for
-    logprobs (single steps: the host reads them token by token)."""
+    while others decode (that step has a chunk, so it runs alone), a sequence reaching
+    max_model_len inside a call, and rows that ask for logprobs (single steps: the host
+    reads them token by token)."""
     from serving import runner as runner_module
 
     calls = []
@@ -394,6 +395,12 @@ def test_multi_step_decode_samples_what_single_steps_sample(make_llm, monkeypatc
         return out
 
     assert staggered(multi) == staggered(one)
+    # a sequence that reaches max_model_len in the middle of a call
+    edge = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    short = {"prompt_token_ids": ps[0]["prompt_token_ids"][:17]}
+    a = make_llm(max_model_len=27).generate(short, edge)[0].outputs[0]
+    b = make_llm(max_model_len=27, num_scheduler_steps=4).generate(short, edge)[0].outputs[0]
+    assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason) and len(b.token_ids) == 10
     calls.clear()
     logprobs = SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
     a, b = one.generate(ps[2], logprobs)[0].outputs[0], multi.generate(ps[2], logprobs)[0].outputs[0]
