@@ -12,7 +12,9 @@ padded to max_num_seqs. Block tables are always max_model_len wide: attention wa
 only the blocks of pages its queries can see (pallas_kernels/paged_blocks.py; the
 kernels stop at each sequence's kv_len), so a step costs what the sequences hold rather
 than max_model_len without a shape per context length. The KV pool (one page pool per
-layer) lives here and is donated to every call.
+layer) lives here and is donated to every call. With num_scheduler_steps > 1, a step whose
+rows are all plain decode rows runs that many decode steps in one call, `_decode_steps`
+(a loop over `_step`'s computation feeding each step's tokens to the next).
 
 The pool is a dict of named KV groups: "target" (the model's layers) and, with an
 EAGLE-3 draft (speculative decoding), "draft" (its one layer), addressed by the same
