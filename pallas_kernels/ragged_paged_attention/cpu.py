@@ -5,8 +5,8 @@ xla.py's block walk is a while loop of small XLA thunks, which on XLA:CPU costs 
 a layer at one decode row whatever the context; this kernel reads each live position's K
 and V row once per KV head, for all the query heads that share it. It computes the same
 function as the XLA path (results equal to float32 rounding), for softmax attention with or
-without soft-capping, sliding windows and sinks; other steps (chunks, draft trees, low-bit
-pages, other variants, gradients) stay on xla.py. Built like the quantized matmul's kernel
+without soft-capping, sliding windows and sinks: the entry's CPU branch for those steps;
+others (chunks, draft trees, low-bit pages, other variants) and gradients stay on xla.py. Built like the quantized matmul's kernel
 (pallas_kernels/cpu_ffi.py); `available()` says whether that worked.
 """
 
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_ffi
+from pallas_kernels.ragged_paged_attention.ref import token_layout, write_new_kv
 from pallas_kernels.variant import SOFTMAX, soft_cap_of
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
@@ -41,13 +42,25 @@ def available() -> bool:
     return _library() is not None
 
 
-def supports(q, k_pages, variant, tree, kv_format) -> bool:
-    """Whether the kernel takes this step's attention (its tokens being decode rows): float32
-    q and pages, no draft tree, softmax with at most a soft cap, a CPU backend and a built
-    kernel."""
-    return (kv_format is None and tree is None and q.dtype == jnp.float32 and k_pages.dtype == jnp.float32
-            and (variant == SOFTMAX or soft_cap_of(variant) is not None)
+def supports(q, k_pages, variant, tree, kv_format, max_q_len) -> bool:
+    """Whether the kernel takes a ragged_paged_attention step: decode rows only (max_q_len
+    1), float32 q and pages, no draft tree, softmax with at most a soft cap, and a built
+    kernel (a GPU or TPU host never builds it)."""
+    return (max_q_len == 1 and kv_format is None and tree is None and q.dtype == jnp.float32
+            and k_pages.dtype == jnp.float32 and (variant == SOFTMAX or soft_cap_of(variant) is not None)
             and jax.default_backend() == "cpu" and available())
+
+
+def ragged_decode_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sinks, tree, *, sm_scale,
+                      sliding_window, variant, kv_format=None):
+    """ragged_paged_attention's CPU branch for the steps `supports` takes: the new K/V
+    written into the pages (XLA's scatter), then the kernel. Same returns as the entry."""
+    del tree, kv_format  # None: `supports`
+    seq, q_pos = token_layout(cu_q_lens, kv_lens, q.shape[0])
+    k_pages, v_pages = write_new_kv(k_pages, v_pages, k, v, block_tables, seq, q_pos)
+    out, lse = decode_attention_cpu(q, k_pages, v_pages, block_tables, seq, q_pos, sinks, sm_scale=sm_scale,
+                                    sliding_window=sliding_window, soft_cap=soft_cap_of(variant))
+    return out, lse, k_pages, v_pages
 
 
 def decode_attention_cpu(q, k_pages, v_pages, block_tables, seq, q_pos, sinks=None, *, sm_scale: float,

@@ -8,6 +8,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import validate
 from pallas_kernels.dispatch import bind, dispatch
 from pallas_kernels.paged_attention import kv_formats
+from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.kernel_gpu import (
     decode_supported,
     ragged_decode_gpu,
@@ -69,7 +70,8 @@ def ragged_paged_attention(
         the Triton paged decode kernel for decode-only steps (max_q_len 1, float pages, no
         tree), the Triton ragged kernel (kernel_gpu.py) for other steps over float, int8
         or fp8 pages with power-of-two page_size and head_dim >= 16, and the XLA path
-        otherwise; the XLA path (xla.py) on CPU.
+        otherwise; on CPU the C++ kernel (cpu.py) for decode-only steps over float32
+        pages, the XLA path (xla.py) for the rest.
 
     Returns:
       out [total_q_tokens, num_q_heads, head_dim] in q.dtype, lse f32 [total_q_tokens,
@@ -134,6 +136,8 @@ def ragged_paged_attention(
     elif ragged_supported(page_size, head_dim, fmt):
         block_q = 16 if max_q_len is None else min(16, 1 << (max_q_len - 1).bit_length())
         gpu = bind(ragged_paged_attention_gpu, block_q=block_q, **static)
+    native = (bind(cpu.ragged_decode_cpu, **static)
+              if cpu.supports(q, k_pages, static["variant"], tree, fmt, max_q_len) else None)
     if interpret is True:
         interpret = pltpu.InterpretParams()
     return dispatch(
@@ -150,5 +154,6 @@ def ragged_paged_attention(
         ref=bind(ragged_paged_attention_xla, max_q_len=max_q_len, max_chunks=max_chunks, **static),
         tpu=bind(ragged_paged_attention_tpu, **static),
         gpu=gpu,
+        cpu=native,
         interpret=interpret,
     )

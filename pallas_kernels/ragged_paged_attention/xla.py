@@ -8,9 +8,8 @@ tile over its sequence's pages a block at a time. Rows of one query token (decod
 get tiles of one, so they cost what paged decode attention costs even in a step with
 prefill chunks; chunks get tiles of min(max_q_len, 16) tokens, at most
 ceil(tokens / 16) + max_chunks of them (a tile's work is paid even when it is spare, so
-the static bounds matter). A decode-only step over float32 pages runs the C++ kernel of
-cpu.py instead (one call per layer rather than a while loop of small thunks) where it is
-built. Tested against ref.py.
+the static bounds matter). Tested against ref.py. (On CPU the entry runs decode-only
+steps over float32 pages on the C++ kernel of cpu.py instead.)
 """
 
 from __future__ import annotations
@@ -20,14 +19,13 @@ import functools
 import jax.numpy as jnp
 
 from pallas_kernels.paged_blocks import attend_tiles
-from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.tiles import plan_tiles
 from pallas_kernels.ragged_paged_attention.ref import (
     ragged_paged_attention_ref,
     token_layout,
     write_new_kv,
 )
-from pallas_kernels.variant import SOFTMAX, soft_cap_of
+from pallas_kernels.variant import SOFTMAX
 
 MAX_BLOCK_Q = 16
 
@@ -70,10 +68,6 @@ def ragged_paged_attention_xla(
     attend = functools.partial(_attend_tiles, q, k_pages, v_pages, block_tables, cu_q_lens, seq,
                                q_pos, sinks, tree, sm_scale=sm_scale, sliding_window=sliding_window,
                                variant=variant, kv_format=kv_format, live_blocks_only=not differentiable)
-    if max_q_len == 1 and not differentiable and cpu.supports(q, k_pages, variant, tree, kv_format):
-        out, lse = cpu.decode_attention_cpu(q, k_pages, v_pages, block_tables, seq, q_pos, sinks, sm_scale=sm_scale,
-                                            sliding_window=sliding_window, soft_cap=soft_cap_of(variant))
-        return out, lse, k_pages, v_pages
     if max_q_len == 1:  # decode only: one query per tile
         return (*attend(cu_q_lens, 1, num_tokens), k_pages, v_pages)
     # Rows of one token get tiles of one; chunks get tiles of block_q (at most max_chunks rows)

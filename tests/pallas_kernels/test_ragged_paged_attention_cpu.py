@@ -123,6 +123,21 @@ def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
     assert cpu.TARGET not in _lowered(args, max_q_len=1, variant=sigmoid)
 
 
+def test_lowering_for_cuda_and_tpu_never_names_the_cpu_kernel():
+    """The kernel is the entry's CPU branch only: an export for CUDA (whose decode kernel
+    needs pages of at least 16 here, so these take the XLA path) or TPU from this host
+    holds no call to it."""
+    from pallas_kernels.lowering import export_cuda, export_tpu
+    from tests.pallas_kernels.helpers import spec
+
+    args, sinks = _decode_batch(5, [5, 11, 2])
+    fn = lambda *a: ragged_paged_attention(*a[:8], sinks=a[8], max_q_len=1)
+    specs = [spec(x) for x in args] + [spec(sinks)]
+    assert cpu.TARGET in jax.jit(fn).lower(*args, sinks).as_text()
+    assert cpu.TARGET not in export_cuda(fn, *specs)
+    assert cpu.TARGET not in export_tpu(fn, *specs)
+
+
 def test_mismatched_buffers_are_refused_by_the_kernel():
     args, _ = _decode_batch(4, [3])
     q, _, _, k_pages, v_pages, table, cu, kv_lens = args
