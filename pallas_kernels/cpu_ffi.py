@@ -7,6 +7,7 @@ the quantized matmul (quant_matmul/cpu.py) and of decode attention
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -69,16 +70,28 @@ def register(library: Path, target: str, symbol: str) -> ctypes.CDLL:
     return lib
 
 
-def load(source: Path, target: str, symbol: str, what: str, switch: str) -> ctypes.CDLL | None:
-    """The built and registered library of `source`; None (with one warning) when it cannot
-    be built, or when the environment variable `switch` is "0". Call it once per process
-    (functools.cache)."""
-    if os.environ.get(switch, "1") == "0":
-        return None
-    try:
-        return register(build(source, what), target, symbol)
-    except (RuntimeError, OSError) as e:
-        import warnings
+class Kernel:
+    """One C++ kernel: its source, the FFI name it is registered under (`target`), its
+    handler's symbol, what messages call it, and the environment variable that turns it
+    off when "0" (`switch`)."""
 
-        warnings.warn(f"{what} is not available, its XLA path runs instead: {e}", stacklevel=3)
-        return None
+    def __init__(self, source: Path, target: str, symbol: str, what: str, switch: str):
+        self.source, self.target, self.symbol, self.what, self.switch = source, target, symbol, what, switch
+
+    @functools.cached_property
+    def library(self) -> ctypes.CDLL | None:
+        """The built and registered library, once per process; None (with one warning) when
+        it cannot be built or the switch turns it off."""
+        if os.environ.get(self.switch, "1") == "0":
+            return None
+        try:
+            return register(build(self.source, self.what), self.target, self.symbol)
+        except (RuntimeError, OSError) as e:
+            import warnings
+
+            warnings.warn(f"{self.what} is not available, its XLA path runs instead: {e}", stacklevel=3)
+            return None
+
+    def available(self) -> bool:
+        """Whether the kernel is built (building it now if needed) and registered with XLA:CPU."""
+        return self.library is not None

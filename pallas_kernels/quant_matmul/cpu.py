@@ -20,7 +20,6 @@ a compiler the CPU path stays on xla.py.
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import jax
@@ -32,8 +31,8 @@ from pallas_kernels.cpu_ffi import FLAGS
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGET = "kvfold_quant_matmul"
-SYMBOL = "KvfoldQuantMatmul"
-WHAT = "the CPU quantized-matmul kernel"
+KERNEL = cpu_ffi.Kernel(SOURCE, TARGET, "KvfoldQuantMatmul", "the CPU quantized-matmul kernel",
+                        "KVFOLD_QUANT_MATMUL_CPU")
 # Above this many rows xla.py's dequantize + float matmul is faster (measured on this
 # project's CPU, q4_1: 576 x 1536 at 64 tokens 0.65 ms here vs 0.99, at 128 1.28 vs 1.07;
 # 1536 x 576 at 64 0.85 vs 1.03, at 128 1.69 vs 1.10). With int8 activations the crossover
@@ -51,26 +50,20 @@ CPU_FORMATS = frozenset({"q8_0", "q4_0", "q4_1", "q5_0", "int8", "int4", "q4_k",
 def build(force: bool = False, flags: tuple[str, ...] = FLAGS) -> Path:
     """Compile cpu_kernel.cc with `flags` (when not cached, pallas_kernels/cpu_ffi.py) and
     return the library's path; RuntimeError naming the problem when it cannot."""
-    return cpu_ffi.build(SOURCE, WHAT, force, flags)
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The built and registered kernel library, once per process; None (with one warning)
-    when it cannot be built, or when KVFOLD_QUANT_MATMUL_CPU=0 turns it off."""
-    return cpu_ffi.load(SOURCE, TARGET, SYMBOL, WHAT, "KVFOLD_QUANT_MATMUL_CPU")
+    return cpu_ffi.build(SOURCE, KERNEL.what, force, flags)
 
 
 def available() -> bool:
-    """Whether the kernel is built (building it now if needed) and registered with XLA:CPU."""
-    return _library() is not None
+    """Whether the kernel is built (building it now if needed) and registered with XLA:CPU;
+    KVFOLD_QUANT_MATMUL_CPU=0 turns it off."""
+    return KERNEL.available()
 
 
 def max_tokens(int8_tiles: bool = False) -> int:
     """The most tokens a step may have for the kernel to take it: MAX_TOKENS with AVX-512
     (INT8_MAX_TOKENS on its int8-activation tiles, `int8_tiles`), and PORTABLE_MAX_TOKENS
     for the portable loops."""
-    lib = _library()
+    lib = KERNEL.library
     if lib is None or not lib.KvfoldQuantMatmulAvx512():
         return PORTABLE_MAX_TOKENS
     return INT8_MAX_TOKENS if int8_tiles else MAX_TOKENS
@@ -78,7 +71,7 @@ def max_tokens(int8_tiles: bool = False) -> int:
 
 def vnni() -> bool:
     """Whether the built kernel has the int8-activation tiles (AVX-512 VNNI and VBMI)."""
-    lib = _library()
+    lib = KERNEL.library
     return lib is not None and bool(lib.KvfoldQuantMatmulVnni())
 
 
@@ -92,7 +85,7 @@ def int8_tiles(fmt: str, group: int) -> bool:
 
 def register(library: Path, target: str) -> ctypes.CDLL:
     """Register a built kernel library with XLA:CPU under the FFI name `target`."""
-    return cpu_ffi.register(library, target, SYMBOL)
+    return cpu_ffi.register(library, target, KERNEL.symbol)
 
 
 def supports(fmt: str, num_tokens: int, d_out: int, int8_tiles: bool = False) -> bool:

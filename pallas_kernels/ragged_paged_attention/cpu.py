@@ -12,8 +12,6 @@ others (chunks, draft trees, low-bit pages, other variants) and gradients stay o
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from pathlib import Path
 
 import jax
@@ -26,20 +24,14 @@ from pallas_kernels.variant import SOFTMAX, soft_cap_of
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGET = "kvfold_decode_attention"
-SYMBOL = "KvfoldDecodeAttention"
-WHAT = "the CPU decode-attention kernel"
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The built and registered kernel library, once per process; None (with one warning)
-    when it cannot be built, or when KVFOLD_DECODE_ATTENTION_CPU=0 turns it off."""
-    return cpu_ffi.load(SOURCE, TARGET, SYMBOL, WHAT, "KVFOLD_DECODE_ATTENTION_CPU")
+KERNEL = cpu_ffi.Kernel(SOURCE, TARGET, "KvfoldDecodeAttention", "the CPU decode-attention kernel",
+                        "KVFOLD_DECODE_ATTENTION_CPU")
 
 
 def available() -> bool:
-    """Whether the kernel is built (building it now if needed) and registered with XLA:CPU."""
-    return _library() is not None
+    """Whether the kernel is built (building it now if needed) and registered with XLA:CPU;
+    KVFOLD_DECODE_ATTENTION_CPU=0 turns it off."""
+    return KERNEL.available()
 
 
 def supports(q, k_pages, variant, tree, kv_format, max_q_len) -> bool:
@@ -72,7 +64,7 @@ def decode_attention_cpu(q, k_pages, v_pages, block_tables, seq, q_pos, sinks=No
     logits that join each softmax's denominator. RuntimeError when the kernel is not
     available."""
     if not available():
-        raise RuntimeError(f"{WHAT} is not available (no compiler, a failed build, "
+        raise RuntimeError(f"{KERNEL.what} is not available (no compiler, a failed build, "
                            "or KVFOLD_DECODE_ATTENTION_CPU=0)")
     num_tokens, num_q_heads, _ = q.shape
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
