@@ -6,8 +6,9 @@ a layer at one decode row whatever the context; this kernel reads each live posi
 and V row once per KV head, for all the query heads that share it. It computes the same
 function as the XLA path (results equal to float32 rounding), for softmax attention with or
 without soft-capping, sliding windows and sinks: the entry's CPU branch for those steps;
-others (chunks, draft trees, low-bit pages, other variants) and gradients stay on xla.py. Built like the quantized matmul's kernel
-(pallas_kernels/cpu_ffi.py); `available()` says whether that worked.
+others (chunks, draft trees, low-bit pages, other variants) and gradients stay on xla.py.
+Built like the quantized matmul's kernel (pallas_kernels/cpu_ffi.py); `available()` says
+whether that worked.
 """
 
 from __future__ import annotations
