@@ -21,7 +21,9 @@ weights_dtype (the same name on `model.load`, `LLM(...)` and `--weights-dtype`):
   tensor's own.
 
 Tensors are converted one at a time as the loader reads them, so a load never holds a
-float32 copy of more than one tensor.
+float32 copy of more than one tensor. A packed matrix is laid out for the backend's kernel
+as it is stored (pallas_kernels.quant_matmul.prepare: on a CPU, codes interleaved four rows
+to a word).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from pallas_kernels.quant_matmul.entry import prepare
 from quant.packed import FORMATS, GGUF_FORMATS, PackedWeight, concat_columns, from_gguf, quantize
 
 KEEP_GGUF = "gguf"
@@ -111,8 +114,8 @@ def store_rows(key: str, read: Callable[[int, int], np.ndarray], rows: int,
         return store(key, w, weights_dtype, dtype)
     first = np.asarray(read(0, 1), np.float32)
     step = max(1, CHUNK_BYTES // (4 * first.shape[-1]))
-    return concat_columns([quantize(np.asarray(read(r0, min(r0 + step, rows)), np.float32).T, weights_dtype)
-                           for r0 in range(0, rows, step)])
+    return prepare(concat_columns([quantize(np.asarray(read(r0, min(r0 + step, rows)), np.float32).T, weights_dtype)
+                                   for r0 in range(0, rows, step)]))
 
 
 def store(key: str, w: np.ndarray, weights_dtype: str | None, dtype) -> np.ndarray:
@@ -142,7 +145,7 @@ def store_gguf(key: str, raw: np.ndarray, qtype: str, shape: tuple[int, int],
         return None
     fmt = GGUF_FORMATS[qtype].name
     if weights_dtype == KEEP_GGUF_A8:
-        return dataclasses.replace(from_gguf(raw, qtype, shape), int8_activations=True)
+        return prepare(dataclasses.replace(from_gguf(raw, qtype, shape), int8_activations=True))
     if weights_dtype == KEEP_GGUF or weights_dtype == fmt:
-        return from_gguf(raw, qtype, shape)
+        return prepare(from_gguf(raw, qtype, shape))
     return None

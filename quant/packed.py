@@ -32,6 +32,12 @@ j in its low nibble and row j + group / 2 in its high nibble. `dequantize` works
 row slice that covers whole groups (the kernels decode their tiles the same way with int32
 ops, pallas_kernels/quant_matmul/tiles.py).
 
+On a CPU the stored code rows are interleaved four at a time (`interleave`, which
+pallas_kernels.quant_matmul.prepare applies at load): rows 4i .. 4i + 3 of a column become
+the four bytes of one 32-bit word, the lane of an integer dot-product instruction, so the
+CPU kernel multiplies the codes as they lie in memory. The bytes and the resident size are
+the same; `PackedWeight.interleaved` says which order the codes are in.
+
 Bit-exactness with the gguf package's dequantizer: the scale is float16 and the codes
 have at most 8 bits, so (code - zero) * scale is exact in float32 and a fused
 multiply-add rounds the same as the separate ops.
@@ -103,6 +109,8 @@ class PackedWeight:
     the K-quants' float16 super-block scales (Format.super_block), else None.
     int8_activations (static; weights_dtype "gguf_a8" sets it on GGUF blocks): every
     matmul first rounds x to int8 per activation block (`round_activation_blocks`).
+    interleaved (static): the codes' rows are in `interleave`'s order; `row_codes()` gives
+    them back row by row.
     """
 
     codes: jax.Array
@@ -115,6 +123,8 @@ class PackedWeight:
     # GGUF block formats (weights_dtype "gguf_a8"): the matmul rounds x to int8 per
     # activation block first (`round_activation_blocks`), as llama.cpp computes GGUF blocks
     int8_activations: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # codes in `interleave`'s order (the CPU kernel's), not row by row
+    interleaved: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def format(self) -> Format:
@@ -144,18 +154,64 @@ class PackedWeight:
         dmin = jnp.repeat(self.super[1].astype(jnp.float32), per, axis=0)
         return scale, -(dmin * self.offset.astype(jnp.float32))
 
+    def row_codes(self) -> jax.Array:
+        """The stored codes row by row ([in * bits / 8, out]), whatever their order."""
+        return deinterleave_rows(self.codes) if self.interleaved else self.codes
+
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The [in, out] float weight the codes represent."""
         scale, offset = self.float_scales()
-        return dequantize(self.codes, scale, offset, self.fmt, self.group).astype(dtype)
+        return dequantize(self.row_codes(), scale, offset, self.fmt, self.group).astype(dtype)
 
     def columns(self, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
         """Float columns ids of the weight, as [len(ids), in] rows (an embedding lookup
         when the weight is a tied [hidden, vocab] embedding)."""
         scale, offset = self.float_scales()
         offset = None if offset is None else offset[:, ids]
-        w = dequantize(self.codes[:, ids], scale[:, ids], offset, self.fmt, self.group)
+        if self.interleaved:  # a column's words are [rows / 4, 4] bytes
+            stored = self.codes.shape[0]
+            codes = self.codes.reshape(stored // 4, -1, 4)[:, ids].transpose(0, 2, 1).reshape(stored, len(ids))
+        else:
+            codes = self.codes[:, ids]
+        w = dequantize(codes, scale[:, ids], offset, self.fmt, self.group)
         return w.T.astype(dtype)
+
+
+def interleave_rows(codes):
+    """Stored codes [rows, n] (numpy or jax, rows a multiple of 4) with every four rows
+    interleaved: rows 4i .. 4i + 3 of column c become bytes 4c .. 4c + 3 of row block i, so
+    a row block is n 32-bit words, one per column (same shape, same bytes)."""
+    rows, n = codes.shape
+    return codes.reshape(rows // 4, 4, n).transpose(0, 2, 1).reshape(rows, n)
+
+
+def deinterleave_rows(codes):
+    """interleave_rows undone: the codes row by row."""
+    rows, n = codes.shape
+    return codes.reshape(rows // 4, n, 4).transpose(0, 2, 1).reshape(rows, n)
+
+
+def block_rows(fmt: str, group: int) -> int:
+    """Stored code rows per block of the CPU kernel and of an activation block: 16 rows of
+    one group, or a smaller group's rows (a 4-bit row holds two inputs)."""
+    group_rows = group // 2 if FORMATS[fmt].bits == 4 else group
+    return group_rows if group_rows % 16 else 16
+
+
+def can_interleave(w: PackedWeight) -> bool:
+    """Whether `interleave` applies: a 4- or 8-bit integer format (not fp8) whose blocks
+    (`block_rows`) are whole words of four rows."""
+    return (not w.interleaved and FORMATS[w.fmt].codes_dtype in ("int8", "uint8")
+            and block_rows(w.fmt, w.group) % 4 == 0)
+
+
+def interleave(w: PackedWeight) -> PackedWeight:
+    """w with its codes in the CPU kernel's order (`interleave_rows`; ValueError unless
+    `can_interleave`): the same values and bytes, every path reads them."""
+    if not can_interleave(w):
+        raise ValueError(f"a {w.fmt} weight with groups of {w.group} cannot be interleaved "
+                         f"({'it already is' if w.interleaved else 'its blocks are not whole 4-row words'})")
+    return dataclasses.replace(w, codes=interleave_rows(w.codes), interleaved=True)
 
 
 def unpack_codes(codes: jax.Array, bits: int, group: int) -> jax.Array:
@@ -263,12 +319,10 @@ def quantize(w, fmt: str) -> PackedWeight:
 
 
 def activation_block_size(fmt: str, group: int) -> int:
-    """Inputs per activation block (`activation_blocks`): 16 stored code rows of one group,
-    or a smaller group's rows; a stored row of a 4-bit format holds two inputs."""
-    nibbles = FORMATS[fmt].bits == 4
-    group_rows = group // 2 if nibbles else group
-    rows = group_rows if group_rows % 16 else 16
-    return 2 * rows if nibbles else rows
+    """Inputs per activation block (`activation_blocks`): `block_rows` stored code rows; a
+    stored row of a 4-bit format holds two inputs."""
+    rows = block_rows(fmt, group)
+    return 2 * rows if FORMATS[fmt].bits == 4 else rows
 
 
 def activation_blocks(fmt: str, group: int, d_in: int) -> np.ndarray:
@@ -307,16 +361,19 @@ def concat_columns(parts: list[PackedWeight]) -> PackedWeight:
     """One PackedWeight [in, sum of outs] from parts of one format and input width (a
     weight packed a slice of output channels at a time)."""
     first = parts[0]
-    key = lambda p: (p.fmt, p.group, p.shape[0], p.int8_activations)  # noqa: E731
+    key = lambda p: (p.fmt, p.group, p.shape[0], p.int8_activations, p.interleaved)  # noqa: E731
     if any(key(p) != key(first) for p in parts):
-        raise ValueError("concat_columns: parts differ in format, group, input width or activations")
+        raise ValueError("concat_columns: parts differ in format, group, input width, activations or code order")
     if len(parts) == 1:
         return first
     cat = lambda arrays, axis=1: jnp.concatenate(arrays, axis=axis)  # noqa: E731
-    return PackedWeight(cat([p.codes for p in parts]), cat([p.scale for p in parts]),
+    codes = (interleave_rows(cat([p.row_codes() for p in parts])) if first.interleaved
+             else cat([p.codes for p in parts]))
+    return PackedWeight(codes, cat([p.scale for p in parts]),
                         None if first.offset is None else cat([p.offset for p in parts]),
                         first.fmt, first.group, (first.shape[0], sum(p.shape[1] for p in parts)),
-                        None if first.super is None else cat([p.super for p in parts], 2), first.int8_activations)
+                        None if first.super is None else cat([p.super for p in parts], 2), first.int8_activations,
+                        first.interleaved)
 
 
 # -- GGUF blocks -> packed -------------------------------------------------------------

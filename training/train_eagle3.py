@@ -37,6 +37,7 @@ from model.config import ModelConfig
 from model.sharding import DATA
 from model.eagle3 import FROZEN, Eagle3Config, feature_layers, init_draft_params, save_draft
 from model.weights import WEIGHTS_DTYPES
+from pallas_kernels.quant_matmul import prepare_params
 from quant import WEIGHT_FORMATS, pack_params
 from training import data
 from training.ttt import NUM_STEPS, acceptance_counts, acceptance_summary, ttt_loss
@@ -101,7 +102,7 @@ def _pack(params: dict, weights_dtype: str) -> dict:
     if weights_dtype not in WEIGHT_FORMATS:
         raise ValueError(f"the {TINY_RANDOM} target packs to one of {', '.join(WEIGHT_FORMATS)}, "
                          f"not {weights_dtype!r}")
-    return pack_params(params, weights_dtype)
+    return prepare_params(pack_params(params, weights_dtype))
 
 
 def load_target(source: str, weights_dtype: str | None = None):

@@ -6,9 +6,9 @@ into a float temporary at every step, which costs several times the float32 matm
 llama.cpp reads the same blocks directly. This kernel reads them directly too, for steps of
 a few tokens (decode). It keeps activations in float32, so its result is the reference's
 up to the order of float additions, except for weights packed with int8_activations
-(weights_dtype "gguf_a8"): where the CPU has AVX-512 VNNI and VBMI it then rounds x per
+(weights_dtype "gguf_a8"): where the CPU has AVX-512 VNNI it then rounds x per
 activation block itself and multiplies int8 codes by int8 activations as llama.cpp does
-(integer dot products: 4x the multiply-adds of a float instruction); without them the entry
+(integer dot products: 4x the multiply-adds of a float instruction); without it the entry
 rounds x first and the float tiles run.
 
 The kernel is compiled once per machine with the system's C++ compiler (`-march=native`,
@@ -70,7 +70,7 @@ def max_tokens(int8_tiles: bool = False) -> int:
 
 
 def vnni() -> bool:
-    """Whether the built kernel has the int8-activation tiles (AVX-512 VNNI and VBMI)."""
+    """Whether the built kernel has the int8-activation tiles (AVX-512 VNNI)."""
     lib = KERNEL.library
     return lib is not None and bool(lib.KvfoldQuantMatmulVnni())
 

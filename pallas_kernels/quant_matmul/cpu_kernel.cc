@@ -15,7 +15,7 @@
 // loops the compiler vectorizes where the CPU lacks AVX-512; cpu.py builds with
 // -march=native on the machine that runs it). Activations stay float32, so the result is
 // the dequantize-then-matmul reference's up to the order of float additions.
-// With int8_activations (weights_dtype "gguf_a8", on a CPU with AVX-512 VNNI and VBMI) each
+// With int8_activations (weights_dtype "gguf_a8", on a CPU with AVX-512 VNNI) each
 // block of x is rounded to int8 codes with one scale dx (quant.packed.round_activation_blocks
 // states the same in JAX) and the block sums are integer dot products, four code bytes by
 // four activation bytes per instruction lane, as llama.cpp multiplies GGUF blocks:
@@ -23,6 +23,12 @@
 //              + offset[g, n] * dx sum_k xq[t, k]
 // Codes are int8 (8-bit formats) or two 4-bit codes a byte, GGUF's order inside a group:
 // byte row j of a group holds row j in its low nibble and row j + group / 2 in its high.
+// The stored rows are interleaved four at a time (quant.packed.interleave_rows, what
+// quant_matmul.prepare lays out on a CPU): rows 4i .. 4i + 3 of a column are the four bytes
+// of one 32-bit word, so one 64-byte load holds 16 columns' words, which are the lanes of
+// an integer dot product (vpdpbusd) as they are. In row order each vector of codes first
+// took a byte permutation and a masked shift: 576 x 1536 at one token with int8 activations
+// and the weight hot in cache went from 19 to 14 us.
 // Scales and offsets are float16 or float32. Column ranges are spread over a crew of helper
 // threads, one fewer than XLA's intra-op pool has (Crew).
 
@@ -57,14 +63,15 @@ constexpr int64_t kPrefetchBytes = 16 << 10;
 
 struct Problem {
   const float* x;        // [T, K]
-  const uint8_t* codes;  // [K, N] int8, or [K / 2, N] nibbles
+  const uint8_t* codes;  // [K, N] int8, or [K / 2, N] nibbles, four rows interleaved:
+                         // stored row r, column n is byte (r / 4) 4N + 4n + r % 4
   const void* scale;     // [K / group, N]
   const void* offset;    // [K / group, N] or null
   const float* xs;       // [T, blocks]: x summed over each block's rows (with int8
                          // activations: dx times the block's int8 codes summed)
   float* y;              // [T, N]
   int64_t T, K, N, group;
-  int64_t rows;          // stored code rows per block (16, or a smaller group's)
+  int64_t rows;          // stored code rows per block (16, or a smaller group's: a multiple of 4)
   int64_t blocks;        // stored code rows / rows
   bool nibbles, f16;
   float zero;
@@ -82,17 +89,17 @@ struct Problem {
     return nibbles ? r / half() * group + r % half() : r;
   }
   int64_t group_of(int64_t b) const { return b * rows / (nibbles ? half() : group); }
-  // Dot-product lanes per block: a lane multiplies four weights of one column, stored rows
-  // j and j + 1 (both nibbles each) or int8 rows j .. j + 3.
+  // A block's codes from column n on: its rows / 4 rows of words, 4N bytes apart.
+  const uint8_t* words(int64_t b, int64_t n) const { return codes + b * rows * N + 4 * n; }
+  // Dot-product lanes per block: a word of four stored rows gives one lane of int8 codes,
+  // or two of nibbles (its low nibbles, then its high ones).
   int64_t lanes() const { return nibbles ? rows / 2 : rows / 4; }
-  // The weight rows of block b's lane l, in the lane's byte order.
+  // The weight rows of block b's lane l, in the lane's byte order: the low nibbles of word
+  // row l (l < rows / 4), else the high nibbles of word row l - rows / 4; int8 word row l.
   void lane_rows(int64_t b, int64_t l, int64_t k[4]) const {
-    const int64_t r = first_row(b);
-    if (nibbles) {
-      k[0] = r + 2 * l, k[1] = k[0] + 1, k[2] = k[0] + half(), k[3] = k[1] + half();
-    } else {
-      for (int i = 0; i < 4; ++i) k[i] = r + 4 * l + i;
-    }
+    const int64_t word_rows = rows / 4;
+    const int64_t r = first_row(b) + (l < word_rows ? 4 * l : half() + 4 * (l - word_rows));
+    for (int i = 0; i < 4; ++i) k[i] = r + i;
   }
 };
 
@@ -107,20 +114,16 @@ void block_tile_generic(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
   constexpr int64_t W = 16 * NV;
   float ga[TW][W] = {};
   const float* x = p.x + t0 * p.K + p.first_row(b);
-  const uint8_t* c8 = p.codes + b * p.rows * p.N + n0;
-  if (p.nibbles) {
-    const int64_t half = p.half();
-    const uint8_t* c = c8;
-    for (int64_t j = 0; j < p.rows; ++j, c += p.N)
-      for (int t = 0; t < TW; ++t)
-        for (int64_t o = 0; o < W; ++o)
-          ga[t][o] += x[t * p.K + j] * static_cast<float>(c[o] & 0x0F) +
-                      x[t * p.K + j + half] * static_cast<float>(c[o] >> 4);
-  } else {
-    const int8_t* c = reinterpret_cast<const int8_t*>(c8);
-    for (int64_t j = 0; j < p.rows; ++j, c += p.N)
-      for (int t = 0; t < TW; ++t)
-        for (int64_t o = 0; o < W; ++o) ga[t][o] += x[t * p.K + j] * static_cast<float>(c[o]);
+  const int64_t half = p.half();
+  for (int64_t j = 0; j < p.rows; ++j) {
+    const uint8_t* c = p.words(b, n0) + j / 4 * 4 * p.N + j % 4;  // byte j % 4 of each word
+    for (int t = 0; t < TW; ++t)
+      for (int64_t o = 0; o < W; ++o) {
+        const uint8_t code = c[4 * o];
+        ga[t][o] += p.nibbles ? x[t * p.K + j] * static_cast<float>(code & 0x0F) +
+                                    x[t * p.K + j + half] * static_cast<float>(code >> 4)
+                              : x[t * p.K + j] * static_cast<float>(static_cast<int8_t>(code));
+      }
   }
   const int64_t g = p.group_of(b);
   for (int t = 0; t < TW; ++t) {
@@ -146,9 +149,31 @@ inline void add_block(float* y, __m512 scale, __m512 offset, __m512 dot, float s
   _mm512_storeu_ps(y, _mm512_fmadd_ps(offset, _mm512_set1_ps(s), _mm512_fmadd_ps(scale, dot, _mm512_loadu_ps(y))));
 }
 
+// f(i) for the four bytes of a word, i a compile-time constant.
+template <typename F>
+inline void each_byte(F&& f) {
+  f(std::integral_constant<int, 0>{}), f(std::integral_constant<int, 1>{});
+  f(std::integral_constant<int, 2>{}), f(std::integral_constant<int, 3>{});
+}
+
+// Byte I of each 32-bit word, as a float: unsigned (one byte shuffle within each 128-bit
+// lane, zeros elsewhere), or signed (shifted to the top, then back down with its sign).
+template <int I>
+inline __m512 byte_of(__m512i w, std::integral_constant<int, I>) {
+  constexpr int z = static_cast<int>(0x80808000u);
+  return _mm512_cvtepi32_ps(_mm512_shuffle_epi8(w, _mm512_set4_epi32(z | (12 + I), z | (8 + I), z | (4 + I), z | I)));
+}
+template <int I>
+inline __m512 signed_byte_of(__m512i w, std::integral_constant<int, I>) {
+  const __m512i top = I == 3 ? w : _mm512_slli_epi32(w, 24 - 8 * I);
+  return _mm512_cvtepi32_ps(_mm512_srai_epi32(top, 24));
+}
+
 // The same with AVX-512 intrinsics: TW tokens by NV vectors of 16 columns of block sums in
-// registers. At one token, the low and high nibbles (or even and odd int8 rows) go to two
-// accumulator sets so consecutive multiply-adds do not wait on each other.
+// registers. A 64-byte load is one word row's 16 columns: byte i of each word (stored row
+// 4q + i) becomes a float per column (byte_of). At one token, the low and high
+// nibbles (or even and odd int8 rows) go to two accumulator sets so consecutive
+// multiply-adds do not wait on each other.
 template <int TW, int NV, bool F16>
 void block_tile_avx512(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
   constexpr int S = TW == 1 ? 2 : 1;  // accumulator sets
@@ -157,35 +182,38 @@ void block_tile_avx512(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
     for (int t = 0; t < TW; ++t)
       for (int v = 0; v < NV; ++v) ga[s][t][v] = _mm512_setzero_ps();
   const float* x = p.x + t0 * p.K + p.first_row(b);
-  const uint8_t* c8 = p.codes + b * p.rows * p.N + n0;
-  if (p.nibbles) {
-    const int64_t half = p.half();
-    const uint8_t* c = c8;
-    const __m512i low = _mm512_set1_epi32(0x0F);
-    for (int64_t j = 0; j < p.rows; ++j, c += p.N) {
-      __m512 lo[NV], hi[NV];
+  const uint8_t* c = p.words(b, n0);
+  const int64_t half = p.half();
+  for (int64_t q = 0; q < p.rows / 4; ++q, c += 4 * p.N) {
+    __m512i w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(c + 64 * v);
+    if (p.nibbles) {
+      __m512i lo[NV], hi[NV];  // each byte's low and high nibble
       for (int v = 0; v < NV; ++v) {
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * v)));
-        lo[v] = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
-        hi[v] = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+        lo[v] = _mm512_and_si512(w[v], _mm512_set1_epi8(0x0F));
+        hi[v] = _mm512_and_si512(_mm512_srli_epi16(w[v], 4), _mm512_set1_epi8(0x0F));
       }
-      for (int t = 0; t < TW; ++t) {
-        const __m512 xl = _mm512_set1_ps(x[t * p.K + j]), xh = _mm512_set1_ps(x[t * p.K + j + half]);
-        for (int v = 0; v < NV; ++v) {
-          ga[0][t][v] = _mm512_fmadd_ps(xl, lo[v], ga[0][t][v]);
-          ga[S - 1][t][v] = _mm512_fmadd_ps(xh, hi[v], ga[S - 1][t][v]);
+      each_byte([&](auto i) {  // stored row 4q + i: weight rows j and j + half
+        const int64_t j = 4 * q + i;
+        __m512 fl[NV], fh[NV];
+        for (int v = 0; v < NV; ++v) fl[v] = byte_of(lo[v], i), fh[v] = byte_of(hi[v], i);
+        for (int t = 0; t < TW; ++t) {
+          const __m512 xl = _mm512_set1_ps(x[t * p.K + j]), xh = _mm512_set1_ps(x[t * p.K + j + half]);
+          for (int v = 0; v < NV; ++v) {
+            ga[0][t][v] = _mm512_fmadd_ps(xl, fl[v], ga[0][t][v]);
+            ga[S - 1][t][v] = _mm512_fmadd_ps(xh, fh[v], ga[S - 1][t][v]);
+          }
         }
-      }
-    }
-  } else {
-    const int8_t* c = reinterpret_cast<const int8_t*>(c8);
-    for (int64_t j = 0; j < p.rows; ++j, c += p.N) {
-      const int s = S == 2 ? static_cast<int>(j & 1) : 0;
-      for (int v = 0; v < NV; ++v) {
-        const __m512 q = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * v))));
-        for (int t = 0; t < TW; ++t) ga[s][t][v] = _mm512_fmadd_ps(_mm512_set1_ps(x[t * p.K + j]), q, ga[s][t][v]);
-      }
+      });
+    } else {
+      each_byte([&](auto i) {  // stored row 4q + i into set i % 2
+        constexpr int s = S == 2 ? decltype(i)::value & 1 : 0;
+        const int64_t j = 4 * q + i;
+        for (int v = 0; v < NV; ++v) {
+          const __m512 r = signed_byte_of(w[v], i);
+          for (int t = 0; t < TW; ++t) ga[s][t][v] = _mm512_fmadd_ps(_mm512_set1_ps(x[t * p.K + j]), r, ga[s][t][v]);
+        }
+      });
     }
   }
   const int64_t g = p.group_of(b);
@@ -204,30 +232,8 @@ void block_tile_avx512(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KVFOLD_VNNI 1
-// The byte and word permutations that put codes into dot-product lanes (block_tile_vnni).
-struct LaneIndex {
-  // nibbles, vector v (columns 16 v ..): lane i takes bytes (a, b, a, b) of column 16 v + i
-  // from stored rows a and b (the second source's bytes are numbered from 64)
-  alignas(64) uint8_t nibble[4][64];
-  // int8 rows: word i of pair h is column 32 h + i of rows (r, r + 1); lane i of vector
-  // 2 h + u joins word 16 u + i of pairs (j, j + 1) and (j + 2, j + 3)
-  alignas(64) uint8_t pair[2][64];
-  alignas(64) uint16_t join[2][32];
-  LaneIndex() {
-    for (int v = 0; v < 4; ++v)
-      for (int i = 0; i < 64; ++i) nibble[v][i] = static_cast<uint8_t>(16 * v + i / 4 + (i & 1 ? 64 : 0));
-    for (int h = 0; h < 2; ++h)
-      for (int i = 0; i < 32; ++i) {
-        pair[h][2 * i] = static_cast<uint8_t>(32 * h + i);
-        pair[h][2 * i + 1] = static_cast<uint8_t>(64 + 32 * h + i);
-        join[h][i] = static_cast<uint16_t>(i % 2 ? 32 + 16 * h + i / 2 : 16 * h + i / 2);
-      }
-  }
-};
-const LaneIndex kLaneIndex;
-
 // Block b of one token's x rounded to int8: the codes in lane order (lanes() int32 words),
 // the scale dx and dx times the codes' sum. A block of 16 stored rows is one or two runs
 // of 16 inputs (rows r .. r + 15, and r + half .. for nibbles), rounded 16 at a time: the
@@ -242,12 +248,10 @@ void round_block(const Problem& p, const float* x, int64_t b, int32_t* lanes, fl
     const __m512i qc = d > 0.0f ? _mm512_cvtps_epi32(_mm512_div_ps(c, dv)) : _mm512_setzero_si512();
     const __m128i ba = _mm512_cvtepi32_epi8(qa), bc = _mm512_cvtepi32_epi8(qc);
     int32_t sum = _mm512_reduce_add_epi32(qa);
-    if (p.nibbles) {  // lane l: rows 2l, 2l + 1 of the first run, then of the second
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lanes), ba);  // lane l: rows 4l .. 4l + 3 of the first run
+    if (p.nibbles) {  // lanes 4 .. 7: the second run's
       sum += _mm512_reduce_add_epi32(qc);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(lanes), _mm_unpacklo_epi16(ba, bc));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(lanes + 4), _mm_unpackhi_epi16(ba, bc));
-    } else {  // lane l: rows 4l .. 4l + 3
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(lanes), ba);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lanes + 4), bc);
     }
     *dx = d;
     *xs = d * static_cast<float>(sum);
@@ -274,65 +278,54 @@ void round_block(const Problem& p, const float* x, int64_t b, int32_t* lanes, fl
   *dx = d;
   *xs = d * static_cast<float>(sum);
 }
-// The tile with int8 activations, as llama.cpp computes its quantized dot products: the
-// codes go to the bytes of dot-product lanes (vpdpbusd: four unsigned bytes times four
-// signed ones, summed into an int32) with one byte permutation per vector, and the int32
-// block sums are scaled once per block like the float tile's. Nibble lanes hold stored
-// rows j and j + 1, low nibbles then high ones; int8 lanes hold rows j .. j + 3, their
-// codes offset by 128 to be unsigned (the offset's share, 128 dx sum(x codes), is taken
-// off with the zero point's).
+// The tile with int8 activations, as llama.cpp computes its quantized dot products: a
+// word of codes is a dot-product lane (vpdpbusd: four unsigned bytes times four signed
+// ones, summed into an int32) as it is stored, and the int32 block sums are scaled once per
+// block like the float tile's. A word of nibbles is two lanes, its low nibbles (stored rows
+// 4q .. 4q + 3, weight rows of the group's first half) and its high ones (the same rows of
+// the second half); int8 codes are offset by 128 to be unsigned (the offset's share, 128 dx
+// sum(x codes), is taken off with the zero point's).
 template <int TW, int NV, bool F16>
 void block_tile_vnni(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
   constexpr int S = TW == 1 ? 2 : 1;  // accumulator sets, as in the float tile
-  constexpr __mmask64 cols = NV == 4 ? ~__mmask64{0} : (__mmask64{1} << (16 * NV)) - 1;
   __m512i acc[S][TW][NV];
   for (int s = 0; s < S; ++s)
     for (int t = 0; t < TW; ++t)
       for (int v = 0; v < NV; ++v) acc[s][t][v] = _mm512_setzero_si512();
-  const int64_t lanes = p.lanes();
+  const int64_t lanes = p.lanes(), word_rows = p.rows / 4;
   const int32_t* xq = p.xq + (t0 * p.blocks + b) * lanes;
   const int64_t xstride = p.blocks * lanes;
-  const uint8_t* codes = p.codes + b * p.rows * p.N + n0;
-  const LaneIndex& index = kLaneIndex;
-  // lane l of the block into accumulator set u (a constant, so the sets stay in registers)
-  auto nibble_lane = [&](int64_t l, auto u) {
-    const uint8_t* c = codes + 2 * l * p.N;
-    const __m512i ra = _mm512_maskz_loadu_epi8(cols, c), rb = _mm512_maskz_loadu_epi8(cols, c + p.N);
-    for (int v = 0; v < NV; ++v) {
-      const __m512i w = _mm512_permutex2var_epi8(
-          ra, _mm512_load_si512(reinterpret_cast<const __m512i*>(index.nibble[v])), rb);
-      // the high word of each lane shifted by 4: its bytes become the high nibbles
-      const __m512i d = _mm512_and_si512(_mm512_mask_srli_epi16(w, 0xAAAAAAAA, w, 4), _mm512_set1_epi8(0x0F));
-      for (int t = 0; t < TW; ++t)
-        acc[u][t][v] = _mm512_dpbusd_epi32(acc[u][t][v], d, _mm512_set1_epi32(xq[t * xstride + l]));
-    }
-  };
-  auto int8_lane = [&](int64_t l, auto u) {
-    const uint8_t* c = codes + 4 * l * p.N;
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    __m512i r[4];
-    for (int q = 0; q < 4; ++q) r[q] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(cols, c + q * p.N), flip);
-    for (int h = 0; h < (NV + 1) / 2; ++h) {
-      const __m512i ix = _mm512_load_si512(reinterpret_cast<const __m512i*>(index.pair[h]));
-      const __m512i p01 = _mm512_permutex2var_epi8(r[0], ix, r[1]), p23 = _mm512_permutex2var_epi8(r[2], ix, r[3]);
-      for (int w = 0; w < 2 && 2 * h + w < NV; ++w) {
-        const int v = 2 * h + w;
-        const __m512i d = _mm512_permutex2var_epi16(
-            p01, _mm512_load_si512(reinterpret_cast<const __m512i*>(index.join[w])), p23);
-        for (int t = 0; t < TW; ++t)
-          acc[u][t][v] = _mm512_dpbusd_epi32(acc[u][t][v], d, _mm512_set1_epi32(xq[t * xstride + l]));
+  const uint8_t* codes = p.words(b, n0);
+  if (p.nibbles) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t q = 0; q < word_rows; ++q) {
+      const uint8_t* c = codes + q * 4 * p.N;
+      for (int v = 0; v < NV; ++v) {
+        const __m512i w = _mm512_loadu_si512(c + 64 * v);
+        const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        for (int t = 0; t < TW; ++t) {
+          const int32_t* xt = xq + t * xstride;
+          acc[0][t][v] = _mm512_dpbusd_epi32(acc[0][t][v], lo, _mm512_set1_epi32(xt[q]));
+          acc[S - 1][t][v] = _mm512_dpbusd_epi32(acc[S - 1][t][v], hi, _mm512_set1_epi32(xt[word_rows + q]));
+        }
       }
     }
-  };
-  using Zero = std::integral_constant<int, 0>;
-  using Last = std::integral_constant<int, S - 1>;
-  int64_t l = 0;
-  if (p.nibbles) {
-    for (; l + 2 <= lanes; l += 2) nibble_lane(l, Zero{}), nibble_lane(l + 1, Last{});
-    if (l < lanes) nibble_lane(l, Zero{});
   } else {
-    for (; l + 2 <= lanes; l += 2) int8_lane(l, Zero{}), int8_lane(l + 1, Last{});
-    if (l < lanes) int8_lane(l, Zero{});
+    // word row q into accumulator set u (a constant, so the sets stay in registers)
+    auto int8_row = [&](int64_t q, auto u) {
+      const uint8_t* c = codes + q * 4 * p.N;
+      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+      for (int v = 0; v < NV; ++v) {
+        const __m512i d = _mm512_xor_si512(_mm512_loadu_si512(c + 64 * v), flip);
+        for (int t = 0; t < TW; ++t)
+          acc[u][t][v] = _mm512_dpbusd_epi32(acc[u][t][v], d, _mm512_set1_epi32(xq[t * xstride + q]));
+      }
+    };
+    int64_t q = 0;
+    using Zero = std::integral_constant<int, 0>;
+    using Last = std::integral_constant<int, S - 1>;
+    for (; q + 2 <= word_rows; q += 2) int8_row(q, Zero{}), int8_row(q + 1, Last{});
+    if (q < word_rows) int8_row(q, Zero{});
   }
   const int64_t g = p.group_of(b);
   const float zero = p.zero + (p.nibbles ? 0.0f : 128.0f);
@@ -386,9 +379,9 @@ void block_columns(const Problem& p, int64_t b, int64_t n0) {
 // Asks the L1 cache for block b's codes over columns [n, n + cols) ahead of their use (the
 // scales, one row per group, are few: asking for them too measured slower).
 void prefetch_block(const Problem& p, int64_t b, int64_t n, int64_t cols) {
-  const uint8_t* c = p.codes + b * p.rows * p.N + n;
-  for (int64_t j = 0; j < p.rows; ++j)
-    for (int64_t o = 0; o < cols; o += 64) __builtin_prefetch(c + j * p.N + o, 0, 3);
+  const uint8_t* c = p.words(b, n);
+  for (int64_t q = 0; q < p.rows / 4; ++q)
+    for (int64_t o = 0; o < 4 * cols; o += 64) __builtin_prefetch(c + q * 4 * p.N + o, 0, 3);
 }
 
 // y[:, n0 : n1] over all of K. Row block by row block, sweeping the columns inside each,
@@ -542,6 +535,9 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   // 64 byte rows).
   const int64_t stored = nibbles ? K / 2 : K, group_rows = nibbles ? group / 2 : group;
   const int64_t rows = group_rows % 16 ? group_rows : 16, blocks = stored / rows;
+  if (rows % 4)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: codes interleave four stored rows to a word, so a "
+                                       "group must have a multiple of 4 stored rows");
   Shared shared;
   Problem& p = shared.p;
   p = Problem{x.typed_data(), static_cast<const uint8_t*>(codes.untyped_data()), scale.untyped_data(),
@@ -551,8 +547,6 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   std::vector<int32_t> xq;
   if (int8_activations) {
 #if defined(KVFOLD_VNNI)
-    if (rows % (nibbles ? 2 : 4))
-      return ffi::Error::InvalidArgument("quant_matmul_cpu: int8 activations need blocks of whole dot-product lanes");
     // Each token's x rounded per block: codes round(x / dx) with dx = max |x| / 127 over the
     // block's weight rows (quant.packed.round_activation_blocks states the same in JAX).
     const int64_t lanes = p.lanes();
@@ -564,7 +558,7 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
     p.xq = xq.data();
     p.dx = dx.data();
 #else
-    return ffi::Error::InvalidArgument("quant_matmul_cpu: this build has no int8 activations (AVX-512 VNNI and VBMI)");
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: this build has no int8 activations (AVX-512 VNNI)");
 #endif
   } else {
     for (int64_t b = 0; b < blocks; ++b)
@@ -599,7 +593,7 @@ extern "C" int KvfoldQuantMatmulAvx512() {
 #endif
 }
 
-// 1 when built with the int8-activation tiles (AVX-512 VNNI and VBMI), else 0.
+// 1 when built with the int8-activation tiles (AVX-512 VNNI), else 0.
 extern "C" int KvfoldQuantMatmulVnni() {
 #if defined(KVFOLD_VNNI)
   return 1;

@@ -2,21 +2,48 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import validate as v
 from pallas_kernels.dispatch import bind, dispatch
-from quant.packed import ACTIVATION_INT8, PackedWeight, quantize_activations, round_activation_blocks
+from quant.packed import (ACTIVATION_INT8, PackedWeight, can_interleave, deinterleave_rows, interleave,
+                          quantize_activations, round_activation_blocks)
 from pallas_kernels.quant_matmul import cpu
 from pallas_kernels.quant_matmul.kernel_gpu import quant_matmul_gpu
 from pallas_kernels.quant_matmul.kernel_tpu import quant_matmul_tpu
 from pallas_kernels.quant_matmul.xla import quant_matmul_xla
 
 
-def _xla(x, codes, scale, offset, *, fmt, group, int8_activations=False):
+def _xla(x, codes, scale, offset, *, fmt, group, int8_activations=False, interleaved=False):
     w = PackedWeight(codes, scale, offset, fmt, group, (x.shape[1], codes.shape[1]),
-                     int8_activations=int8_activations)
+                     int8_activations=int8_activations, interleaved=interleaved)
     return quant_matmul_xla(x, w).astype(x.dtype)
+
+
+def _row_order(x, codes, scale, offset, *, kernel, **options):
+    """A TPU / GPU kernel on codes put back row by row (a weight `prepare` laid out for a
+    CPU, run elsewhere: correct, at the cost of a copy of the codes)."""
+    return kernel(x, deinterleave_rows(codes), scale, offset, **options)
+
+
+def prepare(w: PackedWeight) -> PackedWeight:
+    """w laid out for the kernel this backend runs: on a CPU whose kernel (cpu.py) decodes
+    w's format, its codes interleaved four rows to a word (quant.packed.interleave), the
+    order that kernel reads; otherwise w as it is. model.load calls it (`prepare_params`
+    for a tree); a weight not prepared still multiplies correctly, on the XLA path."""
+    if not isinstance(w, PackedWeight):
+        raise ValueError(f"prepare takes a PackedWeight, got {type(w).__name__}")
+    if can_interleave(w) and cpu.supports(w.fmt, 1, w.shape[1]):
+        return interleave(w)
+    return w
+
+
+def prepare_params(params):
+    """params (any pytree) with every PackedWeight in it `prepare`d: for weights packed with
+    quant.pack_params (model.load prepares the matrices it packs itself)."""
+    packed = lambda x: isinstance(x, PackedWeight)  # noqa: E731
+    return jax.tree.map(lambda x: prepare(x) if packed(x) else x, params, is_leaf=packed)
 
 
 def _rounded_activations(x, codes, scale, offset, *, kernel, interpret, fmt, group, blocks=False):
@@ -71,10 +98,12 @@ def quant_matmul(x, w: PackedWeight, *, interpret=None):
         rounded = dict(options, blocks=True) if w.int8_activations else options
         tpu = bind(_rounded_activations, kernel=quant_matmul_tpu, **rounded)
         gpu = bind(_rounded_activations, kernel=quant_matmul_gpu, **rounded)
+    if w.interleaved:
+        tpu, gpu = bind(_row_order, kernel=tpu), bind(_row_order, kernel=gpu)
     scale, offset = w.float_scales()  # K-quants: float32 per group from their two-level scales
     rounding = dict(int8_activations=True) if w.int8_activations else {}
     tiles = dict(int8_tiles=True) if w.int8_activations and cpu.int8_tiles(w.fmt, w.group) else {}
-    native = (bind(_cpu, **options, **rounding, **tiles) if cpu.supports(w.fmt, x.shape[0], w.shape[1], **tiles)
-              else None)
-    return dispatch(x, w.codes, scale, offset, ref=bind(_xla, **options, **rounding), tpu=tpu, gpu=gpu,
-                    cpu=native, interpret=interpret)
+    native = (bind(_cpu, **options, **rounding, **tiles)
+              if w.interleaved and cpu.supports(w.fmt, x.shape[0], w.shape[1], **tiles) else None)
+    return dispatch(x, w.codes, scale, offset, ref=bind(_xla, **options, **rounding, interleaved=w.interleaved),
+                    tpu=tpu, gpu=gpu, cpu=native, interpret=interpret)

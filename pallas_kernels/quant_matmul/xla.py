@@ -27,7 +27,7 @@ from quant.packed import ACTIVATION_INT8, PackedWeight, quantize_activations, ro
 def _int8_product(x: jax.Array, w: PackedWeight) -> jax.Array:
     t = x.shape[0]
     xq, xs = quantize_activations(jnp.pad(x, ((0, 1), (0, 0))) if t == 1 else x)
-    acc = jax.lax.dot(xq, w.codes, preferred_element_type=jnp.int32)
+    acc = jax.lax.dot(xq, w.row_codes(), preferred_element_type=jnp.int32)
     return (acc.astype(jnp.float32) * xs * w.scale.astype(jnp.float32))[:t]
 
 

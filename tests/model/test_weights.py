@@ -19,6 +19,7 @@ from quant.packed import K_BLOCK_BYTES, FORMATS, GGUF_FORMATS, PackedWeight, fro
 from model.lora import linear
 import quant
 from quant import pack_params
+from pallas_kernels.quant_matmul import cpu as quant_matmul_cpu, prepare_params
 from tests.model.test_hf_parity import check_gguf_logits, smollm2_golden  # noqa: F401 (fixture)
 
 RNG = np.random.default_rng(0)
@@ -108,13 +109,16 @@ def test_bad_formats_are_value_errors():
 
 
 def test_linear_routes_packed_weights_and_checks_widths():
-    w = RNG.standard_normal((64, 24)).astype(np.float32)
+    w = RNG.standard_normal((64, 32)).astype(np.float32)
     packed = pack_params({"layers": [{"wq": w, "attn_norm": np.ones(64, np.float32)}]}, "q4_1")
     layer = packed["layers"][0]
     assert isinstance(layer["wq"], PackedWeight) and isinstance(layer["attn_norm"], np.ndarray)
     x = jnp.asarray(RNG.standard_normal((2, 3, 64)), jnp.float32)
     want = np.asarray(x, np.float64) @ np.asarray(layer["wq"].dequantize(), np.float64)
     np.testing.assert_allclose(np.asarray(linear(x, layer["wq"])), want, rtol=1e-4, atol=1e-4)
+    prepared = prepare_params(packed)["layers"][0]["wq"]  # on CPU: the C++ kernel's interleaved codes
+    assert prepared.interleaved == (jax.default_backend() == "cpu" and quant_matmul_cpu.available())
+    np.testing.assert_allclose(np.asarray(linear(x, prepared)), want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="does not match packed weight"):
         linear(x[..., :32], layer["wq"])
 
@@ -152,6 +156,8 @@ def test_default_model_keeps_its_gguf_blocks(smollm2_golden):  # noqa: F811 (fix
     config, params, peak = _load_traced(None)
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, PackedWeight))
     assert {w.fmt for w in leaves if isinstance(w, PackedWeight)} == {"q4_1", "q8_0"}
+    kernel = jax.default_backend() == "cpu" and quant_matmul_cpu.available()  # laid out for it
+    assert all(w.interleaved == kernel for w in leaves if isinstance(w, PackedWeight))
     assert sum(int(a.nbytes) for a in jax.tree.leaves(params)) == _gguf_tensor_bytes()
     assert peak < EMBED_FLOAT32_BYTES / 3  # never a float32 copy of the largest matrix
     check_gguf_logits(config, params, smollm2_golden)

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels import quant_matmul
-from pallas_kernels.quant_matmul import PackedWeight
-from quant.packed import ACTIVATION_INT8, FORMATS, dequantize, quantize
+from pallas_kernels.quant_matmul import PackedWeight, prepare
+from quant.packed import (ACTIVATION_INT8, FORMATS, can_interleave, concat_columns, deinterleave_rows, dequantize,
+                          interleave, quantize)
 from pallas_kernels.quant_matmul.kernel_gpu import quant_matmul_gpu
 from pallas_kernels.quant_matmul.kernel_tpu import quant_matmul_tpu
 from pallas_kernels.quant_matmul.ref import quant_matmul_ref
@@ -87,10 +88,11 @@ def test_oracle_dequantizes_what_quantize_packed(fmt):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("fmt", FMTS)
 def test_entry_matches_the_oracle(fmt, shape, interpret):
-    """The entry runs the platform's path: on CPU the C++ kernel (test_quant_matmul_cpu.py),
-    or xla.py for fp8 and w8a8; the TPU kernel in interpret mode."""
+    """The entry runs the platform's path on a weight `prepare` laid out for it: on CPU the
+    C++ kernel on interleaved codes (test_quant_matmul_cpu.py), or xla.py for fp8 and w8a8;
+    the TPU kernel in interpret mode (on the codes put back in row order)."""
     x, w = _inputs(fmt, *shape, seed=10 * FMTS.index(fmt) + SHAPES.index(shape))
-    got = quant_matmul(x, w, interpret=interpret)
+    got = quant_matmul(x, prepare(w), interpret=interpret)
     assert got.shape == (shape[0], shape[2]) and got.dtype == jnp.float32
     _close(got, _oracle(x, w, activations=True))
     if fmt in ACTIVATION_INT8:
@@ -120,6 +122,46 @@ def test_gpu_kernel_matches_the_oracle_with_several_tiles(fmt):
                            block_n=16, interpret=True)  # compiled under gpu-check
     assert got.shape == (5, 48)
     _close(got, _oracle(x, w))
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "int4"])
+def test_interleaved_codes_hold_four_rows_in_a_word(fmt):
+    """quant.packed.interleave (the CPU kernel's order): stored row 4q + i of column n is
+    byte 4n + i of word row q, checked index by index; the weight it represents, its
+    columns (the tied embedding's lookup) and a concatenation of interleaved parts are the
+    row-order weight's, and putting the rows back gives the original bytes."""
+    _, w = _inputs(fmt, 1, 128, 48, seed=3)
+    iw = interleave(w)
+    rows, n = w.codes.shape
+    codes, flat = np.asarray(w.codes), np.asarray(iw.codes).reshape(-1)
+    for r, c in [(0, 0), (1, 0), (3, 5), (4, 0), (rows - 1, n - 1), (6, 47)]:
+        assert flat[r // 4 * 4 * n + 4 * c + r % 4] == codes[r, c]
+    assert iw.codes.shape == w.codes.shape and iw.nbytes == w.nbytes
+    np.testing.assert_array_equal(np.asarray(deinterleave_rows(iw.codes)), codes)
+    np.testing.assert_array_equal(np.asarray(iw.dequantize()), np.asarray(w.dequantize()))
+    ids = jnp.asarray([47, 0, 5, 5, 30])
+    np.testing.assert_array_equal(np.asarray(iw.columns(ids)), np.asarray(w.columns(ids)))
+    _, w2 = _inputs(fmt, 1, 128, 32, seed=4)
+    both = concat_columns([iw, interleave(w2)])
+    assert both.interleaved and both.shape == (128, 80)
+    np.testing.assert_array_equal(np.asarray(both.dequantize()),
+                                  np.asarray(concat_columns([w, w2]).dequantize()))
+
+
+def test_only_whole_words_of_integer_codes_interleave():
+    """fp8 codes, a group whose blocks are not whole four-row words (int8 over 90 inputs: one
+    block of 90 rows) and codes already interleaved stay as they are: `prepare` keeps them,
+    `interleave` refuses with a ValueError naming the problem."""
+    for fmt, d_in in (("fp8", 128), ("int8", 90)):
+        _, w = _inputs(fmt, 1, d_in, 48)
+        assert not can_interleave(w) and prepare(w) is w
+        with pytest.raises(ValueError, match="cannot be interleaved"):
+            interleave(w)
+    _, w = _inputs("q4_1", 1, 128, 48)
+    with pytest.raises(ValueError, match="already is"):
+        interleave(interleave(w))
+    with pytest.raises(ValueError, match="PackedWeight"):
+        prepare(np.zeros((4, 4), np.float32))
 
 
 def test_q5_0_is_q8_0s_layout():

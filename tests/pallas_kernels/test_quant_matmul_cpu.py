@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels import quant_matmul
+from pallas_kernels.quant_matmul import prepare
 from pallas_kernels.quant_matmul import cpu
-from quant.packed import FORMATS, dequantize
+from quant.packed import FORMATS, interleave_rows
 from tests.pallas_kernels.test_quant_matmul import _close, _inputs, _k_quant, _oracle
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernel runs on a CPU backend")
@@ -32,9 +33,11 @@ def _weight(fmt, d_in, d_out, seed):
     return _inputs(fmt, 1, 256 if fmt == "int4" else d_in, d_out, seed=seed)[1]
 
 
-def _run(x, w, target=cpu.TARGET):
+def _run(x, w, target=cpu.TARGET, **options):
+    """The kernel on w's codes in its order (interleaved four rows to a word)."""
     scale, offset = w.float_scales()
-    return cpu.quant_matmul_cpu(x, w.codes, scale, offset, fmt=w.fmt, group=w.group, target=target)
+    return cpu.quant_matmul_cpu(x, interleave_rows(w.codes), scale, offset, fmt=w.fmt, group=w.group,
+                                target=target, **options)
 
 
 @pytest.fixture(scope="module")
@@ -78,26 +81,38 @@ def test_portable_build_matches_the_oracle(fmt, portable):
     _close(_run(x, w, target=portable[0]), _oracle(x, w), rtol=1e-5)
 
 
-def _lowered(t, fmt):
+def _lowered(t, fmt, prepared=True):
     x, w = _inputs(fmt, t, 128, 48, seed=5)
-    return jax.jit(lambda x, w: quant_matmul(x, w)).lower(x, w).as_text()
+    return jax.jit(lambda x, w: quant_matmul(x, w)).lower(x, prepare(w) if prepared else w).as_text()
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "w8a8", "fp8"])
 def test_entry_runs_the_kernel_for_few_tokens(fmt):
-    """Up to max_tokens() rows (decode steps) the entry calls the kernel; above, it dequantizes
-    and runs XLA's matmul. fp8 (no E4M3 decoder in it) and w8a8 (XLA's int8 matmul is faster)
-    always take xla.py. Either way the result is the oracle's."""
+    """Up to max_tokens() rows (decode steps) the entry calls the kernel on a prepared
+    weight; above, it dequantizes and runs XLA's matmul. fp8 (no E4M3 decoder in it) and
+    w8a8 (XLA's int8 matmul is faster) always take xla.py, and `prepare` leaves them as they
+    are. Either way the result is the oracle's."""
     decodes = fmt in cpu.CPU_FORMATS
+    _, w = _inputs(fmt, 1, 128, 48, seed=6)
+    assert prepare(w).interleaved == decodes
     assert (cpu.TARGET in _lowered(cpu.max_tokens(), fmt)) == decodes
     assert cpu.TARGET not in _lowered(cpu.max_tokens() + 1, fmt)
-    x, w = _inputs(fmt, 2, 128, 48, seed=6)
-    _close(quant_matmul(x, w), _oracle(x, w, activations=True))
+    for t in (2, cpu.max_tokens() + 1):
+        x, w = _inputs(fmt, t, 128, 48, seed=6)
+        _close(quant_matmul(x, prepare(w)), _oracle(x, w, activations=True))
+
+
+def test_a_weight_in_row_order_takes_the_xla_path():
+    """The kernel reads only interleaved codes: a weight `prepare` has not laid out (packed by
+    hand, quant.packed.quantize) multiplies on xla.py, with the same result."""
+    assert cpu.TARGET not in _lowered(1, "q4_1", prepared=False)
+    x, w = _inputs("q4_1", 1, 128, 48, seed=7)
+    _close(quant_matmul(x, w), quant_matmul(x, prepare(w)), rtol=1e-5)
 
 
 def test_bfloat16_activations_come_back_in_their_dtype():
     x, w = _inputs("q4_1", 3, 128, 48, seed=7)
-    got = quant_matmul(x.astype(jnp.bfloat16), w)
+    got = quant_matmul(x.astype(jnp.bfloat16), prepare(w))
     assert got.dtype == jnp.bfloat16
     _close(got, _oracle(x.astype(jnp.bfloat16), w), rtol=1e-2)
 
@@ -109,6 +124,10 @@ def test_mismatched_buffers_are_refused_by_the_kernel():
     with pytest.raises(Exception, match="codes must be int8 or uint8"):
         cpu.quant_matmul_cpu(x, w.codes.astype(jnp.int32), w.scale, w.offset, fmt="q4_1",
                              group=32).block_until_ready()
+    x, w = _inputs("int8", 2, 90, 48, seed=8)  # one group of 90 rows: not whole four-row words
+    assert not prepare(w).interleaved
+    with pytest.raises(Exception, match="multiple of 4 stored rows"):
+        cpu.quant_matmul_cpu(x, w.codes, w.scale, None, fmt="int8", group=90).block_until_ready()
 
 
 def test_a_failed_build_is_a_clear_error(tmp_path, monkeypatch):
@@ -119,7 +138,7 @@ def test_a_failed_build_is_a_clear_error(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())  # no half-written library left behind
 
 
-@pytest.mark.skipif(not cpu.vnni(), reason="the int8-activation tiles need AVX-512 VNNI and VBMI")
+@pytest.mark.skipif(not cpu.vnni(), reason="the int8-activation tiles need AVX-512 VNNI")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("fmt", sorted(f for f in cpu.CPU_FORMATS if FORMATS[f].gguf))
 def test_int8_activation_tiles_match_the_oracle_of_rounded_x(fmt, shape):
@@ -131,12 +150,11 @@ def test_int8_activation_tiles_match_the_oracle_of_rounded_x(fmt, shape):
     t, d_in, d_out = shape
     w = _weight(fmt, d_in, d_out, seed=5)
     x = jnp.asarray(np.random.default_rng(t + 1).normal(size=(t, w.shape[0])), jnp.float32)
-    scale, offset = w.float_scales()
-    got = cpu.quant_matmul_cpu(x, w.codes, scale, offset, fmt=fmt, group=w.group, int8_activations=True)
+    got = _run(x, w, int8_activations=True)
     _close(got, _oracle(round_activation_blocks(x, fmt, w.group), w), rtol=1e-5)
 
 
-@pytest.mark.skipif(not cpu.vnni(), reason="the int8-activation tiles need AVX-512 VNNI and VBMI")
+@pytest.mark.skipif(not cpu.vnni(), reason="the int8-activation tiles need AVX-512 VNNI")
 def test_int8_activations_of_an_uneven_block_round_row_by_row():
     """A block that is not 16 rows (int8 per channel over 100 inputs: one block of 25
     four-row lanes, an odd count) takes the kernel's row-by-row rounding and the odd lane's
@@ -145,8 +163,7 @@ def test_int8_activations_of_an_uneven_block_round_row_by_row():
 
     x, w = _inputs("int8", 1, 100, 80, seed=12)
     assert w.group == 100 and cpu.int8_tiles("int8", w.group)
-    scale, offset = w.float_scales()
-    got = cpu.quant_matmul_cpu(x, w.codes, scale, offset, fmt="int8", group=w.group, int8_activations=True)
+    got = _run(x, w, int8_activations=True)
     _close(got, _oracle(round_activation_blocks(x, "int8", w.group), w), rtol=1e-5)
 
 
@@ -167,7 +184,7 @@ def test_calls_running_at_once_each_get_their_own_result():
 
     weights = [_inputs("q4_1", 1, 512, 512, seed=20 + i)[1] for i in range(6)]
     assert 512 * 512 >= 1 << 18  # big enough for the crew
-    dense = [np.asarray(dequantize(w.codes, *w.float_scales(), w.fmt, w.group), np.float64) for w in weights]
+    dense = [np.asarray(w.dequantize(), np.float64) for w in weights]
 
     @jax.jit
     def chain(x, ws):
