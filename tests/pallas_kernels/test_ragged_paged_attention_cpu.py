@@ -88,7 +88,7 @@ def test_kernel_matches_the_float64_oracle(window, cap, with_sinks, heads, head_
 
 
 def test_long_contexts_spread_over_threads_match_the_oracle():
-    """Enough work for the kernel to hand (token, KV head) items to XLA's thread pool."""
+    """Enough work for the kernel to hand its items to XLA's thread pool."""
     args, _ = _decode_batch(2, [300, 517, 9, 260, 400], num_q_heads=8, num_kv_heads=2)
     q, k, v, k_pages, v_pages, table, cu, kv_lens = args
     seq, pos = token_layout(cu, kv_lens, q.shape[0])
@@ -96,6 +96,23 @@ def test_long_contexts_spread_over_threads_match_the_oracle():
     assert int(jnp.sum(pos + 1)) * 8 * 64 >= 1 << 18  # the kernel's threshold for helpers
     out, lse = cpu.decode_attention_cpu(q, k_pages, v_pages, table, seq, pos, sm_scale=0.125)
     want_out, want_lse = _oracle(q, k_pages, v_pages, table, seq, pos, 0.125)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("window,cap,with_sinks", [(None, None, True), (150, 2.0, True), (None, None, False)])
+def test_one_row_split_between_threads_merges_its_parts(window, cap, with_sinks):
+    """One decode row (no padding) over 300 positions: with more threads than tokens its
+    context is split into runs (of at least 64 positions) whose softmax parts are merged;
+    the merge keeps the sinks, the soft cap and the window the oracle has."""
+    args, sinks = _decode_batch(6, [300], num_q_heads=9, num_kv_heads=3, padding=0)
+    q, k, v, k_pages, v_pages, table, cu, kv_lens = args
+    seq, pos = token_layout(cu, kv_lens, q.shape[0])
+    k_pages, v_pages = write_new_kv(k_pages, v_pages, k, v, table, seq, pos)
+    sinks = sinks if with_sinks else None
+    out, lse = cpu.decode_attention_cpu(q, k_pages, v_pages, table, seq, pos, sinks, sm_scale=0.125,
+                                        sliding_window=window, soft_cap=cap)
+    want_out, want_lse = _oracle(q, k_pages, v_pages, table, seq, pos, 0.125, window, cap, sinks)
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
 
