@@ -89,15 +89,15 @@ inline float exp_nonpositive(float x) {
 }
 
 // One work item: token t over positions [lo, hi] of its sequence, for all of its heads. Its
-// part of the softmax is kept unnormalized (per head the maximum m, the sum l of exp(s - m)
-// and acc = sum exp(s - m) v) and the parts of a token are merged once all are done
-// (`merge`), as flash decoding merges the splits of a long context.
+// part is the attention over those positions alone (per head the output and its lse), and
+// the parts of a token are merged once all are done (`merge`), as flash decoding merges the
+// splits of a long context; a token of one part is that part, bit for bit.
 struct Item {
   int64_t t, lo, hi;
 };
 
 struct Part {
-  std::vector<float> m, l, acc;  // [Hq], [Hq], [Hq, D]
+  std::vector<float> lse, out;  // [Hq], [Hq, D]
 };
 
 // A thread's buffers: each position's row offset in the pages (the same in K and V; the row
@@ -182,8 +182,8 @@ void attend_part(const Problem& p, const Item& it, Part& part, Scratch& s) {
       scores[h * n + i] = d * p.sm_scale;
     }
   }
-  part.m.resize(p.Hq), part.l.resize(p.Hq);
-  part.acc.assign(p.Hq * D, 0.0f);
+  part.lse.resize(p.Hq);
+  part.out.assign(p.Hq * D, 0.0f);
   for (int64_t h = 0; h < p.Hq; ++h) {
     float* sh = scores + h * n;
     if (p.cap > 0.0f)
@@ -192,32 +192,34 @@ void attend_part(const Problem& p, const Item& it, Part& part, Scratch& s) {
     for (int64_t i = 0; i < n; ++i) sh[i] = exp_nonpositive(sh[i] - m);  // vectorizes; the sum would not
     float l = 0.0f;
     for (int64_t i = 0; i < n; ++i) l += sh[i];
-    part.m[h] = m, part.l[h] = l;
+    const float keep = 1.0f / l;  // l >= 1: the maximum's own term
+    for (int64_t i = 0; i < n; ++i) sh[i] *= keep;
+    part.lse[h] = m + std::log(l);
   }
   for (int64_t i0 = 0; i0 < n; i0 += kRun)
     for (int64_t h = 0; h < p.Hkv; ++h)
       weigh(scores + h * G * n, p.v + h * D, s.rows.data(), n, i0, std::min(n, i0 + kRun), G, D,
-            part.acc.data() + h * G * D);
+            part.out.data() + h * G * D);
 }
 
-// Token t's output and lse from its parts: out = sum_j e_j acc_j / sum_j e_j l_j with
-// e_j = exp(m_j - max m), lse = max m + log(sum_j e_j l_j); a sink logit joins the
-// denominator only (logaddexp(lse, sink), its share leaving the output).
+// Token t's output and lse from its parts: out = sum_j e_j out_j / sum_j e_j with
+// e_j = exp(lse_j - max lse), lse = max lse + log(sum_j e_j) (one part: itself, e = 1); a
+// sink logit joins the denominator only (logaddexp(lse, sink), its share leaving the output).
 void merge(const Problem& p, int64_t t, const Part* parts, int64_t count) {
   const int64_t D = p.D;
   for (int64_t h = 0; h < p.Hq; ++h) {
-    float top = -std::numeric_limits<float>::infinity(), l = 0.0f;
-    for (int64_t j = 0; j < count; ++j) top = std::max(top, parts[j].m[h]);
+    float top = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+    for (int64_t j = 0; j < count; ++j) top = std::max(top, parts[j].lse[h]);
     float* out = p.out + (t * p.Hq + h) * D;
     std::fill(out, out + D, 0.0f);
     for (int64_t j = 0; j < count; ++j) {
-      const float e = std::exp(parts[j].m[h] - top);
-      l += e * parts[j].l[h];
-      const float* acc = parts[j].acc.data() + h * D;
-      for (int64_t d = 0; d < D; ++d) out[d] += e * acc[d];
+      const float e = std::exp(parts[j].lse[h] - top);
+      sum += e;
+      const float* part = parts[j].out.data() + h * D;
+      for (int64_t d = 0; d < D; ++d) out[d] += e * part[d];
     }
-    float total = top + std::log(l);  // l >= 1: the maximum's own term
-    float keep = 1.0f / l;
+    float total = top + std::log(sum);  // sum >= 1: the largest part's own term
+    float keep = 1.0f / sum;
     if (p.sinks) {
       const float sink = p.sinks[h], most = std::max(total, sink);
       const float with = most + std::log(std::exp(total - most) + std::exp(sink - most));
