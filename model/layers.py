@@ -17,7 +17,7 @@ from pallas_kernels import ragged_paged_attention
 from pallas_kernels.paged_attention.kv_formats import resolve as resolve_format
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 from pallas_kernels.variant import resolve as resolve_variant
-from model.lora import linear  # float [in, out] weights, quantized containers or LoRAWeight alike
+from model.lora import linear, linears  # float [in, out] weights, quantized containers or LoRAWeight alike
 from model.rope import apply_rope
 
 
@@ -46,7 +46,8 @@ def gated(gate: jnp.ndarray, up: jnp.ndarray, act: str = "silu", limit: float | 
 
 def mlp(params: dict, x: jnp.ndarray, act: str = "silu", limit: float | None = None) -> jnp.ndarray:
     """Gated MLP: down(gated(gate(x), up(x))) (see `gated` for act and limit)."""
-    return linear(gated(linear(x, params["w_gate"]), linear(x, params["w_up"]), act, limit), params["w_down"])
+    gate, up = linears(x, [params["w_gate"], params["w_up"]])
+    return linear(gated(gate, up, act, limit), params["w_down"])
 
 
 def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, q_positions: jnp.ndarray,
@@ -165,9 +166,9 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     """
     b, t, _ = x.shape
     hd = config.head_dim
-    q = linear(x, params["wq"], params.get("bq")).reshape(b, t, config.num_heads, hd)
-    k = linear(x, params["wk"], params.get("bk")).reshape(b, t, config.num_kv_heads, hd)
-    v = linear(x, params["wv"], params.get("bv")).reshape(b, t, config.num_kv_heads, hd)
+    q, k, v = linears(x, [params["wq"], params["wk"], params["wv"]], [params.get(n) for n in ("bq", "bk", "bv")])
+    q = q.reshape(b, t, config.num_heads, hd)
+    k, v = k.reshape(b, t, config.num_kv_heads, hd), v.reshape(b, t, config.num_kv_heads, hd)
     if "q_norm" in params:  # Qwen3 (config.qk_norm); the EAGLE-3 draft layer has none
         q = rms_norm(q, params["q_norm"], config.rms_norm_eps)
         k = rms_norm(k, params["k_norm"], config.rms_norm_eps)

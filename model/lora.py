@@ -28,7 +28,7 @@ import numpy as np
 
 from model.config import ModelConfig
 from pallas_kernels.lora import lora_matmul
-from pallas_kernels.quant_matmul import quant_matmul
+from pallas_kernels.quant_matmul import quant_matmul, quant_matmuls
 from quant.packed import PackedWeight
 from quant import linear as base_linear
 
@@ -80,6 +80,22 @@ def linear(x, w, b=None):
     else:
         y = base_linear(x, w, b)
     return y if delta is None else y + delta.reshape(*x.shape[:-1], -1)
+
+
+def linears(x, ws, bs=None) -> list:
+    """[linear(x, w, b) for w, b in zip(ws, bs)]: projections of the same x (a layer's q, k and
+    v; its gate and up). Packed weights without adapters go through one
+    pallas_kernels.quant_matmul.quant_matmuls call, which on CPU multiplies them in one
+    kernel call; anything else is one `linear` each."""
+    ws = list(ws)
+    bs = list(bs) if bs is not None else [None] * len(ws)
+    if len(ws) < 2 or not all(isinstance(w, PackedWeight) for w in ws):
+        return [linear(x, w, b) for w, b in zip(ws, bs)]
+    for w in ws:
+        if x.shape[-1] != w.shape[0]:
+            raise ValueError(f"linear: x {x.shape} does not match packed weight [in, out] {w.shape}")
+    ys = quant_matmuls(x.reshape(-1, x.shape[-1]), ws)
+    return [(y if b is None else y + b).reshape(*x.shape[:-1], w.shape[1]) for y, w, b in zip(ys, ws, bs)]
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -98,8 +98,18 @@ def supports(fmt: str, num_tokens: int, d_out: int, int8_tiles: bool = False) ->
 
 def quant_matmul_cpu(x, codes, scale, offset, *, fmt: str, group: int, target: str = TARGET,
                      int8_activations: bool = False):
-    """x [T, in] float32 times the packed weight (codes, float scale and offset per group, as
-    PackedWeight.float_scales gives them) of a weight-only format: float32 [T, out].
+    """x [T, in] float32 times the packed weight (codes in `quant.packed.interleave_rows`'
+    order, float scale and offset per group, as PackedWeight.float_scales gives them) of a
+    weight-only format: float32 [T, out]. The one-weight case of `quant_matmuls_cpu`."""
+    return quant_matmuls_cpu(x, [(codes, scale, offset)], fmt=fmt, group=group, target=target,
+                             int8_activations=int8_activations)[0]
+
+
+def quant_matmuls_cpu(x, weights, *, fmt: str, group: int, target: str = TARGET, int8_activations: bool = False):
+    """x [T, in] float32 times each packed weight of `weights`, (codes, scale, offset)
+    triples of one format, group and input width (a layer's q / k / v projections), in one
+    kernel call: a list of float32 [T, out_i]. x's blocks are summed (or rounded) once, and
+    the weights' columns are one job for the kernel's threads.
     target: the FFI name of a registered build (`register`); the default one is built and
     registered here if it is not yet (RuntimeError when it cannot be). int8_activations:
     round x per activation block first and multiply int8 codes (quant.packed
@@ -109,13 +119,14 @@ def quant_matmul_cpu(x, codes, scale, offset, *, fmt: str, group: int, target: s
     if target == TARGET and not available():
         raise RuntimeError("the CPU quantized-matmul kernel is not available (no compiler, a failed build, "
                            "or KVFOLD_QUANT_MATMUL_CPU=0)")
-
     f = FORMATS[fmt]
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], codes.shape[1]), jnp.float32),
-                            vmap_method="sequential")
-    if scale.dtype not in (jnp.float16, jnp.float32):
-        scale = scale.astype(jnp.float32)
-    offset = scale if offset is None else offset.astype(scale.dtype)
-    return call(x.astype(jnp.float32), codes, scale, offset, group=np.int64(group), bits=np.int64(f.bits),
-                zero=np.float32(f.zero), has_offset=np.int64(f.offset),
-                int8_activations=np.int64(int8_activations))
+    flat = []
+    for codes, scale, offset in weights:
+        if scale.dtype not in (jnp.float16, jnp.float32):
+            scale = scale.astype(jnp.float32)
+        flat += [codes, scale, scale if offset is None else offset.astype(scale.dtype)]
+    results = [jax.ShapeDtypeStruct((x.shape[0], codes.shape[1]), jnp.float32) for codes, _, _ in weights]
+    call = jax.ffi.ffi_call(target, results, vmap_method="sequential")
+    return list(call(x.astype(jnp.float32), *flat, group=np.int64(group), bits=np.int64(f.bits),
+                     zero=np.float32(f.zero), has_offset=np.int64(f.offset),
+                     int8_activations=np.int64(int8_activations)))

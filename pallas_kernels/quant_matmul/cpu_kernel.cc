@@ -29,8 +29,10 @@
 // an integer dot product (vpdpbusd) as they are. In row order each vector of codes first
 // took a byte permutation and a masked shift: 576 x 1536 at one token with int8 activations
 // and the weight hot in cache went from 19 to 14 us.
-// Scales and offsets are float16 or float32. Column ranges are spread over a crew of helper
-// threads, one fewer than XLA's intra-op pool has (Crew).
+// Scales and offsets are float16 or float32. One call may multiply x by several weights of
+// one format (a layer's q, k and v): x's blocks are rounded or summed once, and the column
+// ranges of all of them are spread over a crew of helper threads, one fewer than XLA's
+// intra-op pool has (Crew).
 
 #include <algorithm>
 #include <atomic>
@@ -414,16 +416,22 @@ void run_columns(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
-// Column ranges handed out through one counter to the calling thread and the crew's.
+// The column ranges of a call's weights, handed out through one counter to the calling thread
+// and the crew's.
 struct Shared {
-  Problem p;
-  int64_t chunks, chunk_cols;
+  struct Range {
+    const Problem* p;
+    int64_t n0, n1;
+  };
+  std::vector<Problem> problems;  // one per weight, sharing x and its block sums
+  std::vector<Range> ranges;
+  int64_t count = 0;  // ranges.size()
   std::atomic<int64_t> next{0}, done{0};
   bool work() {  // whether any range was left to take
-    if (next.load() >= chunks) return false;
+    if (next.load() >= count) return false;
     bool ran = false;
-    for (int64_t i; (i = next.fetch_add(1)) < chunks; done.fetch_add(1), ran = true)
-      run_columns(p, i * chunk_cols, std::min(p.N, (i + 1) * chunk_cols));
+    for (int64_t i; (i = next.fetch_add(1)) < count; done.fetch_add(1), ran = true)
+      run_columns(*ranges[i].p, ranges[i].n0, ranges[i].n1);
     return ran;
   }
 };
@@ -465,7 +473,7 @@ class Crew {
     if (sleeping_.load() > 0) wake_.notify_all();
     shared->work();
     int64_t turns = 0;
-    while (shared->done.load() < shared->chunks) relax(turns);
+    while (shared->done.load() < shared->count) relax(turns);
     // Withdraw the job, then wait for helpers still inside it: a helper counts itself busy
     // before it reads the job, so it either sees the withdrawal or is waited for.
     job_.store(nullptr);
@@ -512,14 +520,15 @@ Crew& crew(int64_t threads) {
   return *c;
 }
 
-ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-                       ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y,
-                       int64_t group, int64_t bits, float zero, int64_t has_offset, int64_t int8_activations) {
-  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
+// One weight's buffers checked against x [T, K] and the call's format, and its Problem (x's
+// block sums are filled in by the caller); an error names what does not match.
+ffi::Error weight_problem(const ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer codes, ffi::AnyBuffer scale,
+                          ffi::AnyBuffer offset, ffi::Result<ffi::AnyBuffer> y, int64_t group, bool nibbles,
+                          float zero, bool has_offset, Problem& problem) {
+  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2)
     return ffi::Error::InvalidArgument("quant_matmul_cpu: x, codes and scale must be 2-D");
   const int64_t T = xd[0], K = xd[1], N = cd[1];
-  const bool nibbles = bits == 4;
   if (group <= 0 || K % group || (nibbles && group % 2) || cd[0] != (nibbles ? K / 2 : K) ||
       sd[0] != K / group || sd[1] != N || N % 16)
     return ffi::Error::InvalidArgument("quant_matmul_cpu: codes / scale shapes do not match x and group");
@@ -530,54 +539,87 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
     return ffi::Error::InvalidArgument("quant_matmul_cpu: scale must be float16 or float32");
   if (has_offset && offset.element_type() != st)
     return ffi::Error::InvalidArgument("quant_matmul_cpu: offset must have the scale's dtype");
+  if (y->element_type() != ffi::DataType::F32 || yd.size() != 2 || yd[0] != T || yd[1] != N)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: each result must be float32 [T, N] of its weight");
   // A block is 16 stored rows of one group: 16 rows advancing together are streams the
   // prefetcher keeps up with (32 were not, on a 49152-column head; an int4 group of 128 is
   // 64 byte rows).
   const int64_t stored = nibbles ? K / 2 : K, group_rows = nibbles ? group / 2 : group;
-  const int64_t rows = group_rows % 16 ? group_rows : 16, blocks = stored / rows;
+  const int64_t rows = group_rows % 16 ? group_rows : 16;
   if (rows % 4)
     return ffi::Error::InvalidArgument("quant_matmul_cpu: codes interleave four stored rows to a word, so a "
                                        "group must have a multiple of 4 stored rows");
+  problem = Problem{x.typed_data(), static_cast<const uint8_t*>(codes.untyped_data()), scale.untyped_data(),
+                    has_offset ? offset.untyped_data() : nullptr, nullptr, static_cast<float*>(y->untyped_data()),
+                    T, K, N, group, rows, stored / rows, nibbles, st == ffi::DataType::F16, zero};
+  return ffi::Error::Success();
+}
+
+// y_i = x @ W_i for one or more weights of one format and input width (a layer's q, k and v,
+// or its gate and up projections): x is rounded (or summed) per block once, and the
+// weights' column ranges are one job for the crew. `weights` holds (codes, scale, offset)
+// per weight, `ys` its results.
+ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
+                       ffi::RemainingRets ys, int64_t group, int64_t bits, float zero, int64_t has_offset,
+                       int64_t int8_activations) {
+  const int64_t count = static_cast<int64_t>(ys.size());
+  if (count == 0 || static_cast<int64_t>(weights.size()) != 3 * count)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: give (codes, scale, offset) for each result");
   Shared shared;
-  Problem& p = shared.p;
-  p = Problem{x.typed_data(), static_cast<const uint8_t*>(codes.untyped_data()), scale.untyped_data(),
-              has_offset ? offset.untyped_data() : nullptr, nullptr, y->typed_data(),
-              T, K, N, group, rows, blocks, nibbles, st == ffi::DataType::F16, zero};
+  for (int64_t i = 0; i < count; ++i) {
+    auto codes = weights.get<ffi::AnyBuffer>(3 * i), scale = weights.get<ffi::AnyBuffer>(3 * i + 1);
+    auto offset = weights.get<ffi::AnyBuffer>(3 * i + 2);
+    auto y = ys.get<ffi::AnyBuffer>(i);
+    if (codes.has_error() || scale.has_error() || offset.has_error() || y.has_error())
+      return ffi::Error::InvalidArgument("quant_matmul_cpu: weights and results must be buffers");
+    Problem p;
+    ffi::Error error = weight_problem(x, *codes, *scale, *offset, *y, group, bits == 4, zero, has_offset, p);
+    if (error.failure()) return error;
+    shared.problems.push_back(p);
+  }
+  const Problem& first = shared.problems[0];  // every weight's blocks are the same rows of x
+  const int64_t T = first.T, K = first.K, blocks = first.blocks, rows = first.rows;
   std::vector<float> xs(T * blocks), dx;  // each block's x sum (both row ranges of a nibble block)
   std::vector<int32_t> xq;
   if (int8_activations) {
 #if defined(KVFOLD_VNNI)
     // Each token's x rounded per block: codes round(x / dx) with dx = max |x| / 127 over the
     // block's weight rows (quant.packed.round_activation_blocks states the same in JAX).
-    const int64_t lanes = p.lanes();
+    const int64_t lanes = first.lanes();
     xq.resize(T * blocks * lanes);
     dx.resize(T * blocks);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t b = 0; b < blocks; ++b)
-        round_block(p, p.x + t * K, b, &xq[(t * blocks + b) * lanes], &dx[t * blocks + b], &xs[t * blocks + b]);
-    p.xq = xq.data();
-    p.dx = dx.data();
+        round_block(first, first.x + t * K, b, &xq[(t * blocks + b) * lanes], &dx[t * blocks + b],
+                    &xs[t * blocks + b]);
 #else
     return ffi::Error::InvalidArgument("quant_matmul_cpu: this build has no int8 activations (AVX-512 VNNI)");
 #endif
   } else {
     for (int64_t b = 0; b < blocks; ++b)
       for (int64_t t = 0; t < T; ++t) {
-        const float* xt = p.x + t * K + p.first_row(b);
+        const float* xt = first.x + t * K + first.first_row(b);
         float s = 0.0f;
-        for (int64_t j = 0; j < rows; ++j) s += xt[j] + (nibbles ? xt[j + p.half()] : 0.0f);
+        for (int64_t j = 0; j < rows; ++j) s += xt[j] + (first.nibbles ? xt[j + first.half()] : 0.0f);
         xs[t * blocks + b] = s;
       }
   }
-  p.xs = xs.data();
-  // Two column ranges per thread (whole 64-column tiles), so a slow thread's share is split.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), tiles = (N + kCols - 1) / kCols;
-  shared.chunks = std::min(tiles, 2 * threads);
-  shared.chunk_cols = (tiles + shared.chunks - 1) / shared.chunks * kCols;
-  shared.chunks = (N + shared.chunk_cols - 1) / shared.chunk_cols;
+  // Column ranges of whole 64-column tiles, about two per thread over all the weights (so a
+  // slow thread's share is split), at least one per weight.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t tiles = 0, columns = 0;
+  for (const Problem& p : shared.problems) tiles += (p.N + kCols - 1) / kCols, columns += p.N;
+  for (Problem& p : shared.problems) {
+    p.xs = xs.data(), p.xq = xq.empty() ? nullptr : xq.data(), p.dx = dx.empty() ? nullptr : dx.data();
+    const int64_t own = (p.N + kCols - 1) / kCols;
+    const int64_t ranges = std::clamp<int64_t>(2 * threads * own / tiles, 1, own);
+    const int64_t cols = (own + ranges - 1) / ranges * kCols;
+    for (int64_t n = 0; n < p.N; n += cols) shared.ranges.push_back({&p, n, std::min(p.N, n + cols)});
+  }
+  shared.count = static_cast<int64_t>(shared.ranges.size());
   // Below about 2^18 multiply-adds handing out work costs more than it saves (576 x 192 at
   // one token: 8 us alone, 11 us with a helper woken through XLA's pool).
-  if (threads == 1 || T * K * N < (int64_t{1} << 18) || !crew(threads).run(&shared)) shared.work();
+  if (threads == 1 || T * K * columns < (int64_t{1} << 18) || !crew(threads).run(&shared)) shared.work();
   return ffi::Error::Success();
 }
 
@@ -606,10 +648,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldQuantMatmul, QuantMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
-                                  .Arg<ffi::AnyBuffer>()         // codes
-                                  .Arg<ffi::AnyBuffer>()         // scale [G, N]
-                                  .Arg<ffi::AnyBuffer>()         // offset [G, N] (scale again when absent)
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [T, N]
+                                  .RemainingArgs()               // per weight: codes, scale [G, N] and
+                                                                 // offset [G, N] (scale again when absent)
+                                  .RemainingRets()               // per weight: y [T, N]
                                   .Attr<int64_t>("group")
                                   .Attr<int64_t>("bits")
                                   .Attr<float>("zero")

@@ -58,13 +58,50 @@ def _rounded_activations(x, codes, scale, offset, *, kernel, interpret, fmt, gro
     return kernel(x_rounded.astype(x.dtype), codes, scale, offset, interpret=interpret, fmt=fmt, group=group)
 
 
-def _cpu(x, codes, scale, offset, *, fmt, group, int8_activations=False, int8_tiles=False):
-    """The C++ kernel; int8_activations: on its int8_tiles it rounds x itself, else x is
+def _cpu(x, *flat, fmt, group, int8_activations=False, int8_tiles=False):
+    """The C++ kernel on one or more weights (flat: codes, scale, offset per weight; a tuple of
+    results for several); int8_activations: on its int8_tiles it rounds x itself, else x is
     rounded here and the float tiles run."""
     if int8_activations and not int8_tiles:
         x = round_activation_blocks(x, fmt, group).astype(x.dtype)
-    return cpu.quant_matmul_cpu(x, codes, scale, offset, fmt=fmt, group=group,
-                                int8_activations=int8_tiles).astype(x.dtype)
+    ys = cpu.quant_matmuls_cpu(x, [flat[i:i + 3] for i in range(0, len(flat), 3)], fmt=fmt, group=group,
+                               int8_activations=int8_tiles)
+    ys = tuple(y.astype(x.dtype) for y in ys)
+    return ys if len(ys) > 1 else ys[0]
+
+
+def _each(x, *flat, kernel, **options):
+    """A one-weight path run on each weight of flat (codes, scale, offset per weight)."""
+    return tuple(kernel(x, *flat[i:i + 3], **options) for i in range(0, len(flat), 3))
+
+
+def _check(x, w) -> None:
+    if not isinstance(w, PackedWeight):
+        raise ValueError(f"w must be a PackedWeight (quant.packed.quantize / from_gguf), got "
+                         f"{type(w).__name__}")
+    v.check_ndim("x", x, 2, "[num_tokens, in]")
+    v.check_float("x", x)
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"x has {x.shape[1]} input features but the weight [in, out] is "
+                         f"{list(w.shape)}: x must be [num_tokens, {w.shape[0]}]")
+
+
+def _paths(x, w: PackedWeight):
+    """(ref, tpu, gpu, cpu) of the dispatch for x @ w; cpu is None where the C++ kernel does
+    not take the step."""
+    options = dict(fmt=w.fmt, group=w.group)
+    tpu, gpu = bind(quant_matmul_tpu, **options), bind(quant_matmul_gpu, **options)
+    if w.fmt in ACTIVATION_INT8 or w.int8_activations:
+        rounded = dict(options, blocks=True) if w.int8_activations else options
+        tpu = bind(_rounded_activations, kernel=quant_matmul_tpu, **rounded)
+        gpu = bind(_rounded_activations, kernel=quant_matmul_gpu, **rounded)
+    if w.interleaved:
+        tpu, gpu = bind(_row_order, kernel=tpu), bind(_row_order, kernel=gpu)
+    rounding = dict(int8_activations=True) if w.int8_activations else {}
+    tiles = dict(int8_tiles=True) if w.int8_activations and cpu.int8_tiles(w.fmt, w.group) else {}
+    native = (bind(_cpu, **options, **rounding, **tiles)
+              if w.interleaved and cpu.supports(w.fmt, x.shape[0], w.shape[1], **tiles) else None)
+    return bind(_xla, **options, **rounding, interleaved=w.interleaved), tpu, gpu, native
 
 
 def quant_matmul(x, w: PackedWeight, *, interpret=None):
@@ -84,26 +121,30 @@ def quant_matmul(x, w: PackedWeight, *, interpret=None):
 
     Returns [num_tokens, out] in x.dtype (accumulated in float32).
     """
-    if not isinstance(w, PackedWeight):
-        raise ValueError(f"w must be a PackedWeight (quant.packed.quantize / from_gguf), got "
-                         f"{type(w).__name__}")
-    v.check_ndim("x", x, 2, "[num_tokens, in]")
-    v.check_float("x", x)
-    if x.shape[1] != w.shape[0]:
-        raise ValueError(f"x has {x.shape[1]} input features but the weight [in, out] is "
-                         f"{list(w.shape)}: x must be [num_tokens, {w.shape[0]}]")
-    options = dict(fmt=w.fmt, group=w.group)
-    tpu, gpu = bind(quant_matmul_tpu, **options), bind(quant_matmul_gpu, **options)
-    if w.fmt in ACTIVATION_INT8 or w.int8_activations:
-        rounded = dict(options, blocks=True) if w.int8_activations else options
-        tpu = bind(_rounded_activations, kernel=quant_matmul_tpu, **rounded)
-        gpu = bind(_rounded_activations, kernel=quant_matmul_gpu, **rounded)
-    if w.interleaved:
-        tpu, gpu = bind(_row_order, kernel=tpu), bind(_row_order, kernel=gpu)
+    _check(x, w)
+    ref, tpu, gpu, native = _paths(x, w)
     scale, offset = w.float_scales()  # K-quants: float32 per group from their two-level scales
-    rounding = dict(int8_activations=True) if w.int8_activations else {}
-    tiles = dict(int8_tiles=True) if w.int8_activations and cpu.int8_tiles(w.fmt, w.group) else {}
-    native = (bind(_cpu, **options, **rounding, **tiles)
-              if w.interleaved and cpu.supports(w.fmt, x.shape[0], w.shape[1], **tiles) else None)
-    return dispatch(x, w.codes, scale, offset, ref=bind(_xla, **options, **rounding, interleaved=w.interleaved),
-                    tpu=tpu, gpu=gpu, cpu=native, interpret=interpret)
+    return dispatch(x, w.codes, scale, offset, ref=ref, tpu=tpu, gpu=gpu, cpu=native, interpret=interpret)
+
+
+def quant_matmuls(x, ws, *, interpret=None) -> list:
+    """[quant_matmul(x, w) for w in ws] for weights that multiply the same x (a layer's q, k
+    and v projections; its gate and up): where the CPU kernel takes every one of them and
+    they share format, group and activation rounding, one kernel call for all (x rounded
+    once, all their columns one job for its threads); otherwise one entry call each.
+    Returns a list of [num_tokens, out_i] in x.dtype."""
+    ws = list(ws)
+    if not ws:
+        raise ValueError("quant_matmuls needs at least one weight")
+    for w in ws:
+        _check(x, w)
+    paths = [_paths(x, w) for w in ws]
+    key = lambda w: (w.fmt, w.group, w.int8_activations, w.interleaved)  # noqa: E731
+    if len(ws) == 1 or any(key(w) != key(ws[0]) for w in ws) or any(p[3] is None for p in paths):
+        return [quant_matmul(x, w, interpret=interpret) for w in ws]
+    ref, tpu, gpu, native = paths[0]  # the same for every weight but the column count
+    flat = []
+    for w in ws:
+        flat += [w.codes, *w.float_scales()]
+    return list(dispatch(x, *flat, ref=bind(_each, kernel=ref), tpu=bind(_each, kernel=tpu),
+                         gpu=bind(_each, kernel=gpu), cpu=native, interpret=interpret))

@@ -110,6 +110,36 @@ def test_a_weight_in_row_order_takes_the_xla_path():
     _close(quant_matmul(x, w), quant_matmul(x, prepare(w)), rtol=1e-5)
 
 
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["float-x", "int8-x"])
+def test_weights_of_one_x_share_one_kernel_call(int8_activations):
+    """quant_matmuls: a layer's q / k / v (three widths, one of them a single 64-column tile)
+    are one kernel call on CPU, each result the oracle's; weights of different formats are
+    one call each; the TPU kernel (interpreted) runs them one by one; bad input is a
+    ValueError."""
+    from dataclasses import replace
+
+    from pallas_kernels.quant_matmul import quant_matmuls
+    from quant.packed import round_activation_blocks
+
+    ws = [replace(_inputs("q4_1", 1, 128, n, seed=30 + n)[1], int8_activations=int8_activations)
+          for n in (96, 32, 1040)]
+    x = jnp.asarray(np.random.default_rng(31).normal(size=(3, 128)), jnp.float32)
+    xr = round_activation_blocks(x, "q4_1", 32) if int8_activations else x
+    text = jax.jit(lambda x, ws: quant_matmuls(x, ws)).lower(x, [prepare(w) for w in ws]).as_text()
+    assert text.count(f"@{cpu.TARGET}(") == 1
+    for interpret in (None, True):
+        got = quant_matmuls(x, [prepare(w) for w in ws], interpret=interpret)
+        for g, w in zip(got, ws):
+            _close(g, _oracle(xr, w), rtol=1e-5)
+    mixed = [prepare(ws[0]), prepare(_inputs("q8_0", 1, 128, 48, seed=32)[1])]
+    text = jax.jit(lambda x, ws: quant_matmuls(x, ws)).lower(x, mixed).as_text()
+    assert text.count(f"@{cpu.TARGET}(") == 2
+    with pytest.raises(ValueError, match="at least one weight"):
+        quant_matmuls(x, [])
+    with pytest.raises(ValueError, match="input features"):
+        quant_matmuls(x[:, :64], [prepare(w) for w in ws])
+
+
 def test_bfloat16_activations_come_back_in_their_dtype():
     x, w = _inputs("q4_1", 3, 128, 48, seed=7)
     got = quant_matmul(x.astype(jnp.bfloat16), prepare(w))
