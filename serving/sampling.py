@@ -72,8 +72,13 @@ def apply_adjustments(logits: jnp.ndarray, ids: jnp.ndarray, counts: jnp.ndarray
 def first_max(logits: jnp.ndarray) -> jnp.ndarray:
     """jnp.argmax over the last axis (the first of tied maxima) as int32, from two plain
     reductions: XLA:CPU runs argmax's paired reduction element by element (180 us over a
-    49,152-token vocabulary against 70 here, every decode step). A row without a maximum
-    (NaN logits) gives 0."""
+    49,152-token vocabulary against 70 here, every decode step). A single row (a batch-1
+    decode) takes lax.top_k with k = 1 instead (the lower index first among ties), which
+    XLA:CPU runs as one call: 162 -> 76 us over that vocabulary, measured with a tanh before
+    it; from 16 rows up the reductions are faster. A row without a maximum (NaN logits)
+    gives 0."""
+    if logits.ndim == 2 and logits.shape[0] == 1:  # (an all-NaN row gives index 0 here too)
+        return jax.lax.top_k(logits, 1)[1][:, 0].astype(jnp.int32)
     vocab = logits.shape[-1]
     top = jnp.max(logits, axis=-1, keepdims=True)
     index = jnp.min(jnp.where(logits == top, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)

@@ -64,8 +64,12 @@ def test_first_max_is_numpys_argmax_ties_included():
     rows[3, ::2] = -np.inf
     rows[4, 997] = rows[4, 3] = 9.0
     np.testing.assert_array_equal(np.asarray(first_max(jnp.asarray(rows))), rows.argmax(axis=1))
+    for row in rows:  # one row at a time: the batch-1 path (lax.top_k)
+        assert first_max(jnp.asarray(row[None])).tolist() == [row.argmax()]
     assert first_max(jnp.ones((2, 1))).tolist() == [0, 0]
+    assert first_max(jnp.ones((1, 1))).tolist() == [0]
     assert first_max(jnp.full((1, 5), jnp.nan)).tolist() == [0]
+    assert first_max(jnp.full((2, 5), jnp.nan)).tolist() == [0, 0]
 
 
 def test_top_k_one_is_greedy_even_when_sampling():
