@@ -91,9 +91,6 @@ def linears(x, ws, bs=None) -> list:
     bs = list(bs) if bs is not None else [None] * len(ws)
     if len(ws) < 2 or not all(isinstance(w, PackedWeight) for w in ws):
         return [linear(x, w, b) for w, b in zip(ws, bs)]
-    for w in ws:
-        if x.shape[-1] != w.shape[0]:
-            raise ValueError(f"linear: x {x.shape} does not match packed weight [in, out] {w.shape}")
     ys = quant_matmuls(x.reshape(-1, x.shape[-1]), ws)
     return [(y if b is None else y + b).reshape(*x.shape[:-1], w.shape[1]) for y, w, b in zip(ys, ws, bs)]
 

@@ -370,7 +370,7 @@ def _quant_matmul_rows(on_cpu, dtype, iters):
     (576 -> 1536) at 1 and 16 tokens, q8_0 and q4_1 also with int8 activations ("a8"), and
     fp8, which it does not take, shows the XLA path only; elsewhere the Pallas kernel (TPU,
     Triton on GPU) at 16 tokens of 4096 -> 4096."""
-    from pallas_kernels.quant_matmul import cpu, quant_matmul
+    from pallas_kernels.quant_matmul import cpu, prepare, quant_matmul
     from quant.packed import FORMATS, quantize
     from pallas_kernels.quant_matmul.xla import quant_matmul_xla
 
@@ -382,7 +382,8 @@ def _quant_matmul_rows(on_cpu, dtype, iters):
     xla = jax.jit(lambda x, w: quant_matmul_xla(x, w).astype(x.dtype))
     kernel = jax.jit(quant_matmul)
     impl = "kvfold C++ (CPU)" if on_cpu else "kvfold Pallas"
-    packed = {fmt: quantize(w, fmt) for fmt in FORMATS if not FORMATS[fmt].super_block}  # K-quants: GGUF only
+    packed = {fmt: prepare(quantize(w, fmt))  # laid out for this backend's kernel, as model.load does
+              for fmt in FORMATS if not FORMATS[fmt].super_block}  # K-quants: GGUF only
     if on_cpu:  # weights_dtype "gguf_a8": GGUF blocks times int8 activations (VNNI dot products)
         packed |= {f"{fmt} a8": dataclasses.replace(packed[fmt], int8_activations=True)
                    for fmt in ("q8_0", "q4_1")}

@@ -79,6 +79,7 @@ from jax.sharding import Mesh
 
 import model
 from model.weights import WEIGHTS_DTYPES
+from pallas_kernels.quant_matmul import prepare_params
 from model.deepseek import paged as paged_csa2
 from model import eagle3
 from model.config import ATTENTION, SLIDING_ATTENTION
@@ -243,6 +244,7 @@ class LLM:
         # of a (data, expert, model) mesh, tensor-parallel over the row with KV heads repeated
         # when tp exceeds them and a MoE layer's experts in ep groups (model/sharding.py);
         # self.config stays the model's own.
+        params = prepare_params(params)  # packed weights in the layout this backend's kernel reads
         rank_meshes, step_config, rank_params = [None], config, [params]
         self._loaded = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
         check_tensor_parallel(config, tp)
@@ -343,7 +345,7 @@ class LLM:
                 if config != self.config:
                     raise ValueError(f"checkpoint {path!r} is another model: its config differs "
                                      f"from the running one ({config} != {self.config})")
-            params = _matching_params(self._loaded, params)
+            params = _matching_params(self._loaded, prepare_params(params))
             for runner in self.runners:
                 runner.params = params if runner.mesh is None else \
                     model.shard_params(params, self.config, runner.mesh)[1]

@@ -137,7 +137,8 @@ void block_tile_generic(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVFOLD_AVX512 1
 // 16 scales (or offsets) from `at` on, float16 or float32, as floats.
 template <bool F16>
 inline __m512 load16(const void* a, int64_t at) {
@@ -234,7 +235,7 @@ void block_tile_avx512(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(KVFOLD_AVX512) && defined(__AVX512VNNI__)
 #define KVFOLD_VNNI 1
 // Block b of one token's x rounded to int8: the codes in lane order (lanes() int32 words),
 // the scale dx and dx times the codes' sum. A block of 16 stored rows is one or two runs
@@ -355,7 +356,7 @@ void block_tile(const Problem& p, int64_t b, int64_t t0, int64_t n0) {
     return block_tile_vnni<TW, NV, false>(p, b, t0, n0);
   }
 #endif
-#if defined(__AVX512F__)
+#if defined(KVFOLD_AVX512)
   if (p.f16) return block_tile_avx512<TW, NV, true>(p, b, t0, n0);
   return block_tile_avx512<TW, NV, false>(p, b, t0, n0);
 #else
@@ -628,7 +629,7 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remai
 // 1 when built with the AVX-512 tiles, 0 for the portable loops (cpu.py takes fewer tokens
 // to this kernel then: the loops lose to XLA's dequantize + matmul from about 8 tokens up).
 extern "C" int KvfoldQuantMatmulAvx512() {
-#if defined(__AVX512F__)
+#if defined(KVFOLD_AVX512)
   return 1;
 #else
   return 0;

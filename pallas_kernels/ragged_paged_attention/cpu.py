@@ -3,7 +3,8 @@ one call per layer for steps whose query tokens are decode rows over float32 pag
 
 xla.py's block walk is a while loop of small XLA thunks, which on XLA:CPU costs about 70 us
 a layer at one decode row whatever the context; this kernel reads each live position's K
-and V row once per KV head, for all the query heads that share it. It computes the same
+and V rows once (every KV head's, side by side in the page), for all the query heads, and
+splits long contexts into runs merged at the end. It computes the same
 function as the XLA path (results equal to float32 rounding), for softmax attention with or
 without soft-capping, sliding windows and sinks: the entry's CPU branch for those steps;
 others (chunks, draft trees, low-bit pages, other variants) and gradients stay on xla.py.

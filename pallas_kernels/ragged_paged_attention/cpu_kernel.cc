@@ -17,14 +17,16 @@
 // joins the denominator only. A token with seq[t] outside [0, num_seqs) or q_pos[t] < 0 is
 // padding: out 0, lse -inf. Block-table entries are clamped into the pool, as the XLA path does
 // (the entries a live position reads must be valid pages; the entry checks that when it
-// can). Work items are (token, run of positions): with fewer tokens than threads a token's
-// context is split into runs whose softmax parts are merged at the end (flash decoding), and
+// can). Work items are (token, run of positions): a long context is split into runs of
+// kSplit positions whose softmax parts are merged at the end (flash decoding), and
 // the items are spread over XLA's intra-op thread pool when a call holds enough work. Reading
 // the rows of every head at once, in page order, and splitting one row's context took 1,000
-// positions of SmolLM2's layer (3 KV heads) from 127 to 84 us. Float32 pages [num_pages,
+// positions of SmolLM2's layer (3 KV heads) from 127 to 95-100 us. Float32 pages [num_pages,
 // page_size, num_kv_heads, head_dim].
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -114,11 +116,12 @@ inline float dot16(const float* a, const float* b, int64_t D) {  // D a multiple
   return _mm512_reduce_add_ps(acc);
 }
 
-// acc[G, D] += sum_i w[g * n + i] v[rows[i] + h D] over a run of positions, with the G D / 16
-// accumulators in registers (V of them, a template constant) so each V row is read once.
+// acc[heads, D] += sum_i w[g * n + i] v[rows[i]] for positions [i0, i1) and the heads g of
+// one chunk, whose V accumulators (V of them, D / 16 a head: a template constant) stay in
+// registers, so each V row is read once for all of them.
 template <int V>
-void weigh_group(const float* w, const float* v, const int64_t* rows, int64_t n, int64_t i0, int64_t i1,
-                 int64_t D, float* acc) {
+void weigh_chunk(const float* w, const float* v, const int64_t* rows, int64_t n, int64_t i0, int64_t i1, int64_t D,
+                 float* acc) {
   const int64_t per = D / 16;
   __m512 a[V];
   for (int u = 0; u < V; ++u) a[u] = _mm512_loadu_ps(acc + 16 * u);
@@ -129,20 +132,30 @@ void weigh_group(const float* w, const float* v, const int64_t* rows, int64_t n,
   }
   for (int u = 0; u < V; ++u) _mm512_storeu_ps(acc + 16 * u, a[u]);
 }
+
+using WeighChunk = void (*)(const float*, const float*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float*);
+template <int... V>
+constexpr std::array<WeighChunk, sizeof...(V) + 1> weigh_chunks(std::integer_sequence<int, V...>) {
+  return {nullptr, &weigh_chunk<V + 1>...};
+}
+constexpr auto kWeighChunk = weigh_chunks(std::make_integer_sequence<int, 16>{});  // [V] for V = 1 .. 16
 #endif
 
-// acc[G, D] += sum over positions [i0, i1) of w[g * n + i] v[rows[i] + offset]: the
-// register-tile loop where G D / 16 is 4 to 16, else plain loops the compiler vectorizes.
+// acc[G, D] += sum over positions [i0, i1) of w[g * n + i] v[rows[i]] for the G query heads
+// of one KV head (v points at that head's slice of a row): in chunks of heads whose
+// accumulators fit in 16 registers where D is a multiple of 16 (and at most 256), else in
+// plain loops the compiler vectorizes.
 void weigh(const float* w, const float* v, const int64_t* rows, int64_t n, int64_t i0, int64_t i1, int64_t G,
            int64_t D, float* acc) {
 #if defined(__AVX512F__)
-  if (D % 16 == 0) switch (G * D / 16) {
-      case 4: return weigh_group<4>(w, v, rows, n, i0, i1, D, acc);
-      case 8: return weigh_group<8>(w, v, rows, n, i0, i1, D, acc);
-      case 12: return weigh_group<12>(w, v, rows, n, i0, i1, D, acc);
-      case 16: return weigh_group<16>(w, v, rows, n, i0, i1, D, acc);
-      default: break;
+  if (D % 16 == 0 && D <= 256) {
+    const int64_t per = D / 16, heads = 16 / per;
+    for (int64_t g = 0; g < G; g += heads) {
+      const int64_t count = std::min(heads, G - g);
+      kWeighChunk[count * per](w + g * n, v, rows, n, i0, i1, D, acc + g * D);
     }
+    return;
+  }
 #endif
   for (int64_t i = i0; i < i1; ++i)
     for (int64_t g = 0; g < G; ++g) {
@@ -245,8 +258,10 @@ struct Shared {
   }
 };
 
-// Positions per item at the least when a token's context is split between threads.
-constexpr int64_t kMinSplit = 64;
+// Positions per item: a longer context is split into runs of this many (the last one
+// longer), whatever the batch and the machine, so a row's result depends on its context
+// alone; the runs of one long row can then go to several threads.
+constexpr int64_t kSplit = 128;
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                            ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_tables,
@@ -267,8 +282,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   p = Problem{q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), has_sinks ? sinks.typed_data() : nullptr,
               block_tables.typed_data(), seq.typed_data(), q_pos.typed_data(), out->typed_data(), lse->typed_data(),
               T, Hq, Hkv, D, kd[0], kd[1], bd[0], bd[1], sliding_window, sm_scale, soft_cap};
-  // Each live token's positions, split between the threads when there are fewer tokens
-  // than threads (a batch-1 decode) and enough positions for each.
+  // Each live token's positions, in runs of kSplit.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   std::vector<int64_t> first(T + 1, 0);  // token t's items: [first[t], first[t + 1])
   int64_t positions = 0;
@@ -277,7 +291,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     const int64_t s = p.seq[t], hi = std::min<int64_t>(p.pos[t], p.W * p.ps - 1);
     if (s < 0 || s >= p.S || p.pos[t] < 0) continue;  // padding
     const int64_t lo = p.window > 0 ? std::max<int64_t>(0, hi - p.window + 1) : 0, n = hi - lo + 1;
-    const int64_t splits = T >= threads ? 1 : std::clamp<int64_t>(n / kMinSplit, 1, threads);
+    const int64_t splits = std::max<int64_t>(1, n / kSplit);
     for (int64_t j = 0; j < splits; ++j)
       shared->items.push_back(Item{t, lo + n * j / splits, lo + n * (j + 1) / splits - 1});
     first[t + 1] += splits;

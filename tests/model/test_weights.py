@@ -16,7 +16,7 @@ from gguf.quants import dequantize as gguf_dequantize
 import model
 from model.weights import WEIGHTS_DTYPES
 from quant.packed import K_BLOCK_BYTES, FORMATS, GGUF_FORMATS, PackedWeight, from_gguf, quantize
-from model.lora import linear
+from model.lora import linear, linears
 import quant
 from quant import pack_params
 from pallas_kernels.quant_matmul import cpu as quant_matmul_cpu, prepare_params
@@ -121,6 +121,16 @@ def test_linear_routes_packed_weights_and_checks_widths():
     np.testing.assert_allclose(np.asarray(linear(x, prepared)), want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="does not match packed weight"):
         linear(x[..., :32], layer["wq"])
+    # several projections of one x (q / k / v): one grouped call for packed weights, with
+    # biases; float weights (or a mix) one linear each; the same results either way
+    packed2 = pack_params({"wq": w, "wk": w[:, :16] * 2}, "q4_1")
+    ws, bs = prepare_params([packed2["wq"], packed2["wk"]]), [jnp.ones(32), None]
+    for got, w_i, b_i in zip(linears(x, ws, bs), ws, bs):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(linear(x, w_i, b_i)), rtol=1e-5, atol=1e-5)
+    mixed = linears(x, [ws[0], w], [None, jnp.ones(32)])
+    np.testing.assert_allclose(np.asarray(mixed[1]), np.asarray(x) @ w + 1, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="input features"):
+        linears(x[..., :32], ws)
 
 
 # -- the default model, packed ----------------------------------------------------------

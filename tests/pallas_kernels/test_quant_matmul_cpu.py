@@ -54,7 +54,8 @@ def test_the_kernel_builds_here(portable):
     exactly when this CPU has AVX-512 (-march=native), and takes steps as long as that
     build is faster than XLA for; the portable build reports its own."""
     assert cpu.available()
-    avx512 = " avx512f " in next(line for line in open("/proc/cpuinfo") if line.startswith("flags")) + " "
+    flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    avx512 = "avx512f" in flags and "avx512bw" in flags
     assert cpu.max_tokens() == (cpu.MAX_TOKENS if avx512 else cpu.PORTABLE_MAX_TOKENS)
     assert portable[1].KvfoldQuantMatmulAvx512() == 0
 
@@ -112,8 +113,8 @@ def test_a_weight_in_row_order_takes_the_xla_path():
 
 @pytest.mark.parametrize("int8_activations", [False, True], ids=["float-x", "int8-x"])
 def test_weights_of_one_x_share_one_kernel_call(int8_activations):
-    """quant_matmuls: a layer's q / k / v (three widths, one of them a single 64-column tile)
-    are one kernel call on CPU, each result the oracle's; weights of different formats are
+    """quant_matmuls: a layer's q / k / v (three widths: whole 64-column tiles, half a tile,
+    several column ranges) are one kernel call on CPU, each result the oracle's; weights of different formats are
     one call each; the TPU kernel (interpreted) runs them one by one; bad input is a
     ValueError."""
     from dataclasses import replace

@@ -100,19 +100,23 @@ def test_long_contexts_spread_over_threads_match_the_oracle():
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("window,cap,with_sinks", [(None, None, True), (150, 2.0, True), (None, None, False)])
-def test_one_row_split_between_threads_merges_its_parts(window, cap, with_sinks):
-    """One decode row (no padding) over 300 positions: with more threads than tokens its
-    context is split into runs (of at least 64 positions) whose softmax parts are merged;
-    the merge keeps the sinks, the soft cap and the window the oracle has."""
-    args, sinks = _decode_batch(6, [300], num_q_heads=9, num_kv_heads=3, padding=0)
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((7, 1), 128)], ids=["gqa3-64", "gqa7-128"])
+@pytest.mark.parametrize("window,cap,with_sinks", [(None, None, True), (520, 2.0, True), (None, None, False)])
+def test_a_long_row_split_into_runs_merges_its_parts(window, cap, with_sinks, heads, head_dim):
+    """One decode row over 600 positions is split into runs of 128 (four here, the last one
+    longer; a window of 520 leaves four as well) whose softmax parts are merged; the merge
+    keeps the sinks, the soft cap and the window the oracle has. Seven query heads of 128
+    per KV head weigh the values in chunks of two heads, then one."""
+    args, sinks = _decode_batch(6, [600], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                                padding=0)
     q, k, v, k_pages, v_pages, table, cu, kv_lens = args
     seq, pos = token_layout(cu, kv_lens, q.shape[0])
     k_pages, v_pages = write_new_kv(k_pages, v_pages, k, v, table, seq, pos)
     sinks = sinks if with_sinks else None
-    out, lse = cpu.decode_attention_cpu(q, k_pages, v_pages, table, seq, pos, sinks, sm_scale=0.125,
+    scale = head_dim ** -0.5
+    out, lse = cpu.decode_attention_cpu(q, k_pages, v_pages, table, seq, pos, sinks, sm_scale=scale,
                                         sliding_window=window, soft_cap=cap)
-    want_out, want_lse = _oracle(q, k_pages, v_pages, table, seq, pos, 0.125, window, cap, sinks)
+    want_out, want_lse = _oracle(q, k_pages, v_pages, table, seq, pos, scale, window, cap, sinks)
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
 

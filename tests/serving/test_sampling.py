@@ -70,6 +70,8 @@ def test_first_max_is_numpys_argmax_ties_included():
     assert first_max(jnp.ones((1, 1))).tolist() == [0]
     assert first_max(jnp.full((1, 5), jnp.nan)).tolist() == [0]
     assert first_max(jnp.full((2, 5), jnp.nan)).tolist() == [0, 0]
+    some_nan = jnp.asarray([[1.0, jnp.nan, 2.0]])  # no maximum either: 0 on both paths
+    assert first_max(some_nan).tolist() == [0] and first_max(jnp.tile(some_nan, (2, 1))).tolist() == [0, 0]
 
 
 def test_top_k_one_is_greedy_even_when_sampling():
