@@ -426,9 +426,10 @@ struct Shared {
   };
   std::vector<Problem> problems;  // one per weight, sharing x and its block sums
   std::vector<Range> ranges;
-  int64_t count = 0;  // ranges.size()
   std::atomic<int64_t> next{0}, done{0};
+  int64_t count() const { return static_cast<int64_t>(ranges.size()); }
   bool work() {  // whether any range was left to take
+    const int64_t count = this->count();
     if (next.load() >= count) return false;
     bool ran = false;
     for (int64_t i; (i = next.fetch_add(1)) < count; done.fetch_add(1), ran = true)
@@ -474,7 +475,7 @@ class Crew {
     if (sleeping_.load() > 0) wake_.notify_all();
     shared->work();
     int64_t turns = 0;
-    while (shared->done.load() < shared->count) relax(turns);
+    while (shared->done.load() < shared->count()) relax(turns);
     // Withdraw the job, then wait for helpers still inside it: a helper counts itself busy
     // before it reads the job, so it either sees the withdrawal or is waited for.
     job_.store(nullptr);
@@ -617,7 +618,6 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remai
     const int64_t cols = (own + ranges - 1) / ranges * kCols;
     for (int64_t n = 0; n < p.N; n += cols) shared.ranges.push_back({&p, n, std::min(p.N, n + cols)});
   }
-  shared.count = static_cast<int64_t>(shared.ranges.size());
   // Below about 2^18 multiply-adds handing out work costs more than it saves (576 x 192 at
   // one token: 8 us alone, 11 us with a helper woken through XLA's pool).
   if (threads == 1 || T * K * columns < (int64_t{1} << 18) || !crew(threads).run(&shared)) shared.work();

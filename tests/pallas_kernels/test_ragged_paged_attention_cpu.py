@@ -62,6 +62,18 @@ def _oracle(q, k_pages, v_pages, table, seq, pos, sm_scale, window=None, cap=Non
     return np.stack(outs), np.stack(lses)
 
 
+def _check_kernel(args, sinks, sm_scale, window=None, cap=None):
+    """The batch's new K/V written into its pages, then the kernel against the oracle."""
+    q, k, v, k_pages, v_pages, table, cu, kv_lens = args
+    seq, pos = token_layout(cu, kv_lens, q.shape[0])
+    k_pages, v_pages = write_new_kv(k_pages, v_pages, k, v, table, seq, pos)
+    out, lse = cpu.decode_attention_cpu(q, k_pages, v_pages, table, seq, pos, sinks, sm_scale=sm_scale,
+                                        sliding_window=window, soft_cap=cap)
+    want_out, want_lse = _oracle(q, k_pages, v_pages, table, seq, pos, sm_scale, window, cap, sinks)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
+
+
 def test_the_kernel_builds_here():
     """CI installs a C++ compiler (Makefile setup): a silent fallback to the XLA path would
     hide a broken build."""
@@ -75,29 +87,14 @@ def test_kernel_matches_the_float64_oracle(window, cap, with_sinks, heads, head_
     of 3 and plain multi-head; a head_dim that is not a multiple of the kernel's 16 lanes;
     sliding window, soft cap, sinks; a padding token."""
     args, sinks = _decode_batch(1, [1, 6, 8, 13], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim)
-    q, k, v, k_pages, v_pages, table, cu, kv_lens = args
-    seq, pos = token_layout(cu, kv_lens, q.shape[0])
-    k_pages, v_pages = write_new_kv(k_pages, v_pages, k, v, table, seq, pos)
-    sinks = sinks if with_sinks else None
-    scale = head_dim ** -0.5
-    out, lse = cpu.decode_attention_cpu(q, k_pages, v_pages, table, seq, pos, sinks, sm_scale=scale,
-                                        sliding_window=window, soft_cap=cap)
-    want_out, want_lse = _oracle(q, k_pages, v_pages, table, seq, pos, scale, window, cap, sinks)
-    np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
+    _check_kernel(args, sinks if with_sinks else None, head_dim ** -0.5, window, cap)
 
 
 def test_long_contexts_spread_over_threads_match_the_oracle():
     """Enough work for the kernel to hand its items to XLA's thread pool."""
     args, _ = _decode_batch(2, [300, 517, 9, 260, 400], num_q_heads=8, num_kv_heads=2)
-    q, k, v, k_pages, v_pages, table, cu, kv_lens = args
-    seq, pos = token_layout(cu, kv_lens, q.shape[0])
-    k_pages, v_pages = write_new_kv(k_pages, v_pages, k, v, table, seq, pos)
-    assert int(jnp.sum(pos + 1)) * 8 * 64 >= 1 << 18  # the kernel's threshold for helpers
-    out, lse = cpu.decode_attention_cpu(q, k_pages, v_pages, table, seq, pos, sm_scale=0.125)
-    want_out, want_lse = _oracle(q, k_pages, v_pages, table, seq, pos, 0.125)
-    np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
+    assert int(jnp.sum(args[-1])) * 8 * 64 >= 1 << 18  # live positions: the kernel's threshold for helpers
+    _check_kernel(args, None, 0.125)
 
 
 @pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((7, 1), 128)], ids=["gqa3-64", "gqa7-128"])
@@ -109,16 +106,7 @@ def test_a_long_row_split_into_runs_merges_its_parts(window, cap, with_sinks, he
     per KV head weigh the values in chunks of two heads, then one."""
     args, sinks = _decode_batch(6, [600], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
                                 padding=0)
-    q, k, v, k_pages, v_pages, table, cu, kv_lens = args
-    seq, pos = token_layout(cu, kv_lens, q.shape[0])
-    k_pages, v_pages = write_new_kv(k_pages, v_pages, k, v, table, seq, pos)
-    sinks = sinks if with_sinks else None
-    scale = head_dim ** -0.5
-    out, lse = cpu.decode_attention_cpu(q, k_pages, v_pages, table, seq, pos, sinks, sm_scale=scale,
-                                        sliding_window=window, soft_cap=cap)
-    want_out, want_lse = _oracle(q, k_pages, v_pages, table, seq, pos, scale, window, cap, sinks)
-    np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
+    _check_kernel(args, sinks if with_sinks else None, head_dim ** -0.5, window, cap)
 
 
 def _lowered(args, **kw):
