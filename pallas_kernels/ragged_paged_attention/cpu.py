@@ -1,5 +1,7 @@
 """The CPU path of decode attention: a C++ kernel (cpu_kernel.cc) called through the XLA FFI,
-one call per layer for steps whose query tokens are decode rows over float32 pages.
+one call per layer for steps whose query tokens are decode rows over float32 pages, which
+writes the step's new K/V into the pages (aliased, so in place when the pages are donated)
+and attends.
 
 xla.py's block walk is a while loop of small XLA thunks, which on XLA:CPU costs about 70 us
 a layer at one decode row whatever the context; this kernel reads each live position's K
@@ -21,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_ffi
-from pallas_kernels.ragged_paged_attention.ref import token_layout, write_new_kv
 from pallas_kernels.variant import SOFTMAX, soft_cap_of
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
@@ -47,33 +48,34 @@ def supports(q, k_pages, variant, tree, kv_format, max_q_len) -> bool:
 
 def ragged_decode_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sinks, tree, *, sm_scale,
                       sliding_window, variant, kv_format=None):
-    """ragged_paged_attention's CPU branch for the steps `supports` takes: the new K/V
-    written into the pages (XLA's scatter), then the kernel. Same returns as the entry."""
+    """ragged_paged_attention's CPU branch for the steps `supports` takes: one kernel call
+    that writes the new K/V into the pages and attends. Same returns as the entry."""
     del tree, kv_format  # None: `supports`
-    seq, q_pos = token_layout(cu_q_lens, kv_lens, q.shape[0])
-    k_pages, v_pages = write_new_kv(k_pages, v_pages, k, v, block_tables, seq, q_pos)
-    out, lse = decode_attention_cpu(q, k_pages, v_pages, block_tables, seq, q_pos, sinks, sm_scale=sm_scale,
-                                    sliding_window=sliding_window, soft_cap=soft_cap_of(variant))
-    return out, lse, k_pages, v_pages
+    return decode_attention_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sinks,
+                                sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap_of(variant))
 
 
-def decode_attention_cpu(q, k_pages, v_pages, block_tables, seq, q_pos, sinks=None, *, sm_scale: float,
-                         sliding_window: int | None = None, soft_cap: float | None = None):
-    """(out [T, Hq, D] f32, lse [T, Hq] f32): token t (of sequence seq[t], at position
-    q_pos[t]) attends over positions [0, q_pos[t]] of its sequence's float32 pages
-    [num_pages, page_size, Hkv, D] (the last sliding_window of them on a sliding layer);
-    seq[t] outside [0, num_seqs) or q_pos[t] < 0 is padding (out 0, lse -inf). sinks: [Hq]
-    logits that join each softmax's denominator. RuntimeError when the kernel is not
-    available."""
+def decode_attention_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sinks=None, *,
+                         sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None):
+    """(out [T, Hq, D] f32, lse [T, Hq] f32, k_pages, v_pages): the step's new rows k, v [T,
+    Hkv, D] stored in the float32 pages [num_pages, page_size, Hkv, D] (in place where XLA
+    can alias them: donate the pages), as ref.write_new_kv stores them, then token t (of the
+    sequence and at the position ref.token_layout gives it) attends over positions [0, its
+    own] of its sequence (the last sliding_window of them on a sliding layer). Tokens past
+    cu_q_lens[-1] are padding (out 0, lse -inf, nothing written). sinks: [Hq] logits that
+    join each softmax's denominator. RuntimeError when the kernel is not available."""
     if not available():
         raise RuntimeError(f"{KERNEL.what} is not available (no compiler, a failed build, "
                            "or KVFOLD_DECODE_ATTENTION_CPU=0)")
     num_tokens, num_q_heads, _ = q.shape
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                                     jax.ShapeDtypeStruct((num_tokens, num_q_heads), jnp.float32)),
-                            vmap_method="sequential")
+                                     jax.ShapeDtypeStruct((num_tokens, num_q_heads), jnp.float32),
+                                     jax.ShapeDtypeStruct(k_pages.shape, jnp.float32),
+                                     jax.ShapeDtypeStruct(v_pages.shape, jnp.float32)),
+                            input_output_aliases={3: 2, 4: 3}, vmap_method="sequential")
     has_sinks = sinks is not None
     sinks = sinks.astype(jnp.float32) if has_sinks else jnp.zeros((1,), jnp.float32)
-    return call(q, k_pages, v_pages, block_tables, seq, q_pos, sinks, sm_scale=np.float32(sm_scale),
-                sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
-                has_sinks=np.int64(has_sinks))
+    i32 = lambda x: x.astype(jnp.int32)
+    return call(q, k.astype(jnp.float32), v.astype(jnp.float32), k_pages, v_pages, i32(block_tables), i32(cu_q_lens),
+                i32(kv_lens), sinks, sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
+                soft_cap=np.float32(soft_cap or 0.0), has_sinks=np.int64(has_sinks))

@@ -1,12 +1,16 @@
 // The CPU kernel of paged attention for query tokens that each see a causal run of their
-// sequence's positions (decode rows): one call per layer instead of XLA's block walk.
+// sequence's positions (decode rows): one call per layer instead of XLA's block walk, which
+// also stores the step's new K/V rows in the pages (aliased in place).
 //
 // On XLA:CPU the block walk (pallas_kernels/paged_blocks.py) is a while loop of a few dozen
 // small thunks per block, about 70 us a layer at one decode row however short the context
-// (SmolLM2's 30 layers: 2 ms of a 9 ms step). Here token t, of sequence seq[t] at position
-// q_pos[t], attends over positions [lo, q_pos[t]] of that sequence's pages (lo = 0, or
-// q_pos[t] - window + 1 on a sliding-window layer), reading each position's K and V rows
-// once, every KV head at a time (a page slot holds them side by side), for all query heads:
+// (SmolLM2's 30 layers: 2 ms of a 9 ms step). Here the call first lays the tokens out from
+// cu_q_lens and kv_lens (token t: sequence seq[t], position q_pos[t]) and writes each one's K
+// and V rows into its page slot; XLA's version of those two steps was six small fusions a
+// layer (two scatters, 4-5 us at one decode row). Then token t attends over positions [lo,
+// q_pos[t]] of its sequence's pages (lo = 0, or q_pos[t] - window + 1 on a sliding-window
+// layer), reading each position's K and V rows once, every KV head at a time (a page slot
+// holds them side by side), for all query heads:
 //
 //   s[g, p] = cap * tanh(sm_scale q[g] . k[p] / cap)        (no cap: sm_scale q[g] . k[p])
 //   out[g]  = sum_p exp(s[g, p] - m[g]) v[p] / l[g],   lse[g] = m[g] + log l[g]
@@ -15,17 +19,16 @@
 // in a buffer: a decode row's positions fit in cache; where head_dim is a multiple of 16,
 // AVX-512 scores 16 positions at a time summed by one transposing tree, a vectorized
 // softmax and weighted sums in registers, plain loops otherwise). A sink logit per query head
-// joins the denominator only. A token with seq[t] outside [0, num_seqs) or q_pos[t] < 0 is
-// padding: out 0, lse -inf. Block-table entries are clamped into the pool, as the XLA path does
-// (the entries a live position reads must be valid pages; the entry checks that when it
-// can). Work items are (token, run of positions): a long context is split into runs of
-// kSplit positions whose softmax parts are merged at the end (flash decoding), and
-// the items are spread over XLA's intra-op thread pool when a call holds enough work. Reading
-// the rows of every head at once, in page order, and splitting one row's context took 1,000
-// positions of SmolLM2's layer (3 KV heads) from 127 to 95-100 us; the tree-summed scores and the
-// vectorized softmax took 80 positions from 12 to 7.3 us with the pages in cache (16 to 14
-// us from L3, where the bytes bound it). Float32 pages [num_pages, page_size, num_kv_heads,
-// head_dim].
+// joins the denominator only. A token past cu_q_lens[num_seqs] is padding: out 0, lse -inf.
+// Block-table entries are clamped into the pool, as the XLA path does (the entries a live
+// position reads must be valid pages; the entry checks that when it can). Work items are
+// (token, run of positions): a long context is split into runs of kSplit positions whose
+// softmax parts are merged at the end (flash decoding), and the items are spread over XLA's
+// intra-op thread pool when a call holds enough work. Reading the rows of every head at once,
+// in page order, and splitting one row's context took 1,000 positions of SmolLM2's layer (3 KV
+// heads) from 127 to 95-100 us; the tree-summed scores and the vectorized softmax took 80
+// positions from 12 to 7.3 us with the pages in cache (16 to 14 us from L3, where the bytes
+// bound it). Float32 pages [num_pages, page_size, num_kv_heads, head_dim].
 
 #include <algorithm>
 #include <array>
@@ -330,6 +333,7 @@ struct Shared {
   Problem p;
   std::vector<Item> items;
   std::vector<Part> parts;  // one per item
+  std::vector<int32_t> seq, pos;  // per token (lay_out_and_write)
   std::atomic<int64_t> next{0}, done{0};
   void work() {
     Scratch s;
@@ -343,25 +347,66 @@ struct Shared {
 // alone; the runs of one long row can then go to several threads.
 constexpr int64_t kSplit = 128;
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
-                           ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> block_tables,
-                           ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::F32> sinks,
-                           ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, float sm_scale,
-                           int64_t sliding_window, float soft_cap, int64_t has_sinks) {
+// Token t's sequence and position from the step's layout, as ref.token_layout gives them:
+// seq[t] counts the query starts cu_q_lens[1 .. S] at or before t (S for the padding past
+// the last row, whose position is -1), and its position is kv_lens[s] - q_len[s] + t -
+// cu_q_lens[s]. Then its new K/V rows are stored at that position's page slot, as
+// ref.write_new_kv stores them: nothing for padding, a position past the table, or an entry
+// outside [0, P) (a bad entry never lands in another sequence's page).
+void lay_out_and_write(const int32_t* cu, const int32_t* kv_lens, const float* k, const float* v, int64_t S,
+                       Problem& p, std::vector<int32_t>& seq, std::vector<int32_t>& pos, float* k_pages,
+                       float* v_pages) {
+  const int64_t row = p.Hkv * p.D;
+  seq.assign(p.T, static_cast<int32_t>(S));
+  pos.assign(p.T, -1);
+  for (int64_t t = 0; t < p.T; ++t) {
+    int64_t s = 0;
+    for (int64_t j = 1; j <= S; ++j) s += t >= cu[j];
+    if (s >= S) continue;
+    seq[t] = static_cast<int32_t>(s);
+    pos[t] = kv_lens[s] - (cu[s + 1] - cu[s]) + static_cast<int32_t>(t) - cu[s];
+    if (pos[t] < 0 || pos[t] >= p.W * p.ps) continue;
+    const int64_t page = p.tables[s * p.W + pos[t] / p.ps];
+    if (page < 0 || page >= p.P) continue;
+    const int64_t at = (page * p.ps + pos[t] % p.ps) * row;
+    std::memcpy(k_pages + at, k + t * row, row * sizeof(float));
+    std::memcpy(v_pages + at, v + t * row, row * sizeof(float));
+  }
+}
+
+// One decode-attention step: the new K/V written into the pages (aliased: the result pages
+// are the operand pages, updated in place), then every token's attention over them.
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
+                           ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> k_out,
+                           ffi::ResultBuffer<ffi::F32> v_out, float sm_scale, int64_t sliding_window, float soft_cap,
+                           int64_t has_sinks) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2)
     return ffi::Error::InvalidArgument("decode_attention_cpu: q must be 3-D, the pages 4-D, block_tables 2-D");
-  const int64_t T = qd[0], Hq = qd[1], D = qd[2], Hkv = kd[2];
+  const int64_t T = qd[0], Hq = qd[1], D = qd[2], Hkv = kd[2], S = kv_lens.element_count();
   const auto vd = v_pages.dimensions();
   if (kd[3] != D || Hkv <= 0 || Hq % Hkv || vd.size() != 4 || !std::equal(vd.begin(), vd.end(), kd.begin()))
     return ffi::Error::InvalidArgument("decode_attention_cpu: page shapes do not match q's heads");
-  if (seq.element_count() != T || q_pos.element_count() != T || (has_sinks && sinks.element_count() != Hq))
-    return ffi::Error::InvalidArgument("decode_attention_cpu: seq / q_pos / sinks lengths do not match q");
+  if (k.element_count() != T * Hkv * D || v.element_count() != T * Hkv * D)
+    return ffi::Error::InvalidArgument("decode_attention_cpu: the new K/V rows do not match q and the pages");
+  if (bd[0] != S || cu_q_lens.element_count() != S + 1 || (has_sinks && sinks.element_count() != Hq))
+    return ffi::Error::InvalidArgument("decode_attention_cpu: block_tables / cu_q_lens / kv_lens / sinks lengths "
+                                       "do not match");
+  float *kp = k_out->typed_data(), *vp = v_out->typed_data();  // the operand pages where XLA aliased them
+  if (kp != k_pages.typed_data()) std::memcpy(kp, k_pages.typed_data(), k_pages.size_bytes());
+  if (vp != v_pages.typed_data()) std::memcpy(vp, v_pages.typed_data(), v_pages.size_bytes());
   auto shared = std::make_shared<Shared>();
   Problem& p = shared->p;
-  p = Problem{q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), has_sinks ? sinks.typed_data() : nullptr,
-              block_tables.typed_data(), seq.typed_data(), q_pos.typed_data(), out->typed_data(), lse->typed_data(),
-              T, Hq, Hkv, D, kd[0], kd[1], bd[0], bd[1], sliding_window, sm_scale, soft_cap};
+  p = Problem{q.typed_data(), kp, vp, has_sinks ? sinks.typed_data() : nullptr, block_tables.typed_data(), nullptr,
+              nullptr, out->typed_data(), lse->typed_data(), T, Hq, Hkv, D, kd[0], kd[1], S, bd[1], sliding_window,
+              sm_scale, soft_cap};
+  lay_out_and_write(cu_q_lens.typed_data(), kv_lens.typed_data(), k.typed_data(), v.typed_data(), S, p, shared->seq,
+                    shared->pos, kp, vp);
+  p.seq = shared->seq.data();
+  p.pos = shared->pos.data();
   // Each live token's positions, in runs of kSplit.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   std::vector<int64_t> first(T + 1, 0);  // token t's items: [first[t], first[t + 1])
@@ -401,14 +446,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hq, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k [T, Hkv, D], the new rows
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v [T, Hkv, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k_pages [P, ps, Hkv, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_pages [P, ps, Hkv, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, W]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq [T]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_pos [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // sinks [Hq] (any [1] when absent)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, Hq, D]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse [T, Hq]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // k_pages, aliased to the operand
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // v_pages, aliased to the operand
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")

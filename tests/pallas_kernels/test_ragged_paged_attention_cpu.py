@@ -19,9 +19,9 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU 
 PAGE_SIZE = 4
 
 
-def _decode_batch(seed, kv_lens, *, num_q_heads=6, num_kv_heads=2, head_dim=64, padding=1, width=None):
-    """Decode rows (one token each) over pages in a shuffled pool, tables wider than the
-    live pages with garbage past them, and `padding` tokens past the last row."""
+def _decode_batch(seed, kv_lens, *, num_q_heads=6, num_kv_heads=2, head_dim=64, padding=1, width=None, q_lens=None):
+    """Decode rows (one token each, or q_lens) over pages in a shuffled pool, tables wider
+    than the live pages with garbage past them, and `padding` tokens past the last row."""
     rng = np.random.default_rng(seed)
     kv_lens = np.asarray(kv_lens, np.int32)
     used = -(-kv_lens // PAGE_SIZE)
@@ -34,9 +34,10 @@ def _decode_batch(seed, kv_lens, *, num_q_heads=6, num_kv_heads=2, head_dim=64, 
     for s, n in enumerate(used):
         table[s, :n] = perm[start:start + n]
         start += n
-    t = len(kv_lens) + padding
+    q_lens = np.ones_like(kv_lens) if q_lens is None else np.asarray(q_lens, np.int32)
+    t = int(q_lens.sum()) + padding
     f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    cu = jnp.arange(len(kv_lens) + 1, dtype=jnp.int32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     args = (f32(t, num_q_heads, head_dim), f32(t, num_kv_heads, head_dim), f32(t, num_kv_heads, head_dim),
             f32(num_pages, PAGE_SIZE, num_kv_heads, head_dim), f32(num_pages, PAGE_SIZE, num_kv_heads, head_dim),
             jnp.asarray(table), cu, jnp.asarray(kv_lens))
@@ -63,13 +64,16 @@ def _oracle(q, k_pages, v_pages, table, seq, pos, sm_scale, window=None, cap=Non
 
 
 def _check_kernel(args, sinks, sm_scale, window=None, cap=None):
-    """The batch's new K/V written into its pages, then the kernel against the oracle."""
+    """The kernel against the reference's page writes (equal pages) and the oracle's attention
+    over them."""
     q, k, v, k_pages, v_pages, table, cu, kv_lens = args
     seq, pos = token_layout(cu, kv_lens, q.shape[0])
-    k_pages, v_pages = write_new_kv(k_pages, v_pages, k, v, table, seq, pos)
-    out, lse = cpu.decode_attention_cpu(q, k_pages, v_pages, table, seq, pos, sinks, sm_scale=sm_scale,
-                                        sliding_window=window, soft_cap=cap)
-    want_out, want_lse = _oracle(q, k_pages, v_pages, table, seq, pos, sm_scale, window, cap, sinks)
+    want_k, want_v = write_new_kv(k_pages, v_pages, k, v, table, seq, pos)
+    out, lse, got_k, got_v = cpu.decode_attention_cpu(*args, sinks, sm_scale=sm_scale, sliding_window=window,
+                                                      soft_cap=cap)
+    np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_k))
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    want_out, want_lse = _oracle(q, want_k, want_v, table, seq, pos, sm_scale, window, cap, sinks)
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
 
@@ -88,6 +92,14 @@ def test_kernel_matches_the_float64_oracle(window, cap, with_sinks, heads, head_
     sliding window, soft cap, sinks; a padding token."""
     args, sinks = _decode_batch(1, [1, 6, 8, 13], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim)
     _check_kernel(args, sinks if with_sinks else None, head_dim ** -0.5, window, cap)
+
+
+def test_tokens_of_one_row_each_see_their_own_causal_prefix():
+    """Rows of several query tokens (the kernel lays tokens out as ref.token_layout does):
+    all of a step's rows are written before any token attends, and token i of a row of q
+    tokens sits at kv_len - q + i."""
+    args, _ = _decode_batch(8, [5, 9, 4], q_lens=[2, 3, 1], padding=2)
+    _check_kernel(args, None, 0.125)
 
 
 def test_long_contexts_spread_over_threads_match_the_oracle():
@@ -147,12 +159,34 @@ def test_lowering_for_cuda_and_tpu_never_names_the_cpu_kernel():
     assert cpu.TARGET not in export_tpu(fn, *specs)
 
 
+def test_a_bad_table_entry_drops_the_write_and_never_touches_another_page():
+    """A row whose page entry is -1 or past the pool writes nothing (the reference drops it
+    too; a -1 must not wrap to the last page), and the row with good entries lands where the
+    reference puts it and attends as the oracle says."""
+    args, _ = _decode_batch(7, [3, 6, 2], padding=2)
+    q, k, v, k_pages, v_pages, table, cu, kv_lens = args
+    table = table.at[0, 0].set(-1).at[2, 0].set(k_pages.shape[0])
+    out, lse, got_k, got_v = cpu.decode_attention_cpu(q, k, v, k_pages, v_pages, table, cu, kv_lens, sm_scale=0.125)
+    seq, pos = token_layout(cu, kv_lens, q.shape[0])
+    want_k, want_v = write_new_kv(k_pages, v_pages, k, v, table, seq, pos)
+    np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_k))
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    changed = np.flatnonzero(np.any(np.asarray(got_v) != np.asarray(v_pages), axis=(1, 2, 3)))
+    assert list(changed) == [int(table[1, 1])]  # row 1 alone (position 5: its second page)
+    want_out, want_lse = _oracle(q[1:2], want_k, want_v, table, seq[1:2], pos[1:2], 0.125)
+    np.testing.assert_allclose(np.asarray(out[1:2]), want_out, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse[1:2]), want_lse, rtol=2e-5, atol=2e-5)
+
+
 def test_mismatched_buffers_are_refused_by_the_kernel():
     args, _ = _decode_batch(4, [3])
-    q, _, _, k_pages, v_pages, table, cu, kv_lens = args
-    seq, pos = token_layout(cu, kv_lens, q.shape[0])
+    q, k, v, k_pages, v_pages, table, cu, kv_lens = args
     with pytest.raises(Exception, match="page shapes do not match"):
-        cpu.decode_attention_cpu(q, k_pages[..., :32], v_pages[..., :32], table, seq, pos,
-                                 sm_scale=0.1).block_until_ready()
+        cpu.decode_attention_cpu(q, k[..., :32], v[..., :32], k_pages[..., :32], v_pages[..., :32], table, cu,
+                                 kv_lens, sm_scale=0.1)[0].block_until_ready()
+    with pytest.raises(Exception, match="new K/V rows do not match"):
+        cpu.decode_attention_cpu(q, k[:1], v[:1], k_pages, v_pages, table, cu, kv_lens,
+                                 sm_scale=0.1)[0].block_until_ready()
     with pytest.raises(Exception, match="lengths do not match"):
-        cpu.decode_attention_cpu(q, k_pages, v_pages, table, seq[:1], pos, sm_scale=0.1).block_until_ready()
+        cpu.decode_attention_cpu(q, k, v, k_pages, v_pages, table, cu[:1], kv_lens,
+                                 sm_scale=0.1)[0].block_until_ready()
