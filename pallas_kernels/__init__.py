@@ -1,8 +1,9 @@
-"""Kernels for kvfold (attention, batched LoRA, the quantized-weight matmul): one folder per
-op, each with ref.py (the jnp truth), its Pallas kernel(s) and one entry function, the only
+"""Kernels for kvfold (attention, batched LoRA, the quantized-weight matmul, greedy decoding's
+pick): one folder per op, each with ref.py (the jnp truth), its Pallas kernel(s) and one entry function, the only
 thing the model calls."""
 
 from pallas_kernels.block_sparse_attention import block_sparse_attention
+from pallas_kernels.first_max import first_max
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.lora import lora_matmul
 from pallas_kernels.merge_states import merge_states
@@ -22,6 +23,7 @@ __all__ = [
     "merge_states",
     "lora_matmul",
     "quant_matmul",
+    "first_max",
     "AttentionVariant",
     "alibi",
     "sigmoid",

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.sampling import first_max, row_keys, sample
+from serving.sampling import row_keys, sample
 
 
 def keys(n, seed=0):
@@ -52,26 +52,6 @@ def test_zero_temperature_is_argmax_per_row():
     out = sample(logits, keys(6, 4), temps, jnp.zeros(6, jnp.int32), jnp.ones(6))
     greedy = np.asarray(jnp.argmax(logits, -1))
     np.testing.assert_array_equal(np.asarray(out)[np.asarray(temps) == 0], greedy[np.asarray(temps) == 0])
-
-
-def test_first_max_is_numpys_argmax_ties_included():
-    """Greedy picks through two reductions: numpy's argmax (the first of tied maxima) on
-    random rows, rows of ties, rows with -inf and a single column; a NaN row gives 0."""
-    rng = np.random.default_rng(3)
-    rows = rng.standard_normal((6, 1000)).astype(np.float32)
-    rows[1] = np.round(rows[1])  # many ties at the maximum
-    rows[2, :] = 1.5
-    rows[3, ::2] = -np.inf
-    rows[4, 997] = rows[4, 3] = 9.0
-    np.testing.assert_array_equal(np.asarray(first_max(jnp.asarray(rows))), rows.argmax(axis=1))
-    for row in rows:  # one row at a time: the batch-1 path (lax.top_k)
-        assert first_max(jnp.asarray(row[None])).tolist() == [row.argmax()]
-    assert first_max(jnp.ones((2, 1))).tolist() == [0, 0]
-    assert first_max(jnp.ones((1, 1))).tolist() == [0]
-    assert first_max(jnp.full((1, 5), jnp.nan)).tolist() == [0]
-    assert first_max(jnp.full((2, 5), jnp.nan)).tolist() == [0, 0]
-    some_nan = jnp.asarray([[1.0, jnp.nan, 2.0]])  # no maximum either: 0 on both paths
-    assert first_max(some_nan).tolist() == [0] and first_max(jnp.tile(some_nan, (2, 1))).tolist() == [0, 0]
 
 
 def test_top_k_one_is_greedy_even_when_sampling():
