@@ -271,7 +271,7 @@ def _run_layers(params, config, x, layers, ctx, capture_layers):
 
 def forward_packed(params: dict, config: ModelConfig, tokens: jnp.ndarray, positions: jnp.ndarray,
                    cache: KVCache, layout: RaggedLayout, capture_layers: tuple[int, ...] = (),
-                   mesh=None) -> tuple[jnp.ndarray, KVCache, tuple[jnp.ndarray, ...]]:
+                   mesh=None, rope=None) -> tuple[jnp.ndarray, KVCache, tuple[jnp.ndarray, ...]]:
     """forward_hidden over a packed step, the serving engine's layout (not jitted).
 
     tokens, positions: int32 [N], every sequence's tokens back to back as `layout`
@@ -279,6 +279,8 @@ def forward_packed(params: dict, config: ModelConfig, tokens: jnp.ndarray, posit
     rows and draft-tree nodes alike (positions are RoPE positions; a tree node's KV slot
     comes from the layout). cache.block_tables: [S, pages] for the layout's S sequences.
     Returns hidden [N, H], the cache and captured residual streams [N, H]. mesh: as `forward`.
+    rope: packed_rope(config, positions) when the caller has them (computed once for several
+    steps, outside their loop); None computes them here.
     """
     if tokens.ndim != 1 or positions.shape != tokens.shape:
         raise ValueError(f"packed tokens {tokens.shape} and positions {positions.shape} must be "
@@ -293,17 +295,28 @@ def forward_packed(params: dict, config: ModelConfig, tokens: jnp.ndarray, posit
            for layer in cache.layers):
         raise ValueError("packed steps cannot use KIVI pages (their newest page is kept per batch row)")
     hidden, layers, captured = _run_layers(params, config, embed(params, tokens, config)[None], cache.layers,
-                                           packed_context(config, positions, cache, layout, mesh), capture_layers)
+                                           packed_context(config, positions, cache, layout, mesh, rope),
+                                           capture_layers)
     return hidden[0], KVCache(layers, cache.block_tables, cache.page_size), tuple(c[0] for c in captured)
 
 
 def packed_context(config: ModelConfig, positions: jnp.ndarray, cache: KVCache, layout: RaggedLayout,
-                   mesh=None) -> ForwardContext:
+                   mesh=None, rope=None) -> ForwardContext:
     """The context of a packed step (forward_packed): positions [N] are RoPE positions,
-    every token's KV slot and visibility come from `layout`; layers see one row [1, N]."""
-    return ForwardContext(positions=positions[None], rope=rope_tables(config, positions[None]),
-                          block_tables=cache.block_tables, slots=None, page_size=cache.page_size,
-                          layout=layout, rope_local=_rope_local(config, positions[None]), mesh=mesh)
+    every token's KV slot and visibility come from `layout`; layers see one row [1, N].
+    rope: packed_rope's tables for positions, or None to compute them."""
+    rope, rope_local = packed_rope(config, positions) if rope is None else rope
+    return ForwardContext(positions=positions[None], rope=rope, block_tables=cache.block_tables, slots=None,
+                          page_size=cache.page_size, layout=layout, rope_local=rope_local, mesh=mesh)
+
+
+def packed_rope(config: ModelConfig, positions: jnp.ndarray):
+    """(RoPE tables, sliding layers' own tables or None) of a packed step's positions [N],
+    each cos, sin [1, N, head_dim]. A caller running several steps computes them for all
+    steps before its loop: XLA:CPU fuses cos and sin into every consumer, so tables made
+    inside a step are evaluated again for each head of each layer's rotation (60 fusions of
+    2-3 us per SmolLM2 decode token)."""
+    return rope_tables(config, positions[None]), _rope_local(config, positions[None])
 
 
 def embed(params: dict, tokens: jnp.ndarray, config: ModelConfig) -> jnp.ndarray:

@@ -156,13 +156,14 @@ class StepShape(typing.NamedTuple):
 
 
 def _forward_step(params, config, page_size, pool, batch: StepBatch, want_logprobs, want_prompt_logprobs,
-                  lora_stacks=None, mesh=None, frozen=False):
+                  lora_stacks=None, mesh=None, frozen=False, rope=None):
     """One engine step of prefill chunks and decode rows: (sampled [S], logprob extras,
     prompt logprob extras (per token [N]), pool). With lora_stacks (serving/lora.py), each
     token's projections add its adapter slot's term (batch.lora_slots). mesh: the params
     and pool are sharded over it (model/sharding.py); the batch is replicated. frozen (CSA2
     models): the rows only rebuild their state slots over pages already written
-    (ModelRunner.restore_state)."""
+    (ModelRunner.restore_state). rope: model.packed_rope of batch.positions, when the
+    caller made them (other models than CSA2)."""
     if lora_stacks is not None:
         params = model_lora.attach(params, lora_stacks, batch.lora_slots)
     if paged_csa2.is_csa2(config):
@@ -171,7 +172,7 @@ def _forward_step(params, config, page_size, pool, batch: StepBatch, want_logpro
     else:
         cache = KVCache(pool["target"], batch.block_tables, page_size)
         hidden, cache, _ = model.forward_packed(params, config, batch.tokens, batch.positions, cache,
-                                                batch.layout, mesh=mesh)
+                                                batch.layout, mesh=mesh, rope=rope)
         last, pool = hidden[batch.logits_indices], {"target": cache.layers}
     logits = lm_head(params, config, last)
     keys = row_keys(batch.seeds, batch.counters)
@@ -200,10 +201,15 @@ def _decode_steps(params, config, page_size, pool, batch: StepBatch, steps: int)
     one position on, each row's sampling counter one further. Returns (tokens [steps, S],
     pool). Rows stay padding where they were (position -1)."""
     live = batch.positions >= 0  # [N] = [S]: one token per row
+    # Every step's RoPE tables, made here once: inside the loop XLA would evaluate them again
+    # in each layer's rotation (model.packed_rope).
+    ropes = None if paged_csa2.is_csa2(config) else jax.vmap(
+        lambda i: model.packed_rope(config, jnp.where(live, batch.positions + i, -1)))(jnp.arange(steps))
 
     def one(i, carry):
         pool, batch, out = carry
-        tokens, _, _, pool = _forward_step(params, config, page_size, pool, batch, False, False)
+        rope = None if ropes is None else jax.tree.map(lambda t: t[i], ropes)
+        tokens, _, _, pool = _forward_step(params, config, page_size, pool, batch, False, False, rope=rope)
         batch = dataclasses.replace(batch, tokens=jnp.where(live, tokens, 0),
                                     positions=jnp.where(live, batch.positions + 1, -1),
                                     kv_lens=jnp.where(live, batch.kv_lens + 1, 0), counters=batch.counters + 1)
