@@ -348,9 +348,10 @@ def kernel_pages(cache: KVPages):
     return _kv_format(cache), cache["k"], cache["v"]
 
 
-def plain_pages(cache: KVPages, dtype) -> bool:
-    """Whether cache["k"], cache["v"] are plain float pages of `dtype` (what paged_attention reads)."""
-    return cache.kv_cache_dtype in FLOAT_FORMATS and cache.pages["k"].dtype == dtype
+def plain_pages(cache: KVPages) -> bool:
+    """Whether cache["k"], cache["v"] are plain float pages (of any float dtype: the attention
+    entries take pages of another dtype than their activations)."""
+    return cache.kv_cache_dtype in FLOAT_FORMATS
 
 
 def bytes_per_token(kv_cache_dtype: str, config, dtype=jnp.float32, page_size: int | None = None) -> int:

@@ -159,10 +159,11 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     cache: one layer's KVPages; K/V are stored in its kv_cache_dtype (model/kv_formats.py).
     Every step — prefill chunks, decode rows, draft-tree nodes — goes through
     pallas_kernels.ragged_paged_attention, which writes the new K/V into the pages and
-    reads float, fp8, int8, nvfp4 and turboquant pages itself (on TPU inside the kernel;
-    on CPU its XLA path walks the block table a block of pages at a time). Only KIVI
-    pages (their exact newest page lives outside the pages) and float pages of another
-    dtype than the activations are read back whole and attended densely.
+    reads float (also bfloat16 under float32 activations), fp8, int8, nvfp4 and turboquant
+    pages itself (on TPU inside the kernel; on CPU a C++ kernel for decode rows over float
+    pages, else its XLA path walks the block table a block of pages at a time). Only KIVI
+    pages (their exact newest page lives outside the pages) are read back whole and
+    attended densely.
     """
     b, t, _ = x.shape
     hd = config.head_dim
@@ -175,7 +176,7 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     cos, sin = ctx.rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     pages = kernel_pages(cache)
-    if pages is None and plain_pages(cache, q.dtype):
+    if pages is None and plain_pages(cache):
         pages = (None, cache["k"], cache["v"])
     if pages is None:
         cache = write_kv(cache, k, v, ctx)

@@ -1,7 +1,7 @@
 """Benchmarks that print tables: ours against a peer measured in the same run.
 
     python -m serving.bench decode     [--batch-sizes 1 16] [--new-tokens 64] [--weights-dtype float32 gguf w8a8]
-                                       [--num-scheduler-steps 1 8]
+                                       [--num-scheduler-steps 1 8] [--kv-cache-dtype auto]
     python -m serving.bench offline    [--num-prompts 16] [--new-tokens 64]
     python -m serving.bench trace PATH [--num-requests 1500] [--tiers] [--plot FILE.png]
     python -m serving.bench tiers PATH [--num-requests 48] [--kv-blocks 96] [--host-pages 64]
@@ -87,6 +87,7 @@ import numpy as np
 from model.weights import WEIGHTS_DTYPES
 from serving import scheduler as sched
 from serving.kv_tiers import WRITE_POLICIES, TierConfig, host_rows_memory
+from serving.llm import SERVING_KV_CACHE_DTYPES
 from serving.params import SamplingParams
 
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -160,7 +161,8 @@ def _llm(args, max_num_seqs: int, weights_dtype: str | None = None, num_schedule
     # chunks of other shapes (compiling inside the timing) and skip work the peer does.
     return LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=max_num_seqs,
                max_num_batched_tokens=max(512, 64 * max_num_seqs), enable_prefix_caching=False,
-               weights_dtype=weights_dtype, num_scheduler_steps=num_scheduler_steps)
+               weights_dtype=weights_dtype, num_scheduler_steps=num_scheduler_steps,
+               kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
 
 
 def _time_llama_cpp(gguf_path: str, prompt: list[int], new_tokens: int) -> float | None:
@@ -203,6 +205,7 @@ def bench_decode(args) -> None:
     peers: dict[int, float | None] = {}
     llama = None
     print(f"\ndecode: {args.model} ({file_mb:.1f} MB file), {args.new_tokens} new tokens, greedy, "
+          f"kv_cache_dtype {args.kv_cache_dtype}, "
           f"{_device()}; kvfold and transformers (float32 weights) include the one-step prefill; "
           "llama.cpp (its own GGUF blocks, batch 1) is timed after its prompt, and so is kvfold's decode column")
     print("| weights | steps per call | batch | resident weights MB | kvfold tok/s | transformers tok/s | ratio "
@@ -1380,6 +1383,8 @@ def main(argv: list[str] | None = None) -> None:
             p.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES)
         p.add_argument("--new-tokens", type=int, default=64)
         p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
+        p.add_argument("--kv-cache-dtype", default="auto", choices=SERVING_KV_CACHE_DTYPES,
+                       help="LLM's kv_cache_dtype (llama.cpp keeps its cache in float16)")
         if name == "decode":
             p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
             p.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1],

@@ -1,7 +1,7 @@
 """The CPU path of decode attention: a C++ kernel (cpu_kernel.cc) called through the XLA FFI,
-one call per layer for steps whose query tokens are decode rows over float32 pages, which
-writes the step's new K/V into the pages (aliased, so in place when the pages are donated)
-and attends.
+one call per layer for steps whose query tokens are decode rows over float32 or bfloat16
+pages, which writes the step's new K/V into the pages (aliased, so in place when the pages
+are donated) and attends.
 
 xla.py's block walk is a while loop of small XLA thunks, which on XLA:CPU costs about 70 us
 a layer at one decode row whatever the context; this kernel reads each live position's K
@@ -39,10 +39,11 @@ def available() -> bool:
 
 def supports(q, k_pages, variant, tree, kv_format, max_q_len) -> bool:
     """Whether the kernel takes a ragged_paged_attention step: decode rows only (max_q_len
-    1), float32 q and pages, no draft tree, softmax with at most a soft cap, and a built
-    kernel (a GPU or TPU host never builds it)."""
+    1), float32 q over float32 or bfloat16 pages, no draft tree, softmax with at most a
+    soft cap, and a built kernel (a GPU or TPU host never builds it)."""
     return (max_q_len == 1 and kv_format is None and tree is None and q.dtype == jnp.float32
-            and k_pages.dtype == jnp.float32 and (variant == SOFTMAX or soft_cap_of(variant) is not None)
+            and k_pages.dtype in (jnp.float32, jnp.bfloat16)
+            and (variant == SOFTMAX or soft_cap_of(variant) is not None)
             and jax.default_backend() == "cpu" and available())
 
 
@@ -58,8 +59,9 @@ def ragged_decode_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_len
 def decode_attention_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sinks=None, *,
                          sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None):
     """(out [T, Hq, D] f32, lse [T, Hq] f32, k_pages, v_pages): the step's new rows k, v [T,
-    Hkv, D] stored in the float32 pages [num_pages, page_size, Hkv, D] (in place where XLA
-    can alias them: donate the pages), as ref.write_new_kv stores them, then token t (of the
+    Hkv, D] stored in the float32 or bfloat16 pages [num_pages, page_size, Hkv, D] (in place
+    where XLA can alias them: donate the pages), as ref.write_new_kv stores them (rounded to
+    the nearest bfloat16, ties to even, in bfloat16 pages), then token t (of the
     sequence and at the position ref.token_layout gives it) attends over positions [0, its
     own] of its sequence (the last sliding_window of them on a sliding layer). Tokens past
     cu_q_lens[-1] are padding (out 0, lse -inf, nothing written). sinks: [Hq] logits that
@@ -70,8 +72,8 @@ def decode_attention_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_
     num_tokens, num_q_heads, _ = q.shape
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                                      jax.ShapeDtypeStruct((num_tokens, num_q_heads), jnp.float32),
-                                     jax.ShapeDtypeStruct(k_pages.shape, jnp.float32),
-                                     jax.ShapeDtypeStruct(v_pages.shape, jnp.float32)),
+                                     jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                                     jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
                             input_output_aliases={3: 2, 4: 3}, vmap_method="sequential")
     has_sinks = sinks is not None
     sinks = sinks.astype(jnp.float32) if has_sinks else jnp.zeros((1,), jnp.float32)

@@ -54,21 +54,52 @@ namespace {
 
 constexpr int kLanes = 16;  // independent partial sums of the portable dot product
 
+// A bfloat16 page element: the high half of a float32.
+struct Bf16 {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(Bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// x stored in a page element: bfloat16 rounds to the nearest, ties to even, as XLA's convert
+// does (a NaN stays a quiet NaN).
+inline void store(float x, float& out) { out = x; }
+inline void store(float x, Bf16& out) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if (std::isnan(x)) {
+    out.bits = static_cast<uint16_t>((bits >> 16) | 0x40);
+    return;
+  }
+  out.bits = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// Pages of float32 or bfloat16 elements E; q, the new rows and the results are float32.
+template <typename E>
 struct Problem {
-  const float *q, *k, *v, *sinks;  // q [T, Hq, D]; pages [P, ps, Hkv, D]; sinks [Hq] or null
+  const float* q;      // [T, Hq, D]
+  const E *k, *v;      // pages [P, ps, Hkv, D]
+  const float* sinks;  // [Hq] or null
   const int32_t *tables, *seq, *pos;  // [S, W], [T], [T]
   float *out, *lse;                   // [T, Hq, D], [T, Hq]
   int64_t T, Hq, Hkv, D, P, ps, S, W, window;
   float sm_scale, cap;
 };
 
-float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+float dot(const float* a, const T* b, int64_t n) {
   float lanes[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * b[i + l];
+    for (int l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * to_float(b[i + l]);
   float s = 0.0f;
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * to_float(b[i]);
   for (int l = 0; l < kLanes; ++l) s += lanes[l];
   return s;
 }
@@ -99,6 +130,12 @@ inline float exp_nonpositive(float x) {
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 #if defined(__AVX512F__)
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const Bf16* x) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 // exp_nonpositive on 16 lanes (the same steps, so the same results).
 inline __m512 exp_nonpositive16(__m512 x) {
   const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
@@ -136,20 +173,21 @@ inline __m512 sum16(const __m512* a) {
 // scores[h * ns + i] = sm_scale q[h] . k[rows[i]] for every query head over the n positions
 // (-inf from n to ns), 16 positions at a time: their rows stay in the L1 cache for all the
 // heads, and one tree sums the 16 dot products of a head. D a multiple of 16.
-void scores16(const Problem& p, const float* q, const int64_t* rows, int64_t n, int64_t ns, float* scores) {
+template <typename T>
+void scores16(const Problem<T>& p, const float* q, const int64_t* rows, int64_t n, int64_t ns, float* scores) {
   const int64_t G = p.Hq / p.Hkv, D = p.D;
   const __m512 scale = _mm512_set1_ps(p.sm_scale);
   for (int64_t i0 = 0; i0 < ns; i0 += 16) {
     const int64_t live = std::min<int64_t>(16, n - i0);
     for (int64_t h = 0; h < p.Hq; ++h) {
-      const float *qh = q + h * D, *k = p.k + h / G * D;
+      const float* qh = q + h * D;
+      const T* k = p.k + h / G * D;
       __m512 a[16];
       for (int64_t j = 0; j < 16; ++j) {
         a[j] = _mm512_setzero_ps();
         if (j >= live) continue;
-        const float* r = k + rows[i0 + j];
-        for (int64_t d = 0; d < D; d += 16)
-          a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), _mm512_loadu_ps(r + d), a[j]);
+        const T* r = k + rows[i0 + j];
+        for (int64_t d = 0; d < D; d += 16) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), load16(r + d), a[j]);
       }
       const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
       _mm512_storeu_ps(scores + h * ns + i0, _mm512_mask_mul_ps(_mm512_set1_ps(-kInf), mask, sum16(a), scale));
@@ -207,40 +245,43 @@ struct Scratch {
 // acc[heads, D] += sum_i w[g * n + i] v[rows[i]] for positions [i0, i1) and the heads g of
 // one chunk, whose V accumulators (V of them, D / 16 a head: a template constant) stay in
 // registers, so each V row is read once for all of them.
-template <int V>
-void weigh_chunk(const float* w, const float* v, const int64_t* rows, int64_t n, int64_t i0, int64_t i1, int64_t D,
+template <typename T, int V>
+void weigh_chunk(const float* w, const T* v, const int64_t* rows, int64_t n, int64_t i0, int64_t i1, int64_t D,
                  float* acc) {
   const int64_t per = D / 16;
   __m512 a[V];
   for (int u = 0; u < V; ++u) a[u] = _mm512_loadu_ps(acc + 16 * u);
   for (int64_t i = i0; i < i1; ++i) {
-    const float* r = v + rows[i];
+    const T* r = v + rows[i];
     for (int u = 0; u < V; ++u)
-      a[u] = _mm512_fmadd_ps(_mm512_set1_ps(w[u / per * n + i]), _mm512_loadu_ps(r + u % per * 16), a[u]);
+      a[u] = _mm512_fmadd_ps(_mm512_set1_ps(w[u / per * n + i]), load16(r + u % per * 16), a[u]);
   }
   for (int u = 0; u < V; ++u) _mm512_storeu_ps(acc + 16 * u, a[u]);
 }
 
-using WeighChunk = void (*)(const float*, const float*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float*);
-template <int... V>
-constexpr std::array<WeighChunk, sizeof...(V) + 1> weigh_chunks(std::integer_sequence<int, V...>) {
-  return {nullptr, &weigh_chunk<V + 1>...};
+template <typename T>
+using WeighChunk = void (*)(const float*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float*);
+template <typename T, int... V>
+constexpr std::array<WeighChunk<T>, sizeof...(V) + 1> weigh_chunks(std::integer_sequence<int, V...>) {
+  return {nullptr, &weigh_chunk<T, V + 1>...};
 }
-constexpr auto kWeighChunk = weigh_chunks(std::make_integer_sequence<int, 16>{});  // [V] for V = 1 .. 16
+template <typename T>  // [V] for V = 1 .. 16
+constexpr auto kWeighChunk = weigh_chunks<T>(std::make_integer_sequence<int, 16>{});
 #endif
 
 // acc[G, D] += sum over positions [i0, i1) of w[g * n + i] v[rows[i]] for the G query heads
 // of one KV head (v points at that head's slice of a row): in chunks of heads whose
 // accumulators fit in 16 registers where D is a multiple of 16 (and at most 256), else in
 // plain loops the compiler vectorizes.
-void weigh(const float* w, const float* v, const int64_t* rows, int64_t n, int64_t i0, int64_t i1, int64_t G,
+template <typename T>
+void weigh(const float* w, const T* v, const int64_t* rows, int64_t n, int64_t i0, int64_t i1, int64_t G,
            int64_t D, float* acc) {
 #if defined(__AVX512F__)
   if (D % 16 == 0 && D <= 256) {
     const int64_t per = D / 16, heads = 16 / per;
     for (int64_t g = 0; g < G; g += heads) {
       const int64_t count = std::min(heads, G - g);
-      kWeighChunk[count * per](w + g * n, v, rows, n, i0, i1, D, acc + g * D);
+      kWeighChunk<T>[count * per](w + g * n, v, rows, n, i0, i1, D, acc + g * D);
     }
     return;
   }
@@ -248,7 +289,7 @@ void weigh(const float* w, const float* v, const int64_t* rows, int64_t n, int64
   for (int64_t i = i0; i < i1; ++i)
     for (int64_t g = 0; g < G; ++g) {
       const float wi = w[g * n + i];
-      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += wi * v[rows[i] + d];
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += wi * to_float(v[rows[i] + d]);
     }
 }
 
@@ -258,7 +299,8 @@ constexpr int64_t kRun = 32;
 
 // Item `it`'s part: every query head over positions [lo, hi], reading each position's K and
 // V rows (all KV heads, contiguous in the page) in page order.
-void attend_part(const Problem& p, const Item& it, Part& part, Scratch& s) {
+template <typename T>
+void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
   const int64_t G = p.Hq / p.Hkv, D = p.D, n = it.hi - it.lo + 1, stride = p.Hkv * D;
   const int32_t* table = p.tables + p.seq[it.t] * p.W;
   s.rows.resize(n);
@@ -280,7 +322,7 @@ void attend_part(const Problem& p, const Item& it, Part& part, Scratch& s) {
   {
     for (int64_t h = 0; h < p.Hq; ++h) std::fill(scores + h * ns + n, scores + (h + 1) * ns, -kInf);
     for (int64_t i = 0; i < n; ++i) {
-      const float* r = p.k + s.rows[i];
+      const T* r = p.k + s.rows[i];
       for (int64_t h = 0; h < p.Hq; ++h) scores[h * ns + i] = dot(q + h * D, r + h / G * D, D) * p.sm_scale;
     }
   }
@@ -301,7 +343,8 @@ void attend_part(const Problem& p, const Item& it, Part& part, Scratch& s) {
 // Token t's output and lse from its parts: out = sum_j e_j out_j / sum_j e_j with
 // e_j = exp(lse_j - max lse), lse = max lse + log(sum_j e_j) (one part: itself, e = 1); a
 // sink logit joins the denominator only (logaddexp(lse, sink), its share leaving the output).
-void merge(const Problem& p, int64_t t, const Part* parts, int64_t count) {
+template <typename T>
+void merge(const Problem<T>& p, int64_t t, const Part* parts, int64_t count) {
   const int64_t D = p.D;
   for (int64_t h = 0; h < p.Hq; ++h) {
     float top = -std::numeric_limits<float>::infinity(), sum = 0.0f;
@@ -329,8 +372,9 @@ void merge(const Problem& p, int64_t t, const Part* parts, int64_t count) {
 
 // Items handed out through one counter to the calling thread and the pool's; a helper that
 // starts after all are taken returns at once (the state outlives the call).
+template <typename T>
 struct Shared {
-  Problem p;
+  Problem<T> p;
   std::vector<Item> items;
   std::vector<Part> parts;  // one per item
   std::vector<int32_t> seq, pos;  // per token (lay_out_and_write)
@@ -353,9 +397,10 @@ constexpr int64_t kSplit = 128;
 // cu_q_lens[s]. Then its new K/V rows are stored at that position's page slot, as
 // ref.write_new_kv stores them: nothing for padding, a position past the table, or an entry
 // outside [0, P) (a bad entry never lands in another sequence's page).
+template <typename T>
 void lay_out_and_write(const int32_t* cu, const int32_t* kv_lens, const float* k, const float* v, int64_t S,
-                       Problem& p, std::vector<int32_t>& seq, std::vector<int32_t>& pos, float* k_pages,
-                       float* v_pages) {
+                       Problem<T>& p, std::vector<int32_t>& seq, std::vector<int32_t>& pos, T* k_pages,
+                       T* v_pages) {
   const int64_t row = p.Hkv * p.D;
   seq.assign(p.T, static_cast<int32_t>(S));
   pos.assign(p.T, -1);
@@ -369,49 +414,35 @@ void lay_out_and_write(const int32_t* cu, const int32_t* kv_lens, const float* k
     const int64_t page = p.tables[s * p.W + pos[t] / p.ps];
     if (page < 0 || page >= p.P) continue;
     const int64_t at = (page * p.ps + pos[t] % p.ps) * row;
-    std::memcpy(k_pages + at, k + t * row, row * sizeof(float));
-    std::memcpy(v_pages + at, v + t * row, row * sizeof(float));
+    for (int64_t j = 0; j < row; ++j) {
+      store(k[t * row + j], k_pages[at + j]);
+      store(v[t * row + j], v_pages[at + j]);
+    }
   }
 }
 
-// One decode-attention step: the new K/V written into the pages (aliased: the result pages
-// are the operand pages, updated in place), then every token's attention over them.
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
-                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
-                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
-                           ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> k_out,
-                           ffi::ResultBuffer<ffi::F32> v_out, float sm_scale, int64_t sliding_window, float soft_cap,
-                           int64_t has_sinks) {
-  const auto qd = q.dimensions(), kd = k_pages.dimensions(), bd = block_tables.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2)
-    return ffi::Error::InvalidArgument("decode_attention_cpu: q must be 3-D, the pages 4-D, block_tables 2-D");
-  const int64_t T = qd[0], Hq = qd[1], D = qd[2], Hkv = kd[2], S = kv_lens.element_count();
-  const auto vd = v_pages.dimensions();
-  if (kd[3] != D || Hkv <= 0 || Hq % Hkv || vd.size() != 4 || !std::equal(vd.begin(), vd.end(), kd.begin()))
-    return ffi::Error::InvalidArgument("decode_attention_cpu: page shapes do not match q's heads");
-  if (k.element_count() != T * Hkv * D || v.element_count() != T * Hkv * D)
-    return ffi::Error::InvalidArgument("decode_attention_cpu: the new K/V rows do not match q and the pages");
-  if (bd[0] != S || cu_q_lens.element_count() != S + 1 || (has_sinks && sinks.element_count() != Hq))
-    return ffi::Error::InvalidArgument("decode_attention_cpu: block_tables / cu_q_lens / kv_lens / sinks lengths "
-                                       "do not match");
-  float *kp = k_out->typed_data(), *vp = v_out->typed_data();  // the operand pages where XLA aliased them
-  if (kp != k_pages.typed_data()) std::memcpy(kp, k_pages.typed_data(), k_pages.size_bytes());
-  if (vp != v_pages.typed_data()) std::memcpy(vp, v_pages.typed_data(), v_pages.size_bytes());
-  auto shared = std::make_shared<Shared>();
-  Problem& p = shared->p;
-  p = Problem{q.typed_data(), kp, vp, has_sinks ? sinks.typed_data() : nullptr, block_tables.typed_data(), nullptr,
-              nullptr, out->typed_data(), lse->typed_data(), T, Hq, Hkv, D, kd[0], kd[1], S, bd[1], sliding_window,
-              sm_scale, soft_cap};
+// One decode-attention step over pages of T: the new K/V written into the pages kp, vp (the
+// results, aliased to the operands), then every token's attention over them.
+template <typename T>
+void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k,
+         const ffi::Buffer<ffi::F32>& v, T* kp, T* vp, const ffi::Buffer<ffi::S32>& block_tables,
+         const ffi::Buffer<ffi::S32>& cu_q_lens, const ffi::Buffer<ffi::S32>& kv_lens, const float* sinks, float* out,
+         float* lse, int64_t P, int64_t ps, float sm_scale, int64_t sliding_window, float soft_cap) {
+  const auto qd = q.dimensions(), bd = block_tables.dimensions();
+  const int64_t T_ = qd[0], Hq = qd[1], D = qd[2], S = kv_lens.element_count(), Hkv = k.element_count() / (T_ * D);
+  auto shared = std::make_shared<Shared<T>>();
+  Problem<T>& p = shared->p;
+  p = Problem<T>{q.typed_data(), kp, vp, sinks, block_tables.typed_data(), nullptr, nullptr, out, lse, T_, Hq, Hkv, D,
+                 P, ps, S, bd[1], sliding_window, sm_scale, soft_cap};
   lay_out_and_write(cu_q_lens.typed_data(), kv_lens.typed_data(), k.typed_data(), v.typed_data(), S, p, shared->seq,
                     shared->pos, kp, vp);
   p.seq = shared->seq.data();
   p.pos = shared->pos.data();
   // Each live token's positions, in runs of kSplit.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  std::vector<int64_t> first(T + 1, 0);  // token t's items: [first[t], first[t + 1])
+  std::vector<int64_t> first(T_ + 1, 0);  // token t's items: [first[t], first[t + 1])
   int64_t positions = 0;
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < T_; ++t) {
     first[t + 1] = first[t];
     const int64_t s = p.seq[t], hi = std::min<int64_t>(p.pos[t], p.W * p.ps - 1);
     if (s < 0 || s >= p.S || p.pos[t] < 0) continue;  // padding
@@ -429,14 +460,54 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
   shared->work();
   while (shared->done.load() < items) std::this_thread::yield();
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < T_; ++t) {
     if (first[t + 1] > first[t]) {
       merge(p, t, shared->parts.data() + first[t], first[t + 1] - first[t]);
     } else {  // padding
-      std::fill(p.out + t * Hq * D, p.out + (t + 1) * Hq * D, 0.0f);
-      std::fill(p.lse + t * Hq, p.lse + (t + 1) * Hq, -std::numeric_limits<float>::infinity());
+      std::fill(out + t * Hq * D, out + (t + 1) * Hq * D, 0.0f);
+      std::fill(lse + t * Hq, lse + (t + 1) * Hq, -std::numeric_limits<float>::infinity());
     }
   }
+}
+
+// A result buffer that XLA aliased to its operand; where it did not, the operand copied in.
+template <typename T>
+T* aliased(const ffi::AnyBuffer& operand, ffi::Result<ffi::AnyBuffer>& result) {
+  T* data = static_cast<T*>(result->untyped_data());
+  if (data != operand.untyped_data()) std::memcpy(data, operand.untyped_data(), operand.size_bytes());
+  return data;
+}
+
+// The checks of one call and its run over float32 or bfloat16 pages.
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
+                           ffi::ResultBuffer<ffi::F32> lse, ffi::Result<ffi::AnyBuffer> k_out,
+                           ffi::Result<ffi::AnyBuffer> v_out, float sm_scale, int64_t sliding_window, float soft_cap,
+                           int64_t has_sinks) {
+  const auto qd = q.dimensions(), kd = k_pages.dimensions(), bd = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2)
+    return ffi::Error::InvalidArgument("decode_attention_cpu: q must be 3-D, the pages 4-D, block_tables 2-D");
+  const int64_t T = qd[0], Hq = qd[1], D = qd[2], Hkv = kd[2], S = kv_lens.element_count();
+  const auto vd = v_pages.dimensions();
+  if (kd[3] != D || Hkv <= 0 || Hq % Hkv || vd.size() != 4 || !std::equal(vd.begin(), vd.end(), kd.begin()))
+    return ffi::Error::InvalidArgument("decode_attention_cpu: page shapes do not match q's heads");
+  const ffi::DataType type = k_pages.element_type();
+  if ((type != ffi::DataType::F32 && type != ffi::DataType::BF16) || v_pages.element_type() != type)
+    return ffi::Error::InvalidArgument("decode_attention_cpu: the pages must both be float32 or bfloat16");
+  if (k.element_count() != T * Hkv * D || v.element_count() != T * Hkv * D)
+    return ffi::Error::InvalidArgument("decode_attention_cpu: the new K/V rows do not match q and the pages");
+  if (bd[0] != S || cu_q_lens.element_count() != S + 1 || (has_sinks && sinks.element_count() != Hq))
+    return ffi::Error::InvalidArgument("decode_attention_cpu: block_tables / cu_q_lens / kv_lens / sinks lengths "
+                                       "do not match");
+  const float* sink = has_sinks ? sinks.typed_data() : nullptr;
+  if (type == ffi::DataType::F32)
+    run(pool, q, k, v, aliased<float>(k_pages, k_out), aliased<float>(v_pages, v_out), block_tables, cu_q_lens,
+        kv_lens, sink, out->typed_data(), lse->typed_data(), kd[0], kd[1], sm_scale, sliding_window, soft_cap);
+  else
+    run(pool, q, k, v, aliased<Bf16>(k_pages, k_out), aliased<Bf16>(v_pages, v_out), block_tables, cu_q_lens,
+        kv_lens, sink, out->typed_data(), lse->typed_data(), kd[0], kd[1], sm_scale, sliding_window, soft_cap);
   return ffi::Error::Success();
 }
 
@@ -448,16 +519,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hq, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k [T, Hkv, D], the new rows
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v [T, Hkv, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pages [P, ps, Hkv, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pages [P, ps, Hkv, D]
+                                  .Arg<ffi::AnyBuffer>()         // k_pages [P, ps, Hkv, D] f32 / bf16
+                                  .Arg<ffi::AnyBuffer>()         // v_pages [P, ps, Hkv, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, W]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // sinks [Hq] (any [1] when absent)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, Hq, D]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse [T, Hq]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // k_pages, aliased to the operand
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // v_pages, aliased to the operand
+                                  .Ret<ffi::AnyBuffer>()         // k_pages, aliased to the operand
+                                  .Ret<ffi::AnyBuffer>()         // v_pages, aliased to the operand
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")

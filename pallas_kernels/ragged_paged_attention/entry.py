@@ -53,9 +53,11 @@ def ragged_paged_attention(
       q: [total_q_tokens, num_q_heads, head_dim], float. Tokens past cu_q_lens[-1] are
         padding (out 0, lse -inf, nothing written).
       k, v: [total_q_tokens, num_kv_heads, head_dim], q's dtype: the new tokens' K/V.
-      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim], q's dtype; or,
-        with kv_format, that format's containers (as paged_attention_quantized): the new
-        rows are quantized into them and pages are read low-bit.
+      k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim], float (q's dtype, or
+        another: bfloat16 pages under float32 activations store the new rows rounded, and
+        the kernels that want one dtype see q, k and v in the pages' and give out in q's);
+        or, with kv_format, that format's containers (as paged_attention_quantized): the
+        new rows are quantized into them and pages are read low-bit.
       block_tables: int32 [num_seqs, max_pages_per_seq]; the first ceil(kv_len / page_size)
         entries of a sequence must be pages in [0, num_pages) (checked when concrete; the
         reference drops writes to any other entry), later ones are never read. Written
@@ -70,8 +72,8 @@ def ragged_paged_attention(
         the Triton paged decode kernel for decode-only steps (max_q_len 1, float pages, no
         tree), the Triton ragged kernel (kernel_gpu.py) for other steps over float, int8
         or fp8 pages with power-of-two page_size and head_dim >= 16, and the XLA path
-        otherwise; on CPU the C++ kernel (cpu.py) for decode-only steps over float32
-        pages, the XLA path (xla.py) for the rest.
+        otherwise; on CPU the C++ kernel (cpu.py) for decode-only steps of float32 q
+        over float32 or bfloat16 pages, the XLA path (xla.py) for the rest.
 
     Returns:
       out [total_q_tokens, num_q_heads, head_dim] in q.dtype, lse f32 [total_q_tokens,
@@ -98,9 +100,12 @@ def ragged_paged_attention(
     num_pages, page_size, num_kv_heads = lead[:3]
     validate.check_shape("k", k, (num_tokens, num_kv_heads, head_dim))
     validate.check_shape("v", v, (num_tokens, num_kv_heads, head_dim))
-    pairs = (("k", k), ("v", v)) + ((("k_pages", k_pages), ("v_pages", v_pages)) if fmt is None else ())
-    for name, x in pairs:
+    for name, x in (("k", k), ("v", v)):
         validate.check_dtype(name, x, [q.dtype])
+    mixed = fmt is None and k_pages.dtype != q.dtype  # float pages of another dtype than q
+    if fmt is None:
+        validate.check_float("k_pages", k_pages)
+        validate.check_dtype("v_pages", v_pages, [k_pages.dtype])
     validate.check_heads(num_q_heads, num_kv_heads)
     validate.check_ndim("block_tables", block_tables, 2, "[num_seqs, max_pages_per_seq]")
     validate.check_dtype("block_tables", block_tables, [jnp.int32])
@@ -132,10 +137,10 @@ def ragged_paged_attention(
     )
     gpu = None  # GPU: the paged decode kernel for decode-only steps, else the ragged one
     if decode_supported(num_tokens, num_seqs, page_size, head_dim, tree, fmt, max_q_len):
-        gpu = bind(ragged_decode_gpu, **{k: x for k, x in static.items() if k != "kv_format"})
+        gpu = _at_page_dtype(mixed, ragged_decode_gpu, **{k: x for k, x in static.items() if k != "kv_format"})
     elif ragged_supported(page_size, head_dim, fmt):
         block_q = 16 if max_q_len is None else min(16, 1 << (max_q_len - 1).bit_length())
-        gpu = bind(ragged_paged_attention_gpu, block_q=block_q, **static)
+        gpu = _at_page_dtype(mixed, ragged_paged_attention_gpu, block_q=block_q, **static)
     native = (bind(cpu.ragged_decode_cpu, **static)
               if cpu.supports(q, k_pages, static["variant"], tree, fmt, max_q_len) else None)
     if interpret is True:
@@ -152,8 +157,22 @@ def ragged_paged_attention(
         sinks,
         tree,
         ref=bind(ragged_paged_attention_xla, max_q_len=max_q_len, max_chunks=max_chunks, **static),
-        tpu=bind(ragged_paged_attention_tpu, **static),
+        tpu=_at_page_dtype(mixed, ragged_paged_attention_tpu, **static),
         gpu=gpu,
         cpu=native,
         interpret=interpret,
     )
+
+
+def _at_page_dtype(mixed: bool, kernel, **static):
+    """The bound `kernel`; over float pages of another dtype than q (mixed), bound through
+    `_in_page_dtype`, for kernels that take one dtype."""
+    return bind(_in_page_dtype, kernel=kernel, **static) if mixed else bind(kernel, **static)
+
+
+def _in_page_dtype(q, k, v, k_pages, v_pages, *rest, kernel, **options):
+    """`kernel` with q and the new rows in the pages' dtype, and its out back in q's."""
+    dtype = k_pages.dtype
+    out, lse, k_pages, v_pages = kernel(q.astype(dtype), k.astype(dtype), v.astype(dtype), k_pages, v_pages, *rest,
+                                        **options)
+    return out.astype(q.dtype), lse, k_pages, v_pages

@@ -63,17 +63,21 @@ def _oracle(q, k_pages, v_pages, table, seq, pos, sm_scale, window=None, cap=Non
     return np.stack(outs), np.stack(lses)
 
 
-def _check_kernel(args, sinks, sm_scale, window=None, cap=None):
-    """The kernel against the reference's page writes (equal pages) and the oracle's attention
-    over them."""
+def _check_kernel(args, sinks, sm_scale, window=None, cap=None, page_dtype=jnp.float32):
+    """The kernel against the reference's page writes (equal pages: bfloat16 pages round the
+    new rows as XLA's convert does) and the oracle's attention over them."""
     q, k, v, k_pages, v_pages, table, cu, kv_lens = args
+    k_pages, v_pages = k_pages.astype(page_dtype), v_pages.astype(page_dtype)
+    args = (q, k, v, k_pages, v_pages, table, cu, kv_lens)
     seq, pos = token_layout(cu, kv_lens, q.shape[0])
     want_k, want_v = write_new_kv(k_pages, v_pages, k, v, table, seq, pos)
     out, lse, got_k, got_v = cpu.decode_attention_cpu(*args, sinks, sm_scale=sm_scale, sliding_window=window,
                                                       soft_cap=cap)
-    np.testing.assert_array_equal(np.asarray(got_k), np.asarray(want_k))
-    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
-    want_out, want_lse = _oracle(q, want_k, want_v, table, seq, pos, sm_scale, window, cap, sinks)
+    assert got_k.dtype == page_dtype and got_v.dtype == page_dtype
+    np.testing.assert_array_equal(np.asarray(got_k.astype(jnp.float32)), np.asarray(want_k.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(got_v.astype(jnp.float32)), np.asarray(want_v.astype(jnp.float32)))
+    want_out, want_lse = _oracle(q, want_k.astype(jnp.float32), want_v.astype(jnp.float32), table, seq, pos,
+                                 sm_scale, window, cap, sinks)
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
 
@@ -84,14 +88,15 @@ def test_the_kernel_builds_here():
     assert cpu.available()
 
 
+@pytest.mark.parametrize("page_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("window,cap,with_sinks", [(None, None, False), (5, None, True), (None, 2.0, False)])
 @pytest.mark.parametrize("heads,head_dim", [((6, 2), 64), ((3, 3), 40)], ids=["gqa-64", "mha-40"])
-def test_kernel_matches_the_float64_oracle(window, cap, with_sinks, heads, head_dim):
+def test_kernel_matches_the_float64_oracle(window, cap, with_sinks, heads, head_dim, page_dtype):
     """Contexts of one position, a partial page, whole pages and several pages; GQA groups
     of 3 and plain multi-head; a head_dim that is not a multiple of the kernel's 16 lanes;
-    sliding window, soft cap, sinks; a padding token."""
+    sliding window, soft cap, sinks; a padding token; float32 and bfloat16 pages."""
     args, sinks = _decode_batch(1, [1, 6, 8, 13], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim)
-    _check_kernel(args, sinks if with_sinks else None, head_dim ** -0.5, window, cap)
+    _check_kernel(args, sinks if with_sinks else None, head_dim ** -0.5, window, cap, page_dtype)
 
 
 def test_tokens_of_one_row_each_see_their_own_causal_prefix():
@@ -119,6 +124,7 @@ def test_a_long_row_split_into_runs_merges_its_parts(window, cap, with_sinks, he
     args, sinks = _decode_batch(6, [600], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
                                 padding=0)
     _check_kernel(args, sinks if with_sinks else None, head_dim ** -0.5, window, cap)
+    _check_kernel(args, sinks if with_sinks else None, head_dim ** -0.5, window, cap, jnp.bfloat16)
 
 
 def _lowered(args, **kw):
@@ -126,22 +132,27 @@ def _lowered(args, **kw):
 
 
 def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
-    """A decode-only step (max_q_len 1) over float32 pages lowers to the kernel and gives the
-    dense reference's outputs, lse and pages; chunks, bfloat16 pages, low-bit pages and
-    other variants stay on the XLA path."""
+    """A decode-only step (max_q_len 1) of float32 q over float32 or bfloat16 pages lowers to
+    the kernel and gives the dense reference's outputs, lse and pages; chunks, bfloat16 q,
+    low-bit pages and other variants stay on the XLA path."""
     args, sinks = _decode_batch(3, [5, 11, 2], width=40)
     kw = dict(sliding_window=6, sinks=sinks)
-    assert cpu.TARGET in _lowered(args, max_q_len=1, **kw)
-    want = ragged_paged_attention(*args, **kw)  # the dense reference (no max_q_len)
-    got = ragged_paged_attention(*args, max_q_len=1, **kw)
-    for g, w in zip(got, want):
-        assert_close(g, w)
+    half_pages = args[:3] + (args[3].astype(jnp.bfloat16), args[4].astype(jnp.bfloat16)) + args[5:]
+    for pages in (args, half_pages):
+        assert cpu.TARGET in _lowered(pages, max_q_len=1, **kw)
+        want = ragged_paged_attention(*pages, **kw)  # the dense reference (no max_q_len)
+        got = ragged_paged_attention(*pages, max_q_len=1, **kw)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype
+            assert_close(g.astype(jnp.float32), w.astype(jnp.float32))
     assert cpu.TARGET not in _lowered(args, max_q_len=2, max_chunks=1)
     bf16 = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args)
     assert cpu.TARGET not in _lowered(bf16, max_q_len=1)
     from pallas_kernels.variant import AttentionVariant
     sigmoid = AttentionVariant(weight_fn=jax.nn.sigmoid)
     assert cpu.TARGET not in _lowered(args, max_q_len=1, variant=sigmoid)
+    with pytest.raises(ValueError, match="v_pages"):
+        ragged_paged_attention(*args[:4], half_pages[4], *args[5:], max_q_len=1)
 
 
 def test_lowering_for_cuda_and_tpu_never_names_the_cpu_kernel():
@@ -153,10 +164,12 @@ def test_lowering_for_cuda_and_tpu_never_names_the_cpu_kernel():
 
     args, sinks = _decode_batch(5, [5, 11, 2])
     fn = lambda *a: ragged_paged_attention(*a[:8], sinks=a[8], max_q_len=1)
-    specs = [spec(x) for x in args] + [spec(sinks)]
-    assert cpu.TARGET in jax.jit(fn).lower(*args, sinks).as_text()
-    assert cpu.TARGET not in export_cuda(fn, *specs)
-    assert cpu.TARGET not in export_tpu(fn, *specs)
+    for pages in (jnp.float32, jnp.bfloat16):  # bfloat16 pages: the kernels see q in bfloat16
+        args = args[:3] + (args[3].astype(pages), args[4].astype(pages)) + args[5:]
+        specs = [spec(x) for x in args] + [spec(sinks)]
+        assert cpu.TARGET in jax.jit(fn).lower(*args, sinks).as_text()
+        assert cpu.TARGET not in export_cuda(fn, *specs)
+        assert cpu.TARGET not in export_tpu(fn, *specs)
 
 
 def test_a_bad_table_entry_drops_the_write_and_never_touches_another_page():
