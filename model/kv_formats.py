@@ -340,8 +340,8 @@ def read_kv(cache: KVPages, ctx, dtype=None) -> tuple[jax.Array, jax.Array]:
 def kernel_pages(cache: KVPages):
     """(kv_format, k_pages, v_pages): the pages as they are, which are the containers the
     paged attention kernels read, with their kv_formats object (already resolved), or None
-    for float pages (plain_pages says whether they suit) and KIVI's (its exact newest page
-    lives outside the pages)."""
+    for float pages (plain_pages: the kernels read them with no kv_format) and KIVI's (its
+    exact newest page lives outside the pages)."""
     fmt = get_format(cache.kv_cache_dtype)
     if not isinstance(fmt, PagedFormat) or fmt.is_float:
         return None

@@ -159,8 +159,8 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     cache: one layer's KVPages; K/V are stored in its kv_cache_dtype (model/kv_formats.py).
     Every step — prefill chunks, decode rows, draft-tree nodes — goes through
     pallas_kernels.ragged_paged_attention, which writes the new K/V into the pages and
-    reads float (also bfloat16 under float32 activations), fp8, int8, nvfp4 and turboquant
-    pages itself (on TPU inside the kernel; on CPU a C++ kernel for decode rows over float
+    reads float (of the activations' dtype or another: bfloat16 under float32), fp8, int8,
+    nvfp4 and turboquant pages itself (on TPU inside the kernel; on CPU a C++ kernel for decode rows over float
     pages, else its XLA path walks the block table a block of pages at a time). Only KIVI
     pages (their exact newest page lives outside the pages) are read back whole and
     attended densely.

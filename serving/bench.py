@@ -2,7 +2,7 @@
 
     python -m serving.bench decode     [--batch-sizes 1 16] [--new-tokens 64] [--weights-dtype float32 gguf w8a8]
                                        [--num-scheduler-steps 1 8] [--kv-cache-dtype auto]
-    python -m serving.bench offline    [--num-prompts 16] [--new-tokens 64]
+    python -m serving.bench offline    [--num-prompts 16] [--new-tokens 64] [--kv-cache-dtype auto]
     python -m serving.bench trace PATH [--num-requests 1500] [--tiers] [--plot FILE.png]
     python -m serving.bench tiers PATH [--num-requests 48] [--kv-blocks 96] [--host-pages 64]
     python -m serving.bench context    [--batch 16] [--contexts 256 1024 4096] [--plot FILE.png]
@@ -87,7 +87,6 @@ import numpy as np
 from model.weights import WEIGHTS_DTYPES
 from serving import scheduler as sched
 from serving.kv_tiers import WRITE_POLICIES, TierConfig, host_rows_memory
-from serving.llm import SERVING_KV_CACHE_DTYPES
 from serving.params import SamplingParams
 
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -1371,6 +1370,8 @@ def bench_disagg(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from serving.llm import SERVING_KV_CACHE_DTYPES
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("decode", "offline"):

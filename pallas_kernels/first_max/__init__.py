@@ -17,8 +17,8 @@ def first_max(logits: jnp.ndarray) -> jnp.ndarray:
     TPU or GPU from a CPU host keeps the XLA statement); elsewhere ref.first_max."""
     if logits.ndim < 1 or logits.shape[-1] < 1 or not jnp.issubdtype(logits.dtype, jnp.floating):
         raise ValueError(f"first_max needs float logits [..., V] with V >= 1, got {logits.dtype} {logits.shape}")
-    if jax.default_backend() != "cpu" or not cpu.available():
-        return ref.first_max(logits)
+    if jax.default_backend() != "cpu" or not cpu.available() or logits.dtype == jnp.float64:
+        return ref.first_max(logits)  # (float64 logits: the kernel's float32 could tie them)
     rows = logits.reshape(-1, logits.shape[-1]).astype(jnp.float32)
     picks = lax.platform_dependent(rows, cpu=cpu.first_max_cpu, default=ref.first_max)
     return picks.reshape(logits.shape[:-1])

@@ -28,7 +28,7 @@
 // in page order, and splitting one row's context took 1,000 positions of SmolLM2's layer (3 KV
 // heads) from 127 to 95-100 us; the tree-summed scores and the vectorized softmax took 80
 // positions from 12 to 7.3 us with the pages in cache (16 to 14 us from L3, where the bytes
-// bound it). Float32 pages [num_pages, page_size, num_kv_heads, head_dim].
+// bound it). Float32 or bfloat16 pages [num_pages, page_size, num_kv_heads, head_dim].
 
 #include <algorithm>
 #include <array>
@@ -136,10 +136,11 @@ inline __m512 load16(const Bf16* x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// exp_nonpositive on 16 lanes (the same steps, so the same results).
+// exp_nonpositive on 16 lanes: the same steps (with fused multiply-adds, so within an ulp of
+// it), a NaN staying NaN.
 inline __m512 exp_nonpositive16(__m512 x) {
   const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // the second operand where either is NaN
   const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f),
@@ -427,9 +428,9 @@ template <typename T>
 void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k,
          const ffi::Buffer<ffi::F32>& v, T* kp, T* vp, const ffi::Buffer<ffi::S32>& block_tables,
          const ffi::Buffer<ffi::S32>& cu_q_lens, const ffi::Buffer<ffi::S32>& kv_lens, const float* sinks, float* out,
-         float* lse, int64_t P, int64_t ps, float sm_scale, int64_t sliding_window, float soft_cap) {
+         float* lse, int64_t P, int64_t ps, int64_t Hkv, float sm_scale, int64_t sliding_window, float soft_cap) {
   const auto qd = q.dimensions(), bd = block_tables.dimensions();
-  const int64_t T_ = qd[0], Hq = qd[1], D = qd[2], S = kv_lens.element_count(), Hkv = k.element_count() / (T_ * D);
+  const int64_t T_ = qd[0], Hq = qd[1], D = qd[2], S = kv_lens.element_count();
   auto shared = std::make_shared<Shared<T>>();
   Problem<T>& p = shared->p;
   p = Problem<T>{q.typed_data(), kp, vp, sinks, block_tables.typed_data(), nullptr, nullptr, out, lse, T_, Hq, Hkv, D,
@@ -504,10 +505,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const float* sink = has_sinks ? sinks.typed_data() : nullptr;
   if (type == ffi::DataType::F32)
     run(pool, q, k, v, aliased<float>(k_pages, k_out), aliased<float>(v_pages, v_out), block_tables, cu_q_lens,
-        kv_lens, sink, out->typed_data(), lse->typed_data(), kd[0], kd[1], sm_scale, sliding_window, soft_cap);
+        kv_lens, sink, out->typed_data(), lse->typed_data(), kd[0], kd[1], Hkv, sm_scale, sliding_window, soft_cap);
   else
     run(pool, q, k, v, aliased<Bf16>(k_pages, k_out), aliased<Bf16>(v_pages, v_out), block_tables, cu_q_lens,
-        kv_lens, sink, out->typed_data(), lse->typed_data(), kd[0], kd[1], sm_scale, sliding_window, soft_cap);
+        kv_lens, sink, out->typed_data(), lse->typed_data(), kd[0], kd[1], Hkv, sm_scale, sliding_window, soft_cap);
   return ffi::Error::Success();
 }
 

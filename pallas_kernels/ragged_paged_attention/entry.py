@@ -103,8 +103,9 @@ def ragged_paged_attention(
     for name, x in (("k", k), ("v", v)):
         validate.check_dtype(name, x, [q.dtype])
     mixed = fmt is None and k_pages.dtype != q.dtype  # float pages of another dtype than q
+    if mixed:  # fp8 pages need a kv_format: its scales
+        validate.check_dtype("k_pages", k_pages, [jnp.float32, jnp.bfloat16, jnp.float16])
     if fmt is None:
-        validate.check_float("k_pages", k_pages)
         validate.check_dtype("v_pages", v_pages, [k_pages.dtype])
     validate.check_heads(num_q_heads, num_kv_heads)
     validate.check_ndim("block_tables", block_tables, 2, "[num_seqs, max_pages_per_seq]")

@@ -48,9 +48,25 @@ def test_first_max_is_numpys_argmax_ties_included(name):
     assert pick(jnp.asarray(some_nan[:1])).tolist() == [0]
 
 
+@pytest.mark.parametrize("name", sorted(IMPLEMENTATIONS))
+def test_infinite_maxima_and_one_column_rows(name):
+    pick = jax.jit(IMPLEMENTATIONS[name])
+    rows = np.zeros((3, 40), np.float32)
+    rows[0, [7, 30]] = np.inf
+    rows[1, :] = -np.inf
+    rows[2, 39] = np.inf
+    np.testing.assert_array_equal(np.asarray(pick(jnp.asarray(rows))), [7, 0, 39])
+    assert pick(jnp.asarray([[np.inf, np.inf]], jnp.float32)).tolist() == [0]
+    assert pick(jnp.asarray([[2.5]], jnp.float32)).tolist() == [0]
+
+
 def test_the_entry_keeps_leading_axes_and_refuses_bad_logits():
     logits = jnp.asarray(np.random.default_rng(4).standard_normal((2, 3, 40)), jnp.float32)
     np.testing.assert_array_equal(np.asarray(first_max(logits)), np.asarray(logits).argmax(-1))
+    row = logits[0, 0]
+    assert first_max(row).shape == () and int(first_max(row)) == int(np.asarray(row).argmax())
+    half = logits.astype(jnp.bfloat16)  # widened to float32 exactly
+    np.testing.assert_array_equal(np.asarray(first_max(half)), np.asarray(half.astype(jnp.float32)).argmax(-1))
     with pytest.raises(ValueError, match="float logits"):
         first_max(jnp.zeros((2, 4), jnp.int32))
     with pytest.raises(ValueError, match="V >= 1"):

@@ -1,6 +1,7 @@
 """The CPU kernel of decode attention (pallas_kernels/ragged_paged_attention/cpu_kernel.cc,
-through the XLA FFI) against a float64 oracle over the gathered pages, and the entry's
-choice of it: decode-only steps over float32 pages, nothing else."""
+through the XLA FFI) against ref.write_new_kv's pages and a float64 oracle over them, and
+the entry's choice of it: decode-only steps of float32 q over float32 or bfloat16 pages,
+nothing else."""
 
 from __future__ import annotations
 
@@ -99,12 +100,47 @@ def test_kernel_matches_the_float64_oracle(window, cap, with_sinks, heads, head_
     _check_kernel(args, sinks if with_sinks else None, head_dim ** -0.5, window, cap, page_dtype)
 
 
-def test_tokens_of_one_row_each_see_their_own_causal_prefix():
+@pytest.mark.parametrize("page_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_tokens_of_one_row_each_see_their_own_causal_prefix(page_dtype):
     """Rows of several query tokens (the kernel lays tokens out as ref.token_layout does):
     all of a step's rows are written before any token attends, and token i of a row of q
     tokens sits at kv_len - q + i."""
     args, _ = _decode_batch(8, [5, 9, 4], q_lens=[2, 3, 1], padding=2)
-    _check_kernel(args, None, 0.125)
+    _check_kernel(args, None, 0.125, page_dtype=page_dtype)
+
+
+def test_bfloat16_pages_round_new_rows_as_xla_converts_them():
+    """Ties to even both ways, the largest float (to inf), infinities, NaN and subnormals
+    land in bfloat16 pages as XLA's convert rounds them (ref.write_new_kv)."""
+    args, _ = _decode_batch(9, [1], num_q_heads=2, num_kv_heads=1, head_dim=16, padding=0)
+    q, k, v, k_pages, v_pages, table, cu, kv_lens = args
+    tie = np.float32(1 + 2.0 ** -8)  # between 1 and 1 + 2^-7: to 1
+    edges = np.array([tie, 1 + 3 * 2.0 ** -8, -tie, np.finfo(np.float32).max, np.inf, -np.inf, np.nan, 1e-40,
+                      -1e-42, 3.0e38, 1.0 / 3, -2.0 / 3, 65504.0, 0.0, -0.0, 7.5], np.float32)
+    k = jnp.asarray(edges.reshape(k.shape))
+    pages = k_pages.astype(jnp.bfloat16), v_pages.astype(jnp.bfloat16)
+    _, _, got_k, _ = cpu.decode_attention_cpu(q, k, v, *pages, table, cu, kv_lens, sm_scale=0.25)
+    seq, pos = token_layout(cu, kv_lens, q.shape[0])
+    want_k, _ = write_new_kv(*pages, k, v, table, seq, pos)
+    np.testing.assert_array_equal(np.asarray(got_k.astype(jnp.float32)), np.asarray(want_k.astype(jnp.float32)))
+    assert float(want_k[int(table[0, 0]), 0, 0, 0]) == 1.0 and float(want_k[int(table[0, 0]), 0, 0, 1]) > 1.0
+
+
+@pytest.mark.parametrize("page_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_a_nan_key_makes_its_rows_output_nan_and_none_other(page_dtype):
+    """A NaN in one sequence's cached K reaches that row's output as NaN (as in the oracle
+    and the XLA path), and the other rows are untouched; a step of no tokens is empty."""
+    args, _ = _decode_batch(10, [6, 9], padding=0)
+    q, k, v, k_pages, v_pages, table, cu, kv_lens = args
+    k_pages = k_pages.at[int(table[0, 0]), 2, 0, 5].set(jnp.nan)
+    args = (q, k, v, k_pages, v_pages, table, cu, kv_lens)
+    _check_kernel(args, None, 0.125, page_dtype=page_dtype)
+    out, *_ = cpu.decode_attention_cpu(*args, sm_scale=0.125)
+    assert np.isnan(np.asarray(out[0])).any() and not np.isnan(np.asarray(out[1])).any()
+    none = (q[:0], k[:0], v[:0], k_pages, v_pages, table, jnp.zeros_like(cu), jnp.zeros_like(kv_lens))
+    out, lse, got_k, _ = cpu.decode_attention_cpu(*none, sm_scale=0.125)
+    assert out.shape == (0,) + q.shape[1:] and lse.shape == (0, q.shape[1])
+    np.testing.assert_array_equal(np.asarray(got_k), np.asarray(k_pages))
 
 
 def test_long_contexts_spread_over_threads_match_the_oracle():
@@ -153,6 +189,9 @@ def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
     assert cpu.TARGET not in _lowered(args, max_q_len=1, variant=sigmoid)
     with pytest.raises(ValueError, match="v_pages"):
         ragged_paged_attention(*args[:4], half_pages[4], *args[5:], max_q_len=1)
+    fp8 = args[:3] + (args[3].astype(jnp.float8_e4m3fn), args[4].astype(jnp.float8_e4m3fn)) + args[5:]
+    with pytest.raises(ValueError, match="k_pages"):  # raw fp8 pages need kv_format="fp8" (its scales)
+        ragged_paged_attention(*fp8, max_q_len=1)
 
 
 def test_lowering_for_cuda_and_tpu_never_names_the_cpu_kernel():

@@ -176,6 +176,22 @@ def _low_bit_problem(name, seed):
     return (q, k, v, kq, vq, *rest), sinks
 
 
+def test_bfloat16_pages_under_float32_activations_match_reference():
+    """float32 q over bfloat16 pages: the TPU kernel sees q, k and v in bfloat16 and gives
+    out in float32; the pages hold what the reference writes, bit for bit, and out / lse
+    match it to bfloat16's rounding of q."""
+    rng = np.random.default_rng(4)
+    q, k, v, k_pages, v_pages, *rest = _batch(rng, [1, 6, 1], [9, 14, 3], head_dim=32, max_pages=3)
+    args = (q, k, v, k_pages.astype(jnp.bfloat16), v_pages.astype(jnp.bfloat16), *rest)
+    want = _reference(*args)
+    got = ragged_paged_attention(*args, interpret=True)
+    assert got[0].dtype == jnp.float32 and got[2].dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=3e-2, atol=3e-2)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=3e-2, atol=3e-2)
+    for g, w in zip(got[2:], want[2:]):
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+
+
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_low_bit_pages_match_reference(name):
     """Each low-bit format on a mixed batch: the new rows are quantized into their page
