@@ -339,19 +339,13 @@ def read_kv(cache: KVPages, ctx, dtype=None) -> tuple[jax.Array, jax.Array]:
 
 def kernel_pages(cache: KVPages):
     """(kv_format, k_pages, v_pages): the pages as they are, which are the containers the
-    paged attention kernels read, with their kv_formats object (already resolved), or None
-    for float pages (plain_pages: the kernels read them with no kv_format) and KIVI's (its
-    exact newest page lives outside the pages)."""
+    paged attention kernels read, with their kv_formats object (already resolved; None for
+    float pages of any float dtype, which the kernels read as they are), or None for KIVI's
+    (its exact newest page lives outside the pages)."""
     fmt = get_format(cache.kv_cache_dtype)
-    if not isinstance(fmt, PagedFormat) or fmt.is_float:
+    if not isinstance(fmt, PagedFormat):
         return None
-    return _kv_format(cache), cache["k"], cache["v"]
-
-
-def plain_pages(cache: KVPages) -> bool:
-    """Whether cache["k"], cache["v"] are plain float pages (of any float dtype: the attention
-    entries take pages of another dtype than their activations)."""
-    return cache.kv_cache_dtype in FLOAT_FORMATS
+    return (None if fmt.is_float else _kv_format(cache)), cache["k"], cache["v"]
 
 
 def bytes_per_token(kv_cache_dtype: str, config, dtype=jnp.float32, page_size: int | None = None) -> int:

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
 from model.context import ForwardContext, TokenTree, ragged_layout
-from model.kv_formats import KVPages, kernel_pages, plain_pages, read_kv, write_kv
+from model.kv_formats import KVPages, kernel_pages, read_kv, write_kv
 from model.sharding import TENSOR, kv_spec, manual_over_model, tensor_parallel_size
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.paged_attention.kv_formats import resolve as resolve_format
@@ -160,10 +160,10 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     Every step — prefill chunks, decode rows, draft-tree nodes — goes through
     pallas_kernels.ragged_paged_attention, which writes the new K/V into the pages and
     reads float (of the activations' dtype or another: bfloat16 under float32), fp8, int8,
-    nvfp4 and turboquant pages itself (on TPU inside the kernel; on CPU a C++ kernel for decode rows over float
-    pages, else its XLA path walks the block table a block of pages at a time). Only KIVI
-    pages (their exact newest page lives outside the pages) are read back whole and
-    attended densely.
+    nvfp4 and turboquant pages itself (on TPU inside the kernel; on CPU a C++ kernel for
+    decode rows over float pages, else its XLA path walks the block table a block of pages
+    at a time). Only KIVI pages (their exact newest page lives outside the pages) are read
+    back whole and attended densely.
     """
     b, t, _ = x.shape
     hd = config.head_dim
@@ -176,8 +176,6 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     cos, sin = ctx.rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     pages = kernel_pages(cache)
-    if pages is None and plain_pages(cache):
-        pages = (None, cache["k"], cache["v"])
     if pages is None:
         cache = write_kv(cache, k, v, ctx)
         k_all, v_all = read_kv(cache, ctx, q.dtype)

@@ -1,6 +1,6 @@
 """Kernels for kvfold (attention, batched LoRA, the quantized-weight matmul, greedy decoding's
-pick): one folder per op, each with ref.py (the jnp truth), its Pallas kernel(s) and one entry function, the only
-thing the model calls."""
+pick): one folder per op, each with ref.py (the jnp truth), its Pallas kernel(s) and one
+entry function, the only thing the model calls."""
 
 from pallas_kernels.block_sparse_attention import block_sparse_attention
 from pallas_kernels.first_max import first_max
