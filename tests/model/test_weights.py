@@ -227,17 +227,37 @@ def test_gguf_a8_rounds_activations_with_little_loss(default_model, smollm2_gold
 
 def test_llm_serves_gguf_a8_like_the_dense_forward(default_tokenizer, smollm2_golden):  # noqa: F811
     """LLM(weights_dtype="gguf_a8"): the paged engine (its prefill and decode steps on the CPU
-    kernel's int8 tiles) decodes the greedy tokens of a dense-cache forward loop over the
-    same params (training.data.greedy_answers), so the rounding is the same on every step."""
+    kernel's int8 tiles) picks the greedy token of a dense-cache forward over the same params,
+    teacher-forced on the engine's own tokens, at every step where that forward has a clear
+    winner. Rounding activations to int8 turns float differences of an ulp (a prompt
+    chunked otherwise, another summation order) into a code one step off now and then, which
+    moved logits by up to 0.3 here: an exact greedy match then depends on how near the ties
+    of a given prompt are (an incremental dense loop and the engine parted at step 11 of one
+    of these prompts). Steps whose top two dense logits are within `margin` are not
+    compared. That the engine rounds at all is its params' doing: every packed weight it
+    holds says int8_activations, which every path of the entry honours (test_quant_matmul)."""
     from serving import LLM, SamplingParams
-    from training.data import greedy_answers
 
+    margin, new = 1.0, 16
     config, params = model.load("default", weights_dtype="gguf_a8")
     llm = LLM.from_loaded(config, params, default_tokenizer, max_model_len=256, weights_dtype="gguf_a8")
-    prompt = smollm2_golden["prompt0"].tolist()
-    want = greedy_answers(params, config, [prompt], 12)[0].tolist()
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    assert llm.generate({"prompt_token_ids": prompt}, greedy)[0].outputs[0].token_ids == want
+    packed = [w for w in jax.tree.leaves(llm.runner.params, is_leaf=lambda x: isinstance(x, PackedWeight))
+              if isinstance(w, PackedWeight)]
+    assert packed and all(w.int8_activations for w in packed)
+    greedy = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    compared = 0
+    for name in ("prompt0", "prompt1"):
+        prompt = smollm2_golden[name].tolist()
+        got = llm.generate({"prompt_token_ids": prompt}, greedy)[0].outputs[0].token_ids
+        seq = prompt + list(got)
+        cache = model.init_cache(config, 1, len(seq))
+        logits, _ = model.forward(params, config, jnp.asarray(seq)[None], jnp.arange(len(seq))[None], cache)
+        logits = np.asarray(logits[0, len(prompt) - 1:-1])  # the logits each generated token was picked from
+        top2 = np.sort(logits, axis=-1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > margin
+        assert (np.asarray(got)[clear] == logits.argmax(axis=-1)[clear]).all(), (name, got, logits.argmax(-1))
+        compared += int(clear.sum())
+    assert compared >= new  # most steps have a clear winner: the check is not empty
 
 
 def test_weights_dtype_choices_are_checked_against_the_source():
