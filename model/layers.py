@@ -14,18 +14,12 @@ from model.context import ForwardContext, TokenTree, ragged_layout
 from model.kv_formats import KVPages, kernel_pages, read_kv, write_kv
 from model.sharding import TENSOR, kv_spec, manual_over_model, tensor_parallel_size
 from pallas_kernels import ragged_paged_attention
+from pallas_kernels.quant_matmul.ref import rms_norm  # stated beside the matmul kernel that folds it in
 from pallas_kernels.paged_attention.kv_formats import resolve as resolve_format
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 from pallas_kernels.variant import resolve as resolve_variant
 from model.lora import linear, linears  # float [in, out] weights, quantized containers or LoRAWeight alike
 from model.rope import apply_rope
-
-
-def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
-    """RMSNorm over the last axis, computed in float32 like the reference models."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
@@ -44,9 +38,10 @@ def gated(gate: jnp.ndarray, up: jnp.ndarray, act: str = "silu", limit: float | 
     return (up + 1) * gate * jax.nn.sigmoid(SWIGLU_OAI_ALPHA * gate)
 
 
-def mlp(params: dict, x: jnp.ndarray, act: str = "silu", limit: float | None = None) -> jnp.ndarray:
-    """Gated MLP: down(gated(gate(x), up(x))) (see `gated` for act and limit)."""
-    gate, up = linears(x, [params["w_gate"], params["w_up"]])
+def mlp(params: dict, x: jnp.ndarray, act: str = "silu", limit: float | None = None, norm=None) -> jnp.ndarray:
+    """Gated MLP: down(gated(gate(x), up(x))) (see `gated` for act and limit). norm: (weight,
+    eps) of the RMSNorm x takes first (model.lora.linears folds it into a packed kernel)."""
+    gate, up = linears(x, [params["w_gate"], params["w_up"]], norm=norm)
     return linear(gated(gate, up, act, limit), params["w_down"])
 
 
@@ -152,7 +147,7 @@ def _split_heads(attention, mesh, k_pages, v_pages):
 
 
 def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KVPages,
-                    ctx: ForwardContext, sliding_window: int | None) -> tuple[jnp.ndarray, KVPages]:
+                    ctx: ForwardContext, sliding_window: int | None, norm=None) -> tuple[jnp.ndarray, KVPages]:
     """Self-attention sublayer: project, (norm q/k heads), rotate, write K/V into the pages,
     attend, project back.
 
@@ -164,10 +159,14 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     decode rows over float pages, else its XLA path walks the block table a block of pages
     at a time). Only KIVI pages (their exact newest page lives outside the pages) are read
     back whole and attended densely.
+
+    norm: (weight, eps) of the RMSNorm x takes first (model.lora.linears folds it into a
+    packed kernel), or None for x as it is.
     """
     b, t, _ = x.shape
     hd = config.head_dim
-    q, k, v = linears(x, [params["wq"], params["wk"], params["wv"]], [params.get(n) for n in ("bq", "bk", "bv")])
+    q, k, v = linears(x, [params["wq"], params["wk"], params["wv"]], [params.get(n) for n in ("bq", "bk", "bv")],
+                      norm=norm)
     q = q.reshape(b, t, config.num_heads, hd)
     k, v = k.reshape(b, t, config.num_kv_heads, hd), v.reshape(b, t, config.num_kv_heads, hd)
     if "q_norm" in params:  # Qwen3 (config.qk_norm); the EAGLE-3 draft layer has none

@@ -29,6 +29,7 @@ import numpy as np
 from model.config import ModelConfig
 from pallas_kernels.lora import lora_matmul
 from pallas_kernels.quant_matmul import quant_matmul, quant_matmuls
+from pallas_kernels.quant_matmul.ref import rms_norm
 from quant.packed import PackedWeight
 from quant import linear as base_linear
 
@@ -60,12 +61,16 @@ class LoRAWeight:
     slots: jax.Array
 
 
-def linear(x, w, b=None):
+def linear(x, w, b=None, norm=None):
     """The model's one projection entry: x [..., in] times w [in, out], plus b [out].
 
     w: a float array or quant.Int8Weight (quant.linear), a quant.PackedWeight
     (pallas_kernels.quant_matmul, dequantized tile by tile), or a LoRAWeight over either,
-    which adds each token's adapter term."""
+    which adds each token's adapter term. norm: (weight [in], eps) to project
+    rms_norm(x, weight, eps) instead of x (a layer's input norm): the CPU kernel of a packed
+    weight laid out for it (`interleaved`) computes it itself; otherwise it is applied here."""
+    if norm is not None and not (isinstance(w, PackedWeight) and w.interleaved):
+        x, norm = rms_norm(x, *norm), None  # no CPU kernel to fold it into
     delta = None
     if isinstance(w, LoRAWeight):
         if w.slots.size != x.size // x.shape[-1]:
@@ -75,23 +80,26 @@ def linear(x, w, b=None):
     if isinstance(w, PackedWeight):
         if x.shape[-1] != w.shape[0]:
             raise ValueError(f"linear: x {x.shape} does not match packed weight [in, out] {w.shape}")
-        y = quant_matmul(x.reshape(-1, w.shape[0]), w).reshape(*x.shape[:-1], w.shape[1])
+        y = quant_matmul(x.reshape(-1, w.shape[0]), w, norm=norm).reshape(*x.shape[:-1], w.shape[1])
         y = y if b is None else y + b
     else:
         y = base_linear(x, w, b)
     return y if delta is None else y + delta.reshape(*x.shape[:-1], -1)
 
 
-def linears(x, ws, bs=None) -> list:
-    """[linear(x, w, b) for w, b in zip(ws, bs)]: projections of the same x (a layer's q, k and
-    v; its gate and up). Packed weights without adapters go through one
-    pallas_kernels.quant_matmul.quant_matmuls call, which on CPU multiplies them in one
-    kernel call; anything else is one `linear` each."""
+def linears(x, ws, bs=None, norm=None) -> list:
+    """[linear(x, w, b, norm) for w, b in zip(ws, bs)]: projections of the same x (a layer's q,
+    k and v; its gate and up). Packed weights without adapters go through one
+    pallas_kernels.quant_matmul.quant_matmuls call, which on CPU multiplies them (and
+    applies the norm) in one kernel call; anything else is one `linear` each, on x
+    normalized once."""
     ws = list(ws)
     bs = list(bs) if bs is not None else [None] * len(ws)
+    if norm is not None and not all(isinstance(w, PackedWeight) and w.interleaved for w in ws):
+        x, norm = rms_norm(x, *norm), None  # no CPU kernel to fold it into: normalized once, here
     if len(ws) < 2 or not all(isinstance(w, PackedWeight) for w in ws):
-        return [linear(x, w, b) for w, b in zip(ws, bs)]
-    ys = quant_matmuls(x.reshape(-1, x.shape[-1]), ws)
+        return [linear(x, w, b, norm) for w, b in zip(ws, bs)]
+    ys = quant_matmuls(x.reshape(-1, x.shape[-1]), ws, norm=norm)
     return [(y if b is None else y + b).reshape(*x.shape[:-1], w.shape[1]) for y, w, b in zip(ys, ws, bs)]
 
 

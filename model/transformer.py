@@ -95,16 +95,15 @@ def _decoder_layer(sliding: bool):
         layer_ctx = ctx
         if sliding and ctx.rope_local is not None:
             layer_ctx = dataclasses.replace(ctx, rope=ctx.rope_local)
-        attn, cache = attention_block(params, config, rms_norm(x, params["attn_norm"], eps), cache,
-                                      layer_ctx, config.sliding_window if sliding else None)
+        attn, cache = attention_block(params, config, x, cache, layer_ctx, config.sliding_window if sliding else None,
+                                      norm=(params["attn_norm"], eps))
         if config.sandwich_norm:
             attn = rms_norm(attn, params["attn_post_norm"], eps)
         x = x + attn
-        h = rms_norm(x, params["mlp_norm"], eps)
         if "router" in params:
-            out = moe(params, config, h, ctx.mesh)
+            out = moe(params, config, rms_norm(x, params["mlp_norm"], eps), ctx.mesh)
         else:
-            out = mlp(params, h, config.hidden_act, config.swiglu_limit)
+            out = mlp(params, x, config.hidden_act, config.swiglu_limit, norm=(params["mlp_norm"], eps))
         if config.sandwich_norm:
             out = rms_norm(out, params["mlp_post_norm"], eps)
         return x + out, cache, ctx

@@ -97,15 +97,16 @@ def supports(fmt: str, num_tokens: int, d_out: int, int8_tiles: bool = False) ->
 
 
 def quant_matmul_cpu(x, codes, scale, offset, *, fmt: str, group: int, target: str = TARGET,
-                     int8_activations: bool = False):
+                     int8_activations: bool = False, norm=None):
     """x [T, in] float32 times the packed weight (codes in `quant.packed.interleave_rows`'
     order, float scale and offset per group, as PackedWeight.float_scales gives them) of a
     weight-only format: float32 [T, out]. The one-weight case of `quant_matmuls_cpu`."""
     return quant_matmuls_cpu(x, [(codes, scale, offset)], fmt=fmt, group=group, target=target,
-                             int8_activations=int8_activations)[0]
+                             int8_activations=int8_activations, norm=norm)[0]
 
 
-def quant_matmuls_cpu(x, weights, *, fmt: str, group: int, target: str = TARGET, int8_activations: bool = False):
+def quant_matmuls_cpu(x, weights, *, fmt: str, group: int, target: str = TARGET, int8_activations: bool = False,
+                      norm=None):
     """x [T, in] float32 times each packed weight of `weights`, (codes, scale, offset)
     triples of one format, group and input width (a layer's q / k / v projections), in one
     kernel call: a list of float32 [T, out_i]. x's blocks are summed (or rounded) once, and
@@ -113,7 +114,9 @@ def quant_matmuls_cpu(x, weights, *, fmt: str, group: int, target: str = TARGET,
     target: the FFI name of a registered build (`register`); the default one is built and
     registered here if it is not yet (RuntimeError when it cannot be). int8_activations:
     round x per activation block first and multiply int8 codes (quant.packed
-    round_activation_blocks; a build without `vnni()` refuses it)."""
+    round_activation_blocks; a build without `vnni()` refuses it). norm: (weight [in], eps)
+    to RMS-normalize x first inside the kernel (ref.rms_norm), as the norm before a layer's
+    projections."""
     from quant.packed import FORMATS
 
     if target == TARGET and not available():
@@ -126,7 +129,12 @@ def quant_matmuls_cpu(x, weights, *, fmt: str, group: int, target: str = TARGET,
             scale = scale.astype(jnp.float32)
         flat += [codes, scale, scale if offset is None else offset.astype(scale.dtype)]
     results = [jax.ShapeDtypeStruct((x.shape[0], codes.shape[1]), jnp.float32) for codes, _, _ in weights]
+    eps = 0.0
+    if norm is not None:
+        flat.append(norm[0].astype(jnp.float32))
+        eps = norm[1]
     call = jax.ffi.ffi_call(target, results, vmap_method="sequential")
     return list(call(x.astype(jnp.float32), *flat, group=np.int64(group), bits=np.int64(f.bits),
                      zero=np.float32(f.zero), has_offset=np.int64(f.offset),
-                     int8_activations=np.int64(int8_activations)))
+                     int8_activations=np.int64(int8_activations), norm=np.int64(norm is not None),
+                     eps=np.float32(eps)))

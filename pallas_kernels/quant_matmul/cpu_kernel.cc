@@ -32,7 +32,8 @@
 // Scales and offsets are float16 or float32. One call may multiply x by several weights of
 // one format (a layer's q, k and v): x's blocks are rounded or summed once, and the column
 // ranges of all of them are spread over a crew of helper threads, one fewer than XLA's
-// intra-op pool has (Crew).
+// intra-op pool has (Crew). With `norm`, x is RMS-normalized first (the norm before a
+// layer's projections), so that takes no XLA ops of its own.
 
 #include <algorithm>
 #include <atomic>
@@ -563,10 +564,31 @@ ffi::Error weight_problem(const ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer codes, 
 // per weight, `ys` its results.
 ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
                        ffi::RemainingRets ys, int64_t group, int64_t bits, float zero, int64_t has_offset,
-                       int64_t int8_activations) {
+                       int64_t int8_activations, int64_t norm, float eps) {
   const int64_t count = static_cast<int64_t>(ys.size());
-  if (count == 0 || static_cast<int64_t>(weights.size()) != 3 * count)
-    return ffi::Error::InvalidArgument("quant_matmul_cpu: give (codes, scale, offset) for each result");
+  if (count == 0 || static_cast<int64_t>(weights.size()) != 3 * count + (norm ? 1 : 0))
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: give (codes, scale, offset) for each result, then the "
+                                       "norm weight when norm is set");
+  // With norm, x is first RMS-normalized as model.layers.rms_norm does, in float32:
+  // x * rsqrt(mean(x^2) + eps) * weight (the norm before a layer's projections, folded here
+  // rather than run as XLA's four small fusions).
+  std::vector<float> normed;
+  if (norm) {
+    auto weight = weights.get<ffi::Buffer<ffi::F32>>(3 * count);
+    const auto xd = x.dimensions();
+    if (weight.has_error() || xd.size() != 2 || weight->dimensions().size() != 1 || weight->dimensions()[0] != xd[1])
+      return ffi::Error::InvalidArgument("quant_matmul_cpu: the norm weight must be float32 [K] for x [T, K]");
+    const int64_t T = xd[0], K = xd[1];
+    const float* w = weight->typed_data();
+    normed.resize(T * K);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* xt = x.typed_data() + t * K;
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K; ++k) sum += xt[k] * xt[k];
+      const float r = 1.0f / std::sqrt(sum / static_cast<float>(K) + eps);
+      for (int64_t k = 0; k < K; ++k) normed[t * K + k] = xt[k] * r * w[k];
+    }
+  }
   Shared shared;
   for (int64_t i = 0; i < count; ++i) {
     auto codes = weights.get<ffi::AnyBuffer>(3 * i), scale = weights.get<ffi::AnyBuffer>(3 * i + 1);
@@ -577,6 +599,7 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remai
     Problem p;
     ffi::Error error = weight_problem(x, *codes, *scale, *offset, *y, group, bits == 4, zero, has_offset, p);
     if (error.failure()) return error;
+    if (norm) p.x = normed.data();
     shared.problems.push_back(p);
   }
   const Problem& first = shared.problems[0];  // every weight's blocks are the same rows of x
@@ -650,10 +673,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldQuantMatmul, QuantMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
                                   .RemainingArgs()               // per weight: codes, scale [G, N] and
-                                                                 // offset [G, N] (scale again when absent)
+                                                                 // offset [G, N] (scale again when absent);
+                                                                 // then the norm weight [K] with norm
                                   .RemainingRets()               // per weight: y [T, N]
                                   .Attr<int64_t>("group")
                                   .Attr<int64_t>("bits")
                                   .Attr<float>("zero")
                                   .Attr<int64_t>("has_offset")
-                                  .Attr<int64_t>("int8_activations"));
+                                  .Attr<int64_t>("int8_activations")
+                                  .Attr<int64_t>("norm")
+                                  .Attr<float>("eps"));

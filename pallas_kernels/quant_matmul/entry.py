@@ -12,6 +12,7 @@ from quant.packed import (ACTIVATION_INT8, PackedWeight, can_interleave, deinter
 from pallas_kernels.quant_matmul import cpu
 from pallas_kernels.quant_matmul.kernel_gpu import quant_matmul_gpu
 from pallas_kernels.quant_matmul.kernel_tpu import quant_matmul_tpu
+from pallas_kernels.quant_matmul.ref import rms_norm
 from pallas_kernels.quant_matmul.xla import quant_matmul_xla
 
 
@@ -58,21 +59,51 @@ def _rounded_activations(x, codes, scale, offset, *, kernel, interpret, fmt, gro
     return kernel(x_rounded.astype(x.dtype), codes, scale, offset, interpret=interpret, fmt=fmt, group=group)
 
 
-def _cpu(x, *flat, fmt, group, int8_activations=False, int8_tiles=False):
+def _cpu(x, *flat, fmt, group, int8_activations=False, int8_tiles=False, eps=None):
     """The C++ kernel on one or more weights (flat: codes, scale, offset per weight; a tuple of
     results for several); int8_activations: on its int8_tiles it rounds x itself, else x is
-    rounded here and the float tiles run."""
+    rounded here and the float tiles run. eps: flat starts with a norm weight, and the
+    kernel RMS-normalizes x first (`_fold`)."""
+    norm = None
+    if eps is not None:
+        norm, flat = (flat[0], eps), flat[1:]
     if int8_activations and not int8_tiles:
+        if norm is not None:
+            x, norm = rms_norm(x, norm[0], eps), None
         x = round_activation_blocks(x, fmt, group).astype(x.dtype)
     ys = cpu.quant_matmuls_cpu(x, [flat[i:i + 3] for i in range(0, len(flat), 3)], fmt=fmt, group=group,
-                               int8_activations=int8_tiles)
+                               int8_activations=int8_tiles, norm=norm)
     ys = tuple(y.astype(x.dtype) for y in ys)
     return ys if len(ys) > 1 else ys[0]
+
+
+def _normed(x, weight, *flat, kernel, eps, **more):
+    """`kernel` on x RMS-normalized first (ref.rms_norm): the paths beside a CPU kernel that
+    folds the norm in (`_fold`)."""
+    return kernel(rms_norm(x, weight, eps), *flat, **more)
 
 
 def _each(x, *flat, kernel, **options):
     """A one-weight path run on each weight of flat (codes, scale, offset per weight)."""
     return tuple(kernel(x, *flat[i:i + 3], **options) for i in range(0, len(flat), 3))
+
+
+def _fold(x, norm, paths):
+    """(x, leading args, paths) for a matmul of x RMS-normalized by norm = (weight [in], eps):
+    where the CPU kernel takes the step on float32 x, it normalizes x itself (the weight
+    goes first among the args, every path gets eps; no XLA ops in between); otherwise x is
+    normalized here, as model.layers would. norm None: (x, (), paths)."""
+    if norm is None:
+        return x, (), paths
+    weight, eps = norm
+    if weight.shape != (x.shape[1],):
+        raise ValueError(f"the norm weight {weight.shape} must be [{x.shape[1]}], one per input feature of x")
+    ref, tpu, gpu, native = paths
+    if native is None or x.dtype != jnp.float32:
+        return rms_norm(x, weight, eps), (), paths
+    eps = float(eps)
+    return x, (weight,), (bind(_normed, kernel=ref, eps=eps), bind(_normed, kernel=tpu, eps=eps),
+                          bind(_normed, kernel=gpu, eps=eps), bind(native.fn, **dict(native.options), eps=eps))
 
 
 def _check(x, w) -> None:
@@ -104,7 +135,7 @@ def _paths(x, w: PackedWeight):
     return bind(_xla, **options, **rounding, interleaved=w.interleaved), tpu, gpu, native
 
 
-def quant_matmul(x, w: PackedWeight, *, interpret=None):
+def quant_matmul(x, w: PackedWeight, *, norm=None, interpret=None):
     """x @ w for a weight kept packed (quant/packed.py: GGUF Q8_0 / Q4_0 / Q4_1 blocks,
     kvfold's int8 / int4 / fp8 / w8a8); the kernels dequantize one tile of the weight at a
     time. For w8a8 each token's x is first rounded to int8 (absmax / 127) on every path;
@@ -114,6 +145,8 @@ def quant_matmul(x, w: PackedWeight, *, interpret=None):
     Args:
       x: [num_tokens, in], float.
       w: a PackedWeight of shape [in, out].
+      norm: (weight [in], eps) to multiply ref.rms_norm(x, weight, eps) instead of x (the
+        norm before a layer's projections); the CPU kernel computes it itself.
       interpret: True runs the Pallas TPU kernel in interpret mode; None runs Mosaic on
         TPU, Triton on GPU, on CPU the C++ kernel (cpu.py) up to cpu.max_tokens() tokens and
         the XLA path (xla.py) above that, for fp8 and w8a8, or where the kernel cannot be
@@ -122,16 +155,17 @@ def quant_matmul(x, w: PackedWeight, *, interpret=None):
     Returns [num_tokens, out] in x.dtype (accumulated in float32).
     """
     _check(x, w)
-    ref, tpu, gpu, native = _paths(x, w)
+    x, lead, (ref, tpu, gpu, native) = _fold(x, norm, _paths(x, w))
     scale, offset = w.float_scales()  # K-quants: float32 per group from their two-level scales
-    return dispatch(x, w.codes, scale, offset, ref=ref, tpu=tpu, gpu=gpu, cpu=native, interpret=interpret)
+    return dispatch(x, *lead, w.codes, scale, offset, ref=ref, tpu=tpu, gpu=gpu, cpu=native, interpret=interpret)
 
 
-def quant_matmuls(x, ws, *, interpret=None) -> list:
+def quant_matmuls(x, ws, *, norm=None, interpret=None) -> list:
     """[quant_matmul(x, w) for w in ws] for weights that multiply the same x (a layer's q, k
     and v projections; its gate and up): where the CPU kernel takes every one of them and
     they share format, group and activation rounding, one kernel call for all (x rounded
-    once, all their columns one job for its threads); otherwise one entry call each.
+    once, all their columns one job for its threads); otherwise one entry call each. norm:
+    as quant_matmul's, applied once for all.
     Returns a list of [num_tokens, out_i] in x.dtype."""
     ws = list(ws)
     if not ws:
@@ -141,10 +175,14 @@ def quant_matmuls(x, ws, *, interpret=None) -> list:
     paths = [_paths(x, w) for w in ws]
     key = lambda w: (w.fmt, w.group, w.int8_activations, w.interleaved)  # noqa: E731
     if len(ws) == 1 or any(key(w) != key(ws[0]) for w in ws) or any(p[3] is None for p in paths):
-        return [quant_matmul(x, w, interpret=interpret) for w in ws]
+        if len(ws) > 1 and norm is not None:  # normalized once, not in each call
+            x, _, _ = _fold(x, norm, (None, None, None, None))
+            norm = None
+        return [quant_matmul(x, w, norm=norm, interpret=interpret) for w in ws]
     ref, tpu, gpu, native = paths[0]  # the same for every weight but the column count
+    x, lead, (ref, tpu, gpu, native) = _fold(x, norm, (bind(_each, kernel=ref), bind(_each, kernel=tpu),
+                                                       bind(_each, kernel=gpu), native))
     flat = []
     for w in ws:
         flat += [w.codes, *w.float_scales()]
-    return list(dispatch(x, *flat, ref=bind(_each, kernel=ref), tpu=bind(_each, kernel=tpu),
-                         gpu=bind(_each, kernel=gpu), cpu=native, interpret=interpret))
+    return list(dispatch(x, *lead, *flat, ref=ref, tpu=tpu, gpu=gpu, cpu=native, interpret=interpret))

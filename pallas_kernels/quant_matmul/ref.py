@@ -10,6 +10,14 @@ import jax.numpy as jnp
 from quant.packed import ACTIVATION_INT8, PackedWeight, quantize_activations, round_activation_blocks
 
 
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32 like the reference models: the norm
+    the entry's `norm` argument applies to x before the matmul (model.layers uses this one)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
 def quant_matmul_ref(x: jax.Array, w: PackedWeight) -> jax.Array:
     """x [T, in] float times the packed weight [in, out]: float32 [T, out]."""
     x = x.astype(jnp.float32)

@@ -141,6 +141,42 @@ def test_weights_of_one_x_share_one_kernel_call(int8_activations):
         quant_matmuls(x[:, :64], [prepare(w) for w in ws])
 
 
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["float-x", "int8-x"])
+def test_the_norm_before_the_projections_runs_inside_the_kernel(int8_activations):
+    """norm=(weight, eps) multiplies x RMS-normalized (float64 oracle: x / sqrt(mean(x^2) +
+    eps) * weight): on CPU inside the one kernel call, with no norm left to XLA; on the TPU
+    kernel (interpreted) and for bfloat16 x after XLA's norm. A norm weight of another width
+    is a ValueError, and the kernel refuses one that does not match x."""
+    from dataclasses import replace
+
+    from pallas_kernels.quant_matmul import quant_matmuls
+    from quant.packed import round_activation_blocks
+
+    raw = [replace(_inputs("q4_1", 1, 128, n, seed=40 + n)[1], int8_activations=int8_activations) for n in (96, 48)]
+    ws = [prepare(w) for w in raw]
+    rng = np.random.default_rng(41)
+    x = jnp.asarray(rng.normal(size=(3, 128)) * 4, jnp.float32)
+    weight, eps = jnp.asarray(rng.uniform(0.5, 1.5, 128), jnp.float32), 1e-5
+    x64 = np.asarray(x, np.float64)
+    xn = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + eps) * np.asarray(weight, np.float64)
+    xr = round_activation_blocks(jnp.asarray(xn, jnp.float32), "q4_1", 32) if int8_activations else xn
+    text = jax.jit(lambda x, w, ws: quant_matmuls(x, ws, norm=(w, eps))).lower(x, weight, ws).as_text()
+    assert text.count(f"@{cpu.TARGET}(") == 1 and "rsqrt" not in text
+    for interpret in (None, True):
+        for got, w in zip(quant_matmuls(x, ws, norm=(weight, eps), interpret=interpret), raw):
+            _close(got, _oracle(xr, w), rtol=1e-5)
+        _close(quant_matmul(x, ws[0], norm=(weight, eps), interpret=interpret), _oracle(xr, raw[0]), rtol=1e-5)
+    got = quant_matmuls(x.astype(jnp.bfloat16), ws, norm=(weight, eps))
+    assert got[0].dtype == jnp.bfloat16
+    _close(got[0], _oracle(xr, raw[0]), rtol=3e-2)
+    with pytest.raises(ValueError, match="norm weight"):
+        quant_matmuls(x, ws, norm=(weight[:64], eps))
+    w = ws[0]
+    with pytest.raises(Exception, match="norm weight must be float32"):
+        cpu.quant_matmul_cpu(x, w.codes, *w.float_scales(), fmt="q4_1", group=32,
+                             norm=(weight[:64], eps)).block_until_ready()
+
+
 def test_bfloat16_activations_come_back_in_their_dtype():
     x, w = _inputs("q4_1", 3, 128, 48, seed=7)
     got = quant_matmul(x.astype(jnp.bfloat16), prepare(w))
