@@ -418,25 +418,42 @@ void run_columns(const Problem& p, int64_t n0, int64_t n1) {
   }
 }
 
-// The column ranges of a call's weights, handed out through one counter to the calling thread
+// Work for the crew: `count()` items handed out through one counter to the calling thread
 // and the crew's.
-struct Shared {
+struct Job {
+  std::atomic<int64_t> next{0}, done{0};
+  virtual ~Job() = default;
+  virtual int64_t count() const = 0;
+  virtual void item(int64_t i) = 0;
+  bool work() {  // whether any item was left to take
+    const int64_t count = this->count();
+    if (next.load() >= count) return false;
+    bool ran = false;
+    for (int64_t i; (i = next.fetch_add(1)) < count; done.fetch_add(1), ran = true) item(i);
+    return ran;
+  }
+};
+
+// A matmul call's job: the column ranges of its weights.
+struct Shared : Job {
   struct Range {
     const Problem* p;
     int64_t n0, n1;
   };
   std::vector<Problem> problems;  // one per weight, sharing x and its block sums
   std::vector<Range> ranges;
-  std::atomic<int64_t> next{0}, done{0};
-  int64_t count() const { return static_cast<int64_t>(ranges.size()); }
-  bool work() {  // whether any range was left to take
-    const int64_t count = this->count();
-    if (next.load() >= count) return false;
-    bool ran = false;
-    for (int64_t i; (i = next.fetch_add(1)) < count; done.fetch_add(1), ran = true)
-      run_columns(*ranges[i].p, ranges[i].n0, ranges[i].n1);
-    return ran;
-  }
+  int64_t count() const override { return static_cast<int64_t>(ranges.size()); }
+  void item(int64_t i) override { run_columns(*ranges[i].p, ranges[i].n0, ranges[i].n1); }
+};
+
+// Another library's job (KvfoldCrewRun): item i is fn(arg, i).
+struct Foreign : Job {
+  void (*fn)(void*, int64_t);
+  void* arg;
+  int64_t n;
+  Foreign(void (*fn)(void*, int64_t), void* arg, int64_t n) : fn(fn), arg(arg), n(n) {}
+  int64_t count() const override { return n; }
+  void item(int64_t i) override { fn(arg, i); }
 };
 
 // One turn of a wait loop: a pause for the first turns, then the core is given up to any
@@ -467,8 +484,8 @@ class Crew {
 
   // shared->work() on the calling thread and the crew; false (nothing run) when another
   // call holds the crew.
-  bool run(Shared* shared) {
-    Shared* idle = nullptr;
+  bool run(Job* shared) {
+    Job* idle = nullptr;
     if (!job_.compare_exchange_strong(idle, shared)) return false;
     // Without the helpers' mutex: a helper that has just decided to sleep may miss this
     // and sleep through the job (the caller takes every range then), but the caller never
@@ -491,7 +508,7 @@ class Crew {
       int64_t turns = 0;
       for (int64_t spins = 1;; ++spins) {
         busy_.fetch_add(1);
-        Shared* job = job_.load();
+        Job* job = job_.load();
         const bool ran = job && job->work();  // a job whose ranges are all taken returns at once
         busy_.fetch_sub(1);
         if (job) {  // until the caller withdraws it
@@ -510,7 +527,7 @@ class Crew {
     }
   }
 
-  std::atomic<Shared*> job_{nullptr};
+  std::atomic<Job*> job_{nullptr};
   std::atomic<int64_t> busy_{0}, sleeping_{0};
   std::mutex mu_;
   std::condition_variable wake_;
@@ -648,6 +665,16 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remai
 }
 
 }  // namespace
+
+// The crew for another kernel library's call (the CPU decode attention, which gets this
+// function's address from cpu.py): runs fn(arg, i) for i in [0, count) on the calling thread
+// and the crew, as a matmul's column ranges run, and returns 1; 0 (nothing run) when another
+// call holds the crew or `threads` (the caller's XLA pool size) is 1.
+extern "C" int KvfoldCrewRun(void (*fn)(void*, int64_t), void* arg, int64_t count, int64_t threads) {
+  if (threads <= 1) return 0;
+  Foreign job(fn, arg, count);
+  return crew(threads).run(&job) ? 1 : 0;
+}
 
 // 1 when built with the AVX-512 tiles, 0 for the portable loops (cpu.py takes fewer tokens
 // to this kernel then: the loops lose to XLA's dequantize + matmul from about 8 tokens up).

@@ -16,6 +16,8 @@ whether that worked.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from pathlib import Path
 
 import jax
@@ -34,7 +36,23 @@ KERNEL = cpu_ffi.Kernel(SOURCE, TARGET, "KvfoldDecodeAttention", "the CPU decode
 def available() -> bool:
     """Whether the kernel is built (building it now if needed) and registered with XLA:CPU;
     KVFOLD_DECODE_ATTENTION_CPU=0 turns it off."""
-    return KERNEL.available()
+    if not KERNEL.available():
+        return False
+    _join_crew()
+    return True
+
+
+@functools.cache
+def _join_crew() -> None:
+    """Hands the quantized-matmul kernel's crew of helper threads (quant_matmul/cpu_kernel.cc,
+    KvfoldCrewRun) to this kernel, where that kernel is available: the items of a call then
+    run on both of them at once, as the matmuls before it did, instead of waking XLA's pool."""
+    from pallas_kernels.quant_matmul import cpu as matmul_cpu
+
+    if matmul_cpu.available():
+        use = KERNEL.library.KvfoldDecodeAttentionUseCrew
+        use.argtypes = [ctypes.c_void_p]
+        use(ctypes.cast(matmul_cpu.KERNEL.library.KvfoldCrewRun, ctypes.c_void_p))
 
 
 def supports(q, k_pages, variant, tree, kv_format, max_q_len) -> bool:

@@ -23,12 +23,14 @@
 // Block-table entries are clamped into the pool, as the XLA path does (the entries a live
 // position reads must be valid pages; the entry checks that when it can). Work items are
 // (token, run of positions): a long context is split into runs of kSplit positions whose
-// softmax parts are merged at the end (flash decoding), and the items are spread over XLA's
-// intra-op thread pool when a call holds enough work. Reading the rows of every head at once,
-// in page order, and splitting one row's context took 1,000 positions of SmolLM2's layer (3 KV
-// heads) from 127 to 95-100 us; the tree-summed scores and the vectorized softmax took 80
-// positions from 12 to 7.3 us with the pages in cache (16 to 14 us from L3, where the bytes
-// bound it). Float32 or bfloat16 pages [num_pages, page_size, num_kv_heads, head_dim].
+// softmax parts are merged at the end (flash decoding), and the items are spread over the
+// quantized matmul's crew of helper threads (else over XLA's intra-op thread pool when a call
+// holds enough work). Reading the rows of every head at once, in page order, and splitting
+// one row's context took 1,000 positions of SmolLM2's layer (3 KV heads) from 127 to 95-100
+// us; the tree-summed scores and the vectorized softmax took 80 positions from 12 to 7.3 us
+// with the pages in cache (16 to 14 us from L3, where the bytes bound it); the crew took 400
+// positions from 57-64 to 45-48 us (a gguf_a8 decode step at that context from 7.3-7.7 to
+// 6.4-6.5 ms). Float32 or bfloat16 pages [num_pages, page_size, num_kv_heads, head_dim].
 
 #include <algorithm>
 #include <array>
@@ -385,12 +387,27 @@ struct Shared {
     const int64_t count = static_cast<int64_t>(items.size());
     for (int64_t i; (i = next.fetch_add(1)) < count; done.fetch_add(1)) attend_part(p, items[i], parts[i], s);
   }
+  static void item(void* shared, int64_t i) {  // item i, on a thread of the matmul's crew
+    thread_local Scratch s;
+    auto* self = static_cast<Shared*>(shared);
+    attend_part(self->p, self->items[i], self->parts[i], s);
+  }
 };
 
 // Positions per item: a longer context is split into runs of this many (the last one
 // longer), whatever the batch and the machine, so a row's result depends on its context
-// alone; the runs of one long row can then go to several threads.
-constexpr int64_t kSplit = 128;
+// alone; the runs of one row can then go to several threads. Short enough that a decode
+// row of a few dozen positions is two items, one per core of a small machine.
+constexpr int64_t kSplit = 32;
+
+// The quantized matmul's crew of helper threads (its KvfoldCrewRun, handed over by cpu.py
+// through KvfoldDecodeAttentionUseCrew), or null: a call runs its items on them when it has
+// at least two. The crew is awake between a decode step's calls (the q/k/v projections run
+// just before attention), so it joins in at once, where a helper woken through XLA's pool
+// took tens of us and cost more than it saved below kPoolWork.
+using CrewRun = int (*)(void (*)(void*, int64_t), void*, int64_t, int64_t);
+std::atomic<CrewRun> crew_run{nullptr};
+constexpr int64_t kPoolWork = int64_t{1} << 18;  // positions * query heads * head_dim
 
 // Token t's sequence and position from the step's layout, as ref.token_layout gives them:
 // seq[t] counts the query starts cu_q_lens[1 .. S] at or before t (S for the padding past
@@ -456,11 +473,14 @@ void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const ffi::Buffer
   }
   const int64_t items = static_cast<int64_t>(shared->items.size());
   shared->parts.resize(items);
-  // Helpers when the call holds enough work for a wake-up (a few us) to pay.
-  const int64_t helpers = positions * Hq * D < (int64_t{1} << 18) ? 0 : std::min(threads, items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
-  shared->work();
-  while (shared->done.load() < items) std::this_thread::yield();
+  const CrewRun crew = crew_run.load();
+  if (!(crew && items > 1 && crew(&Shared<T>::item, shared.get(), items, threads))) {
+    // XLA's pool when the call holds enough work for a wake-up (tens of us) to pay.
+    const int64_t helpers = positions * Hq * D < kPoolWork ? 0 : std::min(threads, items) - 1;
+    for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
+    shared->work();
+    while (shared->done.load() < items) std::this_thread::yield();
+  }
   for (int64_t t = 0; t < T_; ++t) {
     if (first[t + 1] > first[t]) {
       merge(p, t, shared->parts.data() + first[t], first[t + 1] - first[t]);
@@ -513,6 +533,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 }
 
 }  // namespace
+
+// Hands over the quantized matmul library's KvfoldCrewRun (cpu.py calls it once both are
+// loaded); null goes back to XLA's pool alone.
+extern "C" void KvfoldDecodeAttentionUseCrew(CrewRun run) { crew_run.store(run); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()

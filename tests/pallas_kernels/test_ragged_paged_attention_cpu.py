@@ -144,17 +144,30 @@ def test_a_nan_key_makes_its_rows_output_nan_and_none_other(page_dtype):
 
 
 def test_long_contexts_spread_over_threads_match_the_oracle():
-    """Enough work for the kernel to hand its items to XLA's thread pool."""
+    """A call's items (runs of positions) run on the quantized matmul's crew of helper
+    threads, which the kernel gets once both are loaded; without the crew, on XLA's pool when
+    the call holds enough work. Either way they match the oracle, and every row's out, lse
+    and pages are the same bits: the runs follow the context alone, not the threads."""
     args, _ = _decode_batch(2, [300, 517, 9, 260, 400], num_q_heads=8, num_kv_heads=2)
-    assert int(jnp.sum(args[-1])) * 8 * 64 >= 1 << 18  # live positions: the kernel's threshold for helpers
+    assert int(jnp.sum(args[-1])) * 8 * 64 >= 1 << 18  # live positions: the kernel's threshold for XLA's pool
     _check_kernel(args, None, 0.125)
+    with_crew = [np.asarray(x) for x in cpu.decode_attention_cpu(*args, sm_scale=0.125)]
+    cpu.KERNEL.library.KvfoldDecodeAttentionUseCrew(None)
+    try:
+        _check_kernel(args, None, 0.125)
+        without = [np.asarray(x) for x in cpu.decode_attention_cpu(*args, sm_scale=0.125)]
+    finally:
+        cpu._join_crew.cache_clear()
+        assert cpu.available()  # the crew handed over again
+    for a, b in zip(with_crew, without):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((7, 1), 128)], ids=["gqa3-64", "gqa7-128"])
 @pytest.mark.parametrize("window,cap,with_sinks", [(None, None, True), (520, 2.0, True), (None, None, False)])
 def test_a_long_row_split_into_runs_merges_its_parts(window, cap, with_sinks, heads, head_dim):
-    """One decode row over 600 positions is split into runs of 128 (four here, the last one
-    longer; a window of 520 leaves four as well) whose softmax parts are merged; the merge
+    """One decode row over 600 positions is split into runs of about 32 (eighteen here; a
+    window of 520 leaves sixteen) whose softmax parts are merged; the merge
     keeps the sinks, the soft cap and the window the oracle has. Seven query heads of 128
     per KV head weigh the values in chunks of two heads, then one."""
     args, sinks = _decode_batch(6, [600], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
