@@ -67,8 +67,9 @@ def linear(x, w, b=None, norm=None):
     w: a float array or quant.Int8Weight (quant.linear), a quant.PackedWeight
     (pallas_kernels.quant_matmul, dequantized tile by tile), or a LoRAWeight over either,
     which adds each token's adapter term. norm: (weight [in], eps) to project
-    rms_norm(x, weight, eps) instead of x (a layer's input norm): the CPU kernel of a packed
-    weight laid out for it (`interleaved`) computes it itself; otherwise it is applied here."""
+    rms_norm(x, weight, eps) instead of x (a layer's input norm): a packed weight laid out
+    for the CPU kernel (`interleaved`) hands it to pallas_kernels.quant_matmul, whose kernel
+    applies it to float32 x on the steps it takes; otherwise it is applied here."""
     if norm is not None and not (isinstance(w, PackedWeight) and w.interleaved):
         x, norm = rms_norm(x, *norm), None  # no CPU kernel to fold it into
     delta = None

@@ -422,6 +422,10 @@ void run_columns(const Problem& p, int64_t n0, int64_t n1) {
 // and the crew's.
 struct Job {
   std::atomic<int64_t> next{0}, done{0};
+#if defined(__x86_64__)
+  unsigned mxcsr = _mm_getcsr();  // the caller's float environment (flush-to-zero, denormals-are-zero), which
+                                  // helpers take on: read where the job is made, on the calling thread
+#endif
   virtual ~Job() = default;
   virtual int64_t count() const = 0;
   virtual void item(int64_t i) = 0;
@@ -472,8 +476,9 @@ inline void relax(int64_t& turns) {
 // arrived after most of the work was done (a sleeping thread takes tens of us to wake here),
 // so the calls ran on about one core. The crew's threads poll for kSpin after their last
 // job, yielding the core to any other runnable thread, then sleep until the next one. One
-// call at a time holds the crew; a concurrent call (XLA running two thunks at once) runs on
-// its own thread.
+// call at a time holds the crew, a matmul's or another kernel's (KvfoldCrewRun); a concurrent
+// call (XLA running two thunks at once) runs without it. Helpers run a job in its caller's
+// float environment, so an item's bits do not depend on the thread that ran it.
 class Crew {
  public:
   static constexpr std::chrono::microseconds kSpin{200};
@@ -502,6 +507,18 @@ class Crew {
   }
 
  private:
+  static bool run_as_caller(Job* job) {
+#if defined(__x86_64__)
+    const unsigned own = _mm_getcsr();
+    _mm_setcsr(job->mxcsr);
+    const bool ran = job->work();
+    _mm_setcsr(own);
+    return ran;
+#else
+    return job->work();
+#endif
+  }
+
   void loop() {
     for (;;) {
       auto last = std::chrono::steady_clock::now();
@@ -509,7 +526,7 @@ class Crew {
       for (int64_t spins = 1;; ++spins) {
         busy_.fetch_add(1);
         Job* job = job_.load();
-        const bool ran = job && job->work();  // a job whose ranges are all taken returns at once
+        const bool ran = job && run_as_caller(job);  // a job whose items are all taken returns at once
         busy_.fetch_sub(1);
         if (job) {  // until the caller withdraws it
           last = std::chrono::steady_clock::now();
@@ -586,7 +603,7 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remai
   if (count == 0 || static_cast<int64_t>(weights.size()) != 3 * count + (norm ? 1 : 0))
     return ffi::Error::InvalidArgument("quant_matmul_cpu: give (codes, scale, offset) for each result, then the "
                                        "norm weight when norm is set");
-  // With norm, x is first RMS-normalized as model.layers.rms_norm does, in float32:
+  // With norm, x is first RMS-normalized as quant_matmul/ref.py's rms_norm does, in float32:
   // x * rsqrt(mean(x^2) + eps) * weight (the norm before a layer's projections, folded here
   // rather than run as XLA's four small fusions).
   std::vector<float> normed;

@@ -90,9 +90,10 @@ def _each(x, *flat, kernel, **options):
 
 def _fold(x, norm, paths):
     """(x, leading args, paths) for a matmul of x RMS-normalized by norm = (weight [in], eps):
-    where the CPU kernel takes the step on float32 x, it normalizes x itself (the weight
-    goes first among the args, every path gets eps; no XLA ops in between); otherwise x is
-    normalized here, as model.layers would. norm None: (x, (), paths)."""
+    where the CPU kernel takes the step on float32 x, the native path normalizes x (in the
+    kernel, or in XLA before it rounds x itself: `_cpu`), the weight going first among the
+    args and every path getting eps; otherwise x is normalized here. norm None: (x, (),
+    paths)."""
     if norm is None:
         return x, (), paths
     weight, eps = norm

@@ -35,7 +35,9 @@ KERNEL = cpu_ffi.Kernel(SOURCE, TARGET, "KvfoldDecodeAttention", "the CPU decode
 
 def available() -> bool:
     """Whether the kernel is built (building it now if needed) and registered with XLA:CPU;
-    KVFOLD_DECODE_ATTENTION_CPU=0 turns it off."""
+    KVFOLD_DECODE_ATTENTION_CPU=0 turns it off. It also loads the quantized-matmul kernel
+    (built the same way) for its helper threads (`_join_crew`); without that kernel
+    (KVFOLD_QUANT_MATMUL_CPU=0, no build) this one runs on XLA's pool."""
     if not KERNEL.available():
         return False
     _join_crew()

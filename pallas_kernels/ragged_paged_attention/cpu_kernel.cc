@@ -394,10 +394,11 @@ struct Shared {
   }
 };
 
-// Positions per item: a longer context is split into runs of this many (the last one
-// longer), whatever the batch and the machine, so a row's result depends on its context
-// alone; the runs of one row can then go to several threads. Short enough that a decode
-// row of a few dozen positions is two items, one per core of a small machine.
+// Positions per item: a context of n positions is split into n / kSplit near-equal runs
+// (kSplit to 2 kSplit - 1 positions each), whatever the batch and the machine, so a row's
+// result depends on its context alone; the runs of one row can then go to several threads.
+// Short enough that a decode row from 64 positions on is two items or more, one per core of
+// a small machine.
 constexpr int64_t kSplit = 32;
 
 // The quantized matmul's crew of helper threads (its KvfoldCrewRun, handed over by cpu.py

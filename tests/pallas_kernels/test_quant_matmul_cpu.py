@@ -161,7 +161,9 @@ def test_the_norm_before_the_projections_runs_inside_the_kernel(int8_activations
     xn = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + eps) * np.asarray(weight, np.float64)
     xr = round_activation_blocks(jnp.asarray(xn, jnp.float32), "q4_1", 32) if int8_activations else xn
     text = jax.jit(lambda x, w, ws: quant_matmuls(x, ws, norm=(w, eps))).lower(x, weight, ws).as_text()
-    assert text.count(f"@{cpu.TARGET}(") == 1 and "rsqrt" not in text
+    assert text.count(f"@{cpu.TARGET}(") == 1
+    # Without VNNI int8 activations are rounded in XLA, after XLA's norm.
+    assert ("rsqrt" in text) == (int8_activations and not cpu.int8_tiles("q4_1", 32))
     for interpret in (None, True):
         for got, w in zip(quant_matmuls(x, ws, norm=(weight, eps), interpret=interpret), raw):
             _close(got, _oracle(xr, w), rtol=1e-5)
