@@ -96,9 +96,13 @@ def _fold(x, norm, paths):
     paths)."""
     if norm is None:
         return x, (), paths
+    if not isinstance(norm, (tuple, list)) or len(norm) != 2:
+        raise ValueError("norm must be a (weight, eps) pair or None")
     weight, eps = norm
     if weight.shape != (x.shape[1],):
         raise ValueError(f"the norm weight {weight.shape} must be [{x.shape[1]}], one per input feature of x")
+    if not float(eps) >= 0:
+        raise ValueError(f"the norm's eps must be a number >= 0, got {eps!r}")
     ref, tpu, gpu, native = paths
     if native is None or x.dtype != jnp.float32:
         return rms_norm(x, weight, eps), (), paths

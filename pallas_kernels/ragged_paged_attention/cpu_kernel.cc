@@ -408,6 +408,7 @@ constexpr int64_t kSplit = 32;
 // took tens of us and cost more than it saved below kPoolWork.
 using CrewRun = int (*)(void (*)(void*, int64_t), void*, int64_t, int64_t);
 std::atomic<CrewRun> crew_run{nullptr};
+std::atomic<int64_t> crew_calls{0};  // calls whose items the crew ran (KvfoldDecodeAttentionCrewCalls)
 constexpr int64_t kPoolWork = int64_t{1} << 18;  // positions * query heads * head_dim
 
 // Token t's sequence and position from the step's layout, as ref.token_layout gives them:
@@ -475,7 +476,9 @@ void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const ffi::Buffer
   const int64_t items = static_cast<int64_t>(shared->items.size());
   shared->parts.resize(items);
   const CrewRun crew = crew_run.load();
-  if (!(crew && items > 1 && crew(&Shared<T>::item, shared.get(), items, threads))) {
+  if (crew && items > 1 && crew(&Shared<T>::item, shared.get(), items, threads)) {
+    crew_calls.fetch_add(1, std::memory_order_relaxed);
+  } else {
     // XLA's pool when the call holds enough work for a wake-up (tens of us) to pay.
     const int64_t helpers = positions * Hq * D < kPoolWork ? 0 : std::min(threads, items) - 1;
     for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->work(); });
@@ -538,6 +541,9 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 // Hands over the quantized matmul library's KvfoldCrewRun (cpu.py calls it once both are
 // loaded); null goes back to XLA's pool alone.
 extern "C" void KvfoldDecodeAttentionUseCrew(CrewRun run) { crew_run.store(run); }
+
+// How many calls so far ran their items on the crew (what tells a test that it did).
+extern "C" int64_t KvfoldDecodeAttentionCrewCalls() { return crew_calls.load(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()

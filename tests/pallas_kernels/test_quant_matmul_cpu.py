@@ -173,6 +173,10 @@ def test_the_norm_before_the_projections_runs_inside_the_kernel(int8_activations
     _close(got[0], _oracle(xr, raw[0]), rtol=3e-2)
     with pytest.raises(ValueError, match="norm weight"):
         quant_matmuls(x, ws, norm=(weight[:64], eps))
+    with pytest.raises(ValueError, match="eps must be a number >= 0"):
+        quant_matmul(x, ws[0], norm=(weight, -1.0))
+    with pytest.raises(ValueError, match="pair"):
+        quant_matmul(x, ws[0], norm=weight)
     w = ws[0]
     with pytest.raises(Exception, match="norm weight must be float32"):
         cpu.quant_matmul_cpu(x, w.codes, *w.float_scales(), fmt="q4_1", group=32,

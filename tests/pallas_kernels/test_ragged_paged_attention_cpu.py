@@ -5,6 +5,8 @@ nothing else."""
 
 from __future__ import annotations
 
+import ctypes
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,12 +152,17 @@ def test_long_contexts_spread_over_threads_match_the_oracle():
     and pages are the same bits: the runs follow the context alone, not the threads."""
     args, _ = _decode_batch(2, [300, 517, 9, 260, 400], num_q_heads=8, num_kv_heads=2)
     assert int(jnp.sum(args[-1])) * 8 * 64 >= 1 << 18  # live positions: the kernel's threshold for XLA's pool
+    lib = cpu.KERNEL.library
+    lib.KvfoldDecodeAttentionCrewCalls.restype = ctypes.c_int64
     _check_kernel(args, None, 0.125)
+    before = lib.KvfoldDecodeAttentionCrewCalls()
     with_crew = [np.asarray(x) for x in cpu.decode_attention_cpu(*args, sm_scale=0.125)]
-    cpu.KERNEL.library.KvfoldDecodeAttentionUseCrew(None)
+    assert lib.KvfoldDecodeAttentionCrewCalls() == before + 1  # the crew ran this call's items
+    lib.KvfoldDecodeAttentionUseCrew(None)
     try:
         _check_kernel(args, None, 0.125)
         without = [np.asarray(x) for x in cpu.decode_attention_cpu(*args, sm_scale=0.125)]
+        assert lib.KvfoldDecodeAttentionCrewCalls() == before + 1  # XLA's pool ran these
     finally:
         cpu._join_crew.cache_clear()
     assert cpu.available()  # the crew handed over again
