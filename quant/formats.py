@@ -81,8 +81,15 @@ def e4m3_encode(x: jax.Array) -> jax.Array:
 
 @jax.jit
 def e4m3_decode(values: jax.Array) -> jax.Array:
-    """float8_e4m3fn [...] -> float32 [...] (exact)."""
-    return values.astype(jnp.float32)
+    """float8_e4m3fn [...] -> float32 [...] (exact), decoded from the bits, never by a convert.
+
+    XLA:GPU replaces any chain of float converts by one (SimplifyFPConversions, on whenever
+    xla_allow_excess_precision is, the default), so convert(convert(s, f8), f32) in one
+    program is s unrounded: NVFP4's codes would be chosen against the block scale before its
+    E4M3 rounding while the rounded scale is stored, and a quantize-dequantize round trip
+    would not round at all. A bitcast is not a convert, so e4m3_decode_arith keeps both.
+    """
+    return e4m3_decode_arith(values)
 
 
 @jax.jit

@@ -18,8 +18,10 @@ from model.deepseek.cache import (
     encode_index_key,
     encode_kv,
     encode_window,
+    fake_quant,
 )
 from model.deepseek.config import layer_plan
+from tests.round_trips import rounding_round_trips
 
 
 def test_flash_preset_is_the_released_plan():
@@ -139,3 +141,14 @@ def test_cache_formats_exact_on_representable_rows():
     vals = np.resize(e4m3.astype(np.float32), (8, 64))
     vals[:, ::32] = 448.0
     np.testing.assert_array_equal(np.asarray(decode_window(encode_window(jnp.asarray(vals)), jnp.float32)), vals)
+
+
+@pytest.mark.parametrize("codec", ["kv", "index_key", "window"])
+def test_fake_quant_rounds_in_the_same_program_on_every_backend(codec):
+    """fake_quant's value (what prefill attends over) is decode(encode(x)) in one program. It
+    must not hold a float convert pair that XLA:GPU would fold away (tests/round_trips.py), or
+    prefill would see unrounded rows on a GPU while decode reads the rounded ones."""
+    pair = {"kv": (encode_kv, decode_kv), "index_key": (encode_index_key, decode_index_key),
+            "window": (encode_window, decode_window)}[codec]
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 64)), jnp.float32)
+    assert rounding_round_trips(lambda x: fake_quant(x, *pair)[0], x) == []

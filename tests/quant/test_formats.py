@@ -1,12 +1,15 @@
 """Bit packing and element codecs (E2M1, E4M3, UE8M0) against ml_dtypes / numpy oracles."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
+import quant
 from quant import formats
 from quant.packing import pack_bits, pack_nibbles, unpack_bits, unpack_nibbles
+from tests.round_trips import rounding_round_trips
 
 
 def _np_pack(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -148,12 +151,46 @@ def test_e2m1_arithmetic_decode_equals_table_decode_on_every_code():
 
 def test_e4m3_arithmetic_decode_equals_the_convert_on_every_code():
     bits = np.arange(256, dtype=np.uint8)
-    want = np.asarray(formats.e4m3_decode(jnp.asarray(bits.view(ml_dtypes.float8_e4m3fn))))
+    want = bits.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     for codes in (jnp.asarray(bits), jnp.asarray(bits.view(ml_dtypes.float8_e4m3fn))):
         got = np.asarray(formats.e4m3_decode_arith(codes))
         nan = np.isnan(want)
         np.testing.assert_array_equal(np.isnan(got), nan)  # 0x7F and 0xFF
         np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # -0.0 too
+
+
+def test_round_trip_finder_sees_a_rounding_cast_pair_through_reshapes_and_nested_jits():
+    """The finder behind the next test: a planted f32 -> bf16 -> f32 pair is found directly,
+    through a reshape and across a nested jit; a lossless pair (bf16 -> f32 -> bf16) and a
+    bitcast in between are not round trips."""
+    x = jnp.ones((4, 8), jnp.float32)
+    to_bf16 = jax.jit(lambda x: x.astype(jnp.bfloat16))
+    assert rounding_round_trips(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), x) == [
+        "float32 -> bfloat16 -> float32"]
+    assert len(rounding_round_trips(lambda x: to_bf16(x).reshape(32).astype(jnp.float32), x)) == 1
+    assert len(rounding_round_trips(lambda x: formats.e4m3_encode(x).T.astype(jnp.float32), x)) == 1
+    assert rounding_round_trips(lambda x: x.astype(jnp.float32).astype(jnp.bfloat16), x.astype(jnp.bfloat16)) == []
+    assert rounding_round_trips(lambda x: formats.e4m3_decode_arith(formats.e4m3_encode(x)), x) == []
+
+
+def test_quantize_then_dequantize_in_one_program_keeps_every_rounding_on_a_gpu():
+    """XLA:GPU replaces a chain of float converts by one (SimplifyFPConversions), so a codec
+    that rounds with f32 -> float8 and reads the result back with float8 -> f32 in the same
+    program would not round there: NVFP4 picked its codes against the unrounded block scale
+    (errors beyond the format's bound on an H200), and a fused quantize-dequantize (DeepSeek's
+    stored rows, a KV write read back) was the identity. No codec may contain such a pair."""
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((4, 64)), jnp.float32)
+    codecs = {
+        "nvfp4": lambda x: quant.nvfp4_dequantize(quant.nvfp4_quantize(x)),
+        "nvfp4 unit scale": lambda x: quant.nvfp4_dequantize(quant.nvfp4_quantize(x, 1.0)),
+        "mxfp4": lambda x: quant.mxfp4_dequantize(quant.mxfp4_quantize(x)),
+        "fp8 ue8m0": lambda x: quant.fp8_block_dequantize(quant.fp8_block_quantize(x)),
+        "fp8 rows": lambda x: quant.dequantize_rows(quant.quantize_rows(x, "fp8")),
+        "int8 rows": lambda x: quant.dequantize_rows(quant.quantize_rows(x, "int8")),
+        "e4m3": lambda x: formats.e4m3_decode(formats.e4m3_encode(x)),
+    }
+    for name, fn in codecs.items():
+        assert rounding_round_trips(fn, x) == [], name
 
 
 @pytest.mark.parametrize(("bits", "n"), [(3, 8), (5, 16), (6, 4), (7, 8), (3, 40)])

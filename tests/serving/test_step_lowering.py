@@ -15,6 +15,7 @@ from serving.runner import ModelRunner, _step
 
 from pallas_kernels.lowering import TRITON_CALL, abstract_tpu_mesh, export_cuda, export_tpu, kernel_calls
 from tests.pallas_kernels.helpers import spec
+from tests.round_trips import rounding_round_trips
 
 LAYERS = 3
 PAGE_SIZE = 16
@@ -60,6 +61,16 @@ def test_mixed_prefill_and_decode_step_calls_the_kernels_in_every_layer(tiny, kv
     fn, specs = _step_specs(*tiny, kv_cache_dtype, lens=(9, 1))
     assert kernel_calls(export_tpu(fn, *specs), "tpu_custom_call") == LAYERS
     assert kernel_calls(export_cuda(fn, *specs), TRITON_CALL) == LAYERS
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8", "nvfp4", "mxfp4"])
+def test_step_keeps_every_kv_rounding_when_xla_gpu_folds_convert_pairs(tiny, kv_cache_dtype):
+    """A step that writes a prefill chunk and a decode row into a low-bit pool holds no float
+    convert pair that XLA:GPU would fold away (tests/round_trips.py): on an H200 the NVFP4
+    writes picked their codes against unrounded block scales until E4M3 was decoded from its
+    bits."""
+    fn, specs = _step_specs(*tiny, kv_cache_dtype, lens=(9, 1))
+    assert rounding_round_trips(fn, *specs) == []
 
 
 def test_speculative_step_runs_every_attention_of_target_and_draft_on_the_kernels(tiny):
