@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from quant.formats import E4M3_MAX, e4m3_decode, e4m3_encode
 
@@ -53,8 +54,11 @@ def quantize_rows(x: jax.Array, fmt: str) -> RowQuantized:
 def _quantize_rows(x: jax.Array, fmt: str) -> RowQuantized:
     x = x.astype(jnp.float32)
     qmax = _QMAX[fmt]
-    scales = jnp.max(jnp.abs(x), axis=-1) / qmax
-    y = x / jnp.where(scales > 0, scales, 1.0)[..., None]
+    # Both divisions spelled as multiplications by a float32 reciprocal: what XLA:CPU makes of
+    # them anyway, and what the CPU attention kernel's KV write (pallas_kernels/
+    # ragged_paged_attention/cpu_kernel.cc) repeats bit for bit.
+    scales = jnp.max(jnp.abs(x), axis=-1) * (np.float32(1) / np.float32(qmax))
+    y = x * (1.0 / jnp.where(scales > 0, scales, 1.0))[..., None]
     if fmt == "int8":
         codes = jnp.clip(jnp.round(y), -qmax, qmax).astype(jnp.int8)
     else:

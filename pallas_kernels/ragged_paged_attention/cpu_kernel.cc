@@ -30,7 +30,11 @@
 // us; the tree-summed scores and the vectorized softmax took 80 positions from 12 to 7.3 us
 // with the pages in cache (16 to 14 us from L3, where the bytes bound it); the crew took 400
 // positions from 57-64 to 45-48 us (a gguf_a8 decode step at that context from 7.3-7.7 to
-// 6.4-6.5 ms). Float32 or bfloat16 pages [num_pages, page_size, num_kv_heads, head_dim].
+// 6.4-6.5 ms). Float32 or bfloat16 pages [num_pages, page_size, num_kv_heads, head_dim], or
+// int8 / E4M3 codes with a float32 scale per position and KV head [num_pages, page_size,
+// num_kv_heads] (quant.kv_rows): a position's K scale multiplies its scores, its V scale its
+// weights, so the codes are read as they are (a quarter of float32's bytes), and the write
+// quantizes each new row as quant.quantize_rows does, bit for bit.
 
 #include <algorithm>
 #include <array>
@@ -42,6 +46,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -69,6 +74,44 @@ inline float to_float(Bf16 x) {
   return f;
 }
 
+// An FP8 E4M3 (fn) code of a row-scaled page (kv_format "fp8").
+struct Fp8 {
+  uint8_t bits;
+};
+
+inline float from_bits(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// The value a page code stands for per unit of its row scale: 1, but 2^-8 for E4M3 codes where
+// AVX-512 reads them through float16 (load16(const Fp8*)); the row scales are multiplied by
+// kUnit as they are read, and every path (to_float as well) gives the codes in that unit.
+template <typename E>
+#if defined(__AVX512F__)
+constexpr float kUnit = std::is_same_v<E, Fp8> ? 256.0f : 1.0f;
+#else
+constexpr float kUnit = 1.0f;
+#endif
+
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+// As quant.formats.e4m3_decode_arith (a normal code's low 7 bits shifted into float32's
+// exponent and mantissa fields, exponent rebiased by 127 - 7; a subnormal m * 2^-9; 0x7F NaN),
+// in units of kUnit.
+inline float to_float(Fp8 x) {
+  const uint32_t low = x.bits & 0x7F;
+  const float mag = low == 0x7F ? std::numeric_limits<float>::quiet_NaN()
+                    : low < 8   ? static_cast<float>(low) * 0x1p-9f
+                                : from_bits((low << 20) + (120u << 23));
+  return (x.bits & 0x80 ? -mag : mag) / kUnit<Fp8>;
+}
+
+// Pages whose codes carry one float32 scale per (position, KV head): x_hat = code * scale
+// (quant.kv_rows, kv_format "int8" / "fp8").
+template <typename E>
+constexpr bool kScaled = std::is_same_v<E, int8_t> || std::is_same_v<E, Fp8>;
+
 // x stored in a page element: bfloat16 rounds to the nearest, ties to even, as XLA's convert
 // does (a NaN stays a quiet NaN).
 inline void store(float x, float& out) { out = x; }
@@ -82,7 +125,32 @@ inline void store(float x, Bf16& out) {
   out.bits = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-// Pages of float32 or bfloat16 elements E; q, the new rows and the results are float32.
+// y (already multiplied by the row's reciprocal scale) as a code: int8 rounds to the nearest,
+// ties to even, and clips to +-127; E4M3 clips to +-448 and rounds to the nearest, ties to
+// even (subnormals below 2^-6 in steps of 2^-9), as quant.kv_rows does through XLA.
+inline void store(float y, int8_t& out) {
+  out = std::isnan(y) ? 0 : static_cast<int8_t>(std::clamp(std::nearbyint(y), -127.0f, 127.0f));  // NaN: XLA's 0
+}
+inline void store(float y, Fp8& out) {
+  if (std::isnan(y)) {
+    out.bits = std::signbit(y) ? 0xFF : 0x7F;
+    return;
+  }
+  const uint8_t sign = std::signbit(y) ? 0x80 : 0;
+  const float a = std::min(std::fabs(y), 448.0f);
+  if (a < 0x1p-6f) {  // subnormal: m * 2^-9, m = 8 being the smallest normal 2^-6 (code 0x08)
+    out.bits = sign | static_cast<uint8_t>(std::nearbyint(a * 0x1p9f));
+    return;
+  }
+  // Normal: float32's exponent and top three mantissa bits, rounded to the nearest (ties to
+  // even) at bit 20, a carry stepping the exponent up; then the exponent rebiased to E4M3's.
+  uint32_t bits;
+  std::memcpy(&bits, &a, sizeof bits);
+  out.bits = sign | static_cast<uint8_t>(((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120u << 3));
+}
+
+// Pages of float32 or bfloat16 elements E, or row-scaled int8 / E4M3 codes with their scales;
+// q, the new rows and the results are float32.
 template <typename E>
 struct Problem {
   const float* q;      // [T, Hq, D]
@@ -92,6 +160,7 @@ struct Problem {
   float *out, *lse;                   // [T, Hq, D], [T, Hq]
   int64_t T, Hq, Hkv, D, P, ps, S, W, window;
   float sm_scale, cap;
+  const float *ks, *vs;  // kScaled<E>: the scales [P, ps, Hkv], else null
 };
 
 template <typename T>
@@ -137,6 +206,20 @@ inline __m512 load16(const Bf16* x) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+inline __m512 load16(const int8_t* x) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))));
+}
+// 16 E4M3 codes as float32 values 2^-8 times theirs: each code's sign, exponent and mantissa
+// shifted into a float16's fields (whose exponent bias, 15, is 8 more than E4M3's 7), so the
+// hardware's float16 conversion decodes them, subnormals included; the caller folds the 2^8
+// into the row's scale (kUnit). The NaN codes 0x7F / 0xFF read as +-480, but a row holding
+// one has a NaN scale (its absmax was NaN), which makes its scores and weights NaN all the same.
+inline __m512 load16(const Fp8* x) {
+  // sign-extended code << 7: the sign lands in bit 15 (and a copy in bit 14, cleared), the
+  // exponent and mantissa in bits 13..7
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80))));
+}
 
 // exp_nonpositive on 16 lanes: the same steps (with fused multiply-adds, so within an ulp of
 // it), a NaN staying NaN.
@@ -176,8 +259,10 @@ inline __m512 sum16(const __m512* a) {
 // scores[h * ns + i] = sm_scale q[h] . k[rows[i]] for every query head over the n positions
 // (-inf from n to ns), 16 positions at a time: their rows stay in the L1 cache for all the
 // heads, and one tree sums the 16 dot products of a head. D a multiple of 16.
+// With row-scaled codes, kscale [Hkv, ns] holds each position's K scale, applied to the sum.
 template <typename T>
-void scores16(const Problem<T>& p, const float* q, const int64_t* rows, int64_t n, int64_t ns, float* scores) {
+void scores16(const Problem<T>& p, const float* q, const int64_t* rows, int64_t n, int64_t ns, const float* kscale,
+              float* scores) {
   const int64_t G = p.Hq / p.Hkv, D = p.D;
   const __m512 scale = _mm512_set1_ps(p.sm_scale);
   for (int64_t i0 = 0; i0 < ns; i0 += 16) {
@@ -193,7 +278,9 @@ void scores16(const Problem<T>& p, const float* q, const int64_t* rows, int64_t 
         for (int64_t d = 0; d < D; d += 16) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), load16(r + d), a[j]);
       }
       const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
-      _mm512_storeu_ps(scores + h * ns + i0, _mm512_mask_mul_ps(_mm512_set1_ps(-kInf), mask, sum16(a), scale));
+      __m512 sum = sum16(a);
+      if constexpr (kScaled<T>) sum = _mm512_mul_ps(sum, _mm512_loadu_ps(kscale + h / G * ns + i0));
+      _mm512_storeu_ps(scores + h * ns + i0, _mm512_mask_mul_ps(_mm512_set1_ps(-kInf), mask, sum, scale));
     }
   }
 }
@@ -238,10 +325,11 @@ struct Part {
 };
 
 // A thread's buffers: each position's row offset in the pages (the same in K and V; the row
-// holds every KV head, Hkv * D floats) and the scores [Hq, n].
+// holds every KV head, Hkv * D elements), the scores [Hq, n] and, for row-scaled codes, each
+// position's K and V scales [Hkv, n].
 struct Scratch {
   std::vector<int64_t> rows;
-  std::vector<float> scores;
+  std::vector<float> scores, kscale, vscale;
 };
 
 #if defined(__AVX512F__)
@@ -317,16 +405,32 @@ void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
   const int64_t ns = (n + 15) / 16 * 16;  // a head's stride in the scores: whole vectors, padded with -inf
   s.scores.resize(p.Hq * ns);
   float* scores = s.scores.data();
+  const float *kscale = nullptr, *vscale = nullptr;
+  if constexpr (kScaled<T>) {  // position i's scales in KV head h: [h * ns + i] (0 past n)
+    s.kscale.assign(p.Hkv * ns, 0.0f);
+    s.vscale.assign(p.Hkv * ns, 0.0f);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t h = 0, at = s.rows[i] / D; h < p.Hkv; ++h) {
+        s.kscale[h * ns + i] = p.ks[at + h] * kUnit<T>;
+        s.vscale[h * ns + i] = p.vs[at + h] * kUnit<T>;
+      }
+    kscale = s.kscale.data();
+    vscale = s.vscale.data();
+  }
 #if defined(__AVX512F__)
   if (D % 16 == 0) {
-    scores16(p, q, s.rows.data(), n, ns, scores);
+    scores16(p, q, s.rows.data(), n, ns, kscale, scores);
   } else
 #endif
   {
     for (int64_t h = 0; h < p.Hq; ++h) std::fill(scores + h * ns + n, scores + (h + 1) * ns, -kInf);
     for (int64_t i = 0; i < n; ++i) {
       const T* r = p.k + s.rows[i];
-      for (int64_t h = 0; h < p.Hq; ++h) scores[h * ns + i] = dot(q + h * D, r + h / G * D, D) * p.sm_scale;
+      for (int64_t h = 0; h < p.Hq; ++h) {
+        float score = dot(q + h * D, r + h / G * D, D);
+        if constexpr (kScaled<T>) score *= kscale[h / G * ns + i];
+        scores[h * ns + i] = score * p.sm_scale;
+      }
     }
   }
   part.lse.resize(p.Hq);
@@ -336,11 +440,14 @@ void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
     if (p.cap > 0.0f)
       for (int64_t i = 0; i < n; ++i) sh[i] = p.cap * std::tanh(sh[i] / p.cap);
     part.lse[h] = softmax(sh, ns);
+    if constexpr (kScaled<T>)  // the weights of the codes: probability times the V scale
+      for (int64_t i = 0; i < n; ++i) sh[i] *= vscale[h / G * ns + i];
   }
   for (int64_t i0 = 0; i0 < n; i0 += kRun)
-    for (int64_t h = 0; h < p.Hkv; ++h)
-      weigh(scores + h * G * ns, p.v + h * D, s.rows.data(), ns, i0, std::min(n, i0 + kRun), G, D,
-            part.out.data() + h * G * D);
+    for (int64_t h = 0; h < p.Hkv; ++h) {
+      const int64_t i1 = std::min(n, i0 + kRun);
+      weigh(scores + h * G * ns, p.v + h * D, s.rows.data(), ns, i0, i1, G, D, part.out.data() + h * G * D);
+    }
 }
 
 // Token t's output and lse from its parts: out = sum_j e_j out_j / sum_j e_j with
@@ -417,10 +524,27 @@ constexpr int64_t kPoolWork = int64_t{1} << 18;  // positions * query heads * he
 // cu_q_lens[s]. Then its new K/V rows are stored at that position's page slot, as
 // ref.write_new_kv stores them: nothing for padding, a position past the table, or an entry
 // outside [0, P) (a bad entry never lands in another sequence's page).
+// One KV head's new row x [D] into its page slot: as is, or (row-scaled codes) as
+// quant.kv_rows quantizes it: scale = absmax * (1 / qmax), codes of x * (1 / scale) (x * 1
+// for an all-zero row), the same float32 operations XLA:CPU runs there.
+template <typename T>
+void store_row(const float* x, int64_t D, T* codes, float* scale) {
+  if constexpr (kScaled<T>) {
+    float amax = 0.0f;
+    for (int64_t d = 0; d < D; ++d) amax = std::isnan(x[d]) || std::isnan(amax) ? NAN : std::max(amax, std::fabs(x[d]));
+    const float qmax = std::is_same_v<T, int8_t> ? 127.0f : 448.0f;
+    *scale = amax * (1.0f / qmax);
+    const float inv = 1.0f / (*scale > 0.0f ? *scale : 1.0f);
+    for (int64_t d = 0; d < D; ++d) store(x[d] * inv, codes[d]);
+  } else {
+    for (int64_t d = 0; d < D; ++d) store(x[d], codes[d]);
+  }
+}
+
 template <typename T>
 void lay_out_and_write(const int32_t* cu, const int32_t* kv_lens, const float* k, const float* v, int64_t S,
                        Problem<T>& p, std::vector<int32_t>& seq, std::vector<int32_t>& pos, T* k_pages,
-                       T* v_pages) {
+                       T* v_pages, float* k_scales, float* v_scales) {
   const int64_t row = p.Hkv * p.D;
   seq.assign(p.T, static_cast<int32_t>(S));
   pos.assign(p.T, -1);
@@ -433,10 +557,11 @@ void lay_out_and_write(const int32_t* cu, const int32_t* kv_lens, const float* k
     if (pos[t] < 0 || pos[t] >= p.W * p.ps) continue;
     const int64_t page = p.tables[s * p.W + pos[t] / p.ps];
     if (page < 0 || page >= p.P) continue;
-    const int64_t at = (page * p.ps + pos[t] % p.ps) * row;
-    for (int64_t j = 0; j < row; ++j) {
-      store(k[t * row + j], k_pages[at + j]);
-      store(v[t * row + j], v_pages[at + j]);
+    const int64_t slot = page * p.ps + pos[t] % p.ps;
+    for (int64_t h = 0; h < p.Hkv; ++h) {
+      const int64_t at = slot * row + h * p.D, scale = slot * p.Hkv + h;
+      store_row(k + t * row + h * p.D, p.D, k_pages + at, kScaled<T> ? k_scales + scale : nullptr);
+      store_row(v + t * row + h * p.D, p.D, v_pages + at, kScaled<T> ? v_scales + scale : nullptr);
     }
   }
 }
@@ -445,7 +570,7 @@ void lay_out_and_write(const int32_t* cu, const int32_t* kv_lens, const float* k
 // results, aliased to the operands), then every token's attention over them.
 template <typename T>
 void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k,
-         const ffi::Buffer<ffi::F32>& v, T* kp, T* vp, const ffi::Buffer<ffi::S32>& block_tables,
+         const ffi::Buffer<ffi::F32>& v, T* kp, T* vp, float* ks, float* vs, const ffi::Buffer<ffi::S32>& block_tables,
          const ffi::Buffer<ffi::S32>& cu_q_lens, const ffi::Buffer<ffi::S32>& kv_lens, const float* sinks, float* out,
          float* lse, int64_t P, int64_t ps, int64_t Hkv, float sm_scale, int64_t sliding_window, float soft_cap) {
   const auto qd = q.dimensions(), bd = block_tables.dimensions();
@@ -453,9 +578,9 @@ void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const ffi::Buffer
   auto shared = std::make_shared<Shared<T>>();
   Problem<T>& p = shared->p;
   p = Problem<T>{q.typed_data(), kp, vp, sinks, block_tables.typed_data(), nullptr, nullptr, out, lse, T_, Hq, Hkv, D,
-                 P, ps, S, bd[1], sliding_window, sm_scale, soft_cap};
+                 P, ps, S, bd[1], sliding_window, sm_scale, soft_cap, ks, vs};
   lay_out_and_write(cu_q_lens.typed_data(), kv_lens.typed_data(), k.typed_data(), v.typed_data(), S, p, shared->seq,
-                    shared->pos, kp, vp);
+                    shared->pos, kp, vp, ks, vs);
   p.seq = shared->seq.data();
   p.pos = shared->pos.data();
   // Each live token's positions, in runs of kSplit.
@@ -503,13 +628,16 @@ T* aliased(const ffi::AnyBuffer& operand, ffi::Result<ffi::AnyBuffer>& result) {
   return data;
 }
 
-// The checks of one call and its run over float32 or bfloat16 pages.
+// The checks of one call and its run over float32 or bfloat16 pages, or int8 / E4M3 codes with
+// their row scales (float32 [P, ps, Hkv]; a placeholder of one element beside float pages).
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                           ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
                            ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                            ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
                            ffi::ResultBuffer<ffi::F32> lse, ffi::Result<ffi::AnyBuffer> k_out,
-                           ffi::Result<ffi::AnyBuffer> v_out, float sm_scale, int64_t sliding_window, float soft_cap,
+                           ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::AnyBuffer> ks_out,
+                           ffi::Result<ffi::AnyBuffer> vs_out, float sm_scale, int64_t sliding_window, float soft_cap,
                            int64_t has_sinks) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2)
@@ -518,21 +646,38 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const auto vd = v_pages.dimensions();
   if (kd[3] != D || Hkv <= 0 || Hq % Hkv || vd.size() != 4 || !std::equal(vd.begin(), vd.end(), kd.begin()))
     return ffi::Error::InvalidArgument("decode_attention_cpu: page shapes do not match q's heads");
-  const ffi::DataType type = k_pages.element_type();
-  if ((type != ffi::DataType::F32 && type != ffi::DataType::BF16) || v_pages.element_type() != type)
-    return ffi::Error::InvalidArgument("decode_attention_cpu: the pages must both be float32 or bfloat16");
+  using Type = ffi::DataType;
+  const Type type = k_pages.element_type();
+  if ((type != Type::F32 && type != Type::BF16 && type != Type::S8 && type != Type::F8E4M3FN) ||
+      v_pages.element_type() != type)
+    return ffi::Error::InvalidArgument("decode_attention_cpu: the pages must both be float32, bfloat16, int8 or "
+                                       "float8_e4m3fn");
+  const bool scaled = type == Type::S8 || type == Type::F8E4M3FN;
+  const int64_t scales = scaled ? kd[0] * kd[1] * Hkv : 1;
+  if (k_scales.element_type() != Type::F32 || v_scales.element_type() != Type::F32 ||
+      k_scales.element_count() != scales || v_scales.element_count() != scales)
+    return ffi::Error::InvalidArgument("decode_attention_cpu: int8 / fp8 pages need scales [num_pages, page_size, "
+                                       "num_kv_heads] (float pages a placeholder of one)");
   if (k.element_count() != T * Hkv * D || v.element_count() != T * Hkv * D)
     return ffi::Error::InvalidArgument("decode_attention_cpu: the new K/V rows do not match q and the pages");
   if (bd[0] != S || cu_q_lens.element_count() != S + 1 || (has_sinks && sinks.element_count() != Hq))
     return ffi::Error::InvalidArgument("decode_attention_cpu: block_tables / cu_q_lens / kv_lens / sinks lengths "
                                        "do not match");
   const float* sink = has_sinks ? sinks.typed_data() : nullptr;
-  if (type == ffi::DataType::F32)
-    run(pool, q, k, v, aliased<float>(k_pages, k_out), aliased<float>(v_pages, v_out), block_tables, cu_q_lens,
-        kv_lens, sink, out->typed_data(), lse->typed_data(), kd[0], kd[1], Hkv, sm_scale, sliding_window, soft_cap);
+  float *ks = aliased<float>(k_scales, ks_out), *vs = aliased<float>(v_scales, vs_out);
+  if (!scaled) ks = vs = nullptr;
+  const auto go = [&](auto* kp, auto* vp) {
+    run(pool, q, k, v, kp, vp, ks, vs, block_tables, cu_q_lens, kv_lens, sink, out->typed_data(), lse->typed_data(),
+        kd[0], kd[1], Hkv, sm_scale, sliding_window, soft_cap);
+  };
+  if (type == Type::F32)
+    go(aliased<float>(k_pages, k_out), aliased<float>(v_pages, v_out));
+  else if (type == Type::BF16)
+    go(aliased<Bf16>(k_pages, k_out), aliased<Bf16>(v_pages, v_out));
+  else if (type == Type::S8)
+    go(aliased<int8_t>(k_pages, k_out), aliased<int8_t>(v_pages, v_out));
   else
-    run(pool, q, k, v, aliased<Bf16>(k_pages, k_out), aliased<Bf16>(v_pages, v_out), block_tables, cu_q_lens,
-        kv_lens, sink, out->typed_data(), lse->typed_data(), kd[0], kd[1], Hkv, sm_scale, sliding_window, soft_cap);
+    go(aliased<Fp8>(k_pages, k_out), aliased<Fp8>(v_pages, v_out));
   return ffi::Error::Success();
 }
 
@@ -551,8 +696,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hq, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k [T, Hkv, D], the new rows
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v [T, Hkv, D]
-                                  .Arg<ffi::AnyBuffer>()         // k_pages [P, ps, Hkv, D] f32 / bf16
+                                  .Arg<ffi::AnyBuffer>()         // k_pages [P, ps, Hkv, D] f32 / bf16 / s8 / f8
                                   .Arg<ffi::AnyBuffer>()         // v_pages [P, ps, Hkv, D]
+                                  .Arg<ffi::AnyBuffer>()         // k_scales [P, ps, Hkv] f32 (int8 / fp8; else [1])
+                                  .Arg<ffi::AnyBuffer>()         // v_scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, W]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
@@ -561,6 +708,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldDecodeAttention, DecodeAttention,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse [T, Hq]
                                   .Ret<ffi::AnyBuffer>()         // k_pages, aliased to the operand
                                   .Ret<ffi::AnyBuffer>()         // v_pages, aliased to the operand
+                                  .Ret<ffi::AnyBuffer>()         // k_scales, aliased to the operand
+                                  .Ret<ffi::AnyBuffer>()         // v_scales, aliased to the operand
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")

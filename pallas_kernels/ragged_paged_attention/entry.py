@@ -73,7 +73,8 @@ def ragged_paged_attention(
         tree), the Triton ragged kernel (kernel_gpu.py) for other steps over float, int8
         or fp8 pages with power-of-two page_size and head_dim >= 16, and the XLA path
         otherwise; on CPU the C++ kernel (cpu.py) for decode-only steps of float32 q
-        over float32 or bfloat16 pages, the XLA path (xla.py) for the rest.
+        over float32 or bfloat16 pages or int8 / fp8 ones (kv_format), the XLA path
+        (xla.py) for the rest.
 
     Returns:
       out [total_q_tokens, num_q_heads, head_dim] in q.dtype, lse f32 [total_q_tokens,

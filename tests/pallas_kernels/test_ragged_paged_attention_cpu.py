@@ -1,7 +1,7 @@
 """The CPU kernel of decode attention (pallas_kernels/ragged_paged_attention/cpu_kernel.cc,
 through the XLA FFI) against ref.write_new_kv's pages and a float64 oracle over them, and
-the entry's choice of it: decode-only steps of float32 q over float32 or bfloat16 pages,
-nothing else."""
+the entry's choice of it: decode-only steps of float32 q over float32 or bfloat16 pages or
+int8 / fp8 row-scaled ones, nothing else."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import ragged_paged_attention
+from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.ref import token_layout, write_new_kv
 from tests.pallas_kernels.helpers import assert_close, dense_attention_f64
@@ -66,19 +67,30 @@ def _oracle(q, k_pages, v_pages, table, seq, pos, sm_scale, window=None, cap=Non
     return np.stack(outs), np.stack(lses)
 
 
+def _bytes(x):
+    return np.asarray(x).view(np.uint8)
+
+
 def _check_kernel(args, sinks, sm_scale, window=None, cap=None, page_dtype=jnp.float32):
     """The kernel against the reference's page writes (equal pages: bfloat16 pages round the
-    new rows as XLA's convert does) and the oracle's attention over them."""
+    new rows as XLA's convert does; page_dtype "int8" / "fp8": the pages quantized by
+    quant.quantize_rows, codes and scales byte for byte) and the oracle's attention over them."""
     q, k, v, k_pages, v_pages, table, cu, kv_lens = args
-    k_pages, v_pages = k_pages.astype(page_dtype), v_pages.astype(page_dtype)
+    fmt = kv_formats.resolve(page_dtype) if isinstance(page_dtype, str) else None
+    if fmt is None:
+        k_pages, v_pages = k_pages.astype(page_dtype), v_pages.astype(page_dtype)
+    else:
+        k_pages, v_pages = fmt.quantize(k_pages), fmt.quantize(v_pages)
     args = (q, k, v, k_pages, v_pages, table, cu, kv_lens)
     seq, pos = token_layout(cu, kv_lens, q.shape[0])
-    want_k, want_v = write_new_kv(k_pages, v_pages, k, v, table, seq, pos)
+    want_k, want_v = write_new_kv(k_pages, v_pages, k, v, table, seq, pos, fmt)
     out, lse, got_k, got_v = cpu.decode_attention_cpu(*args, sinks, sm_scale=sm_scale, sliding_window=window,
-                                                      soft_cap=cap)
-    assert got_k.dtype == page_dtype and got_v.dtype == page_dtype
-    np.testing.assert_array_equal(np.asarray(got_k.astype(jnp.float32)), np.asarray(want_k.astype(jnp.float32)))
-    np.testing.assert_array_equal(np.asarray(got_v.astype(jnp.float32)), np.asarray(want_v.astype(jnp.float32)))
+                                                      soft_cap=cap, kv_format=page_dtype if fmt else None)
+    for got, want in zip(jax.tree.leaves((got_k, got_v)), jax.tree.leaves((want_k, want_v))):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(_bytes(got), _bytes(want))
+    if fmt is not None:
+        want_k, want_v = fmt.dequantize(want_k), fmt.dequantize(want_v)
     want_out, want_lse = _oracle(q, want_k.astype(jnp.float32), want_v.astype(jnp.float32), table, seq, pos,
                                  sm_scale, window, cap, sinks)
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
@@ -91,18 +103,23 @@ def test_the_kernel_builds_here():
     assert cpu.available()
 
 
-@pytest.mark.parametrize("page_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+PAGES = [jnp.float32, jnp.bfloat16, "int8", "fp8"]
+PAGE_IDS = ["f32", "bf16", "int8", "fp8"]
+
+
+@pytest.mark.parametrize("page_dtype", PAGES, ids=PAGE_IDS)
 @pytest.mark.parametrize("window,cap,with_sinks", [(None, None, False), (5, None, True), (None, 2.0, False)])
 @pytest.mark.parametrize("heads,head_dim", [((6, 2), 64), ((3, 3), 40)], ids=["gqa-64", "mha-40"])
 def test_kernel_matches_the_float64_oracle(window, cap, with_sinks, heads, head_dim, page_dtype):
     """Contexts of one position, a partial page, whole pages and several pages; GQA groups
     of 3 and plain multi-head; a head_dim that is not a multiple of the kernel's 16 lanes;
-    sliding window, soft cap, sinks; a padding token; float32 and bfloat16 pages."""
+    sliding window, soft cap, sinks; a padding token; float32 and bfloat16 pages, and int8
+    and fp8 codes with a scale per position and head."""
     args, sinks = _decode_batch(1, [1, 6, 8, 13], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim)
     _check_kernel(args, sinks if with_sinks else None, head_dim ** -0.5, window, cap, page_dtype)
 
 
-@pytest.mark.parametrize("page_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("page_dtype", PAGES, ids=PAGE_IDS)
 def test_tokens_of_one_row_each_see_their_own_causal_prefix(page_dtype):
     """Rows of several query tokens (the kernel lays tokens out as ref.token_layout does):
     all of a step's rows are written before any token attends, and token i of a row of q
@@ -179,8 +196,27 @@ def test_a_long_row_split_into_runs_merges_its_parts(window, cap, with_sinks, he
     per KV head weigh the values in chunks of two heads, then one."""
     args, sinks = _decode_batch(6, [600], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
                                 padding=0)
-    _check_kernel(args, sinks if with_sinks else None, head_dim ** -0.5, window, cap)
-    _check_kernel(args, sinks if with_sinks else None, head_dim ** -0.5, window, cap, jnp.bfloat16)
+    for pages in PAGES:
+        _check_kernel(args, sinks if with_sinks else None, head_dim ** -0.5, window, cap, pages)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_row_scaled_writes_round_every_code_as_quantize_rows_does(name):
+    """New rows spanning 2^-30 .. 2^10 inside one row (fp8 subnormals, int8 codes of 0),
+    exact int8 ties, an all-zero row (scale 0) and a row that saturates E4M3's 448 land in
+    the codes and scales quant.quantize_rows gives, byte for byte."""
+    args, _ = _decode_batch(11, [3, 7], num_q_heads=4, num_kv_heads=2, head_dim=64, padding=0)
+    q, k, v, k_pages, v_pages, table, cu, kv_lens = args
+    rng = np.random.default_rng(12)
+    wide = rng.standard_normal(k.shape) * 2.0 ** rng.uniform(-30, 10, k.shape)
+    wide[0, 0] = 0.0  # an all-zero row
+    wide[0, 1] = rng.uniform(-100, 100, 64).round() + 0.5  # with 127: int8's scale is 1, all ties
+    wide[0, 1, :8] = [127.0, 0.5, 1.5, 2.5, -0.5, -3.5, 100.5, -126.5]
+    wide[1, 0] = 448.0 * 2.0 ** rng.uniform(-16, 0, 64)  # fp8's scale is 1: codes down to subnormals
+    wide[1, 0, :4] = [448.0, 447.0, 2.0 ** -9 * 1.5, 2.0 ** -9 * 2.5]
+    k = jnp.asarray(wide, jnp.float32)
+    v = jnp.asarray(wide[:, ::-1], jnp.float32)
+    _check_kernel((q, k, v, k_pages, v_pages, table, cu, kv_lens), None, 0.125, page_dtype=name)
 
 
 def _lowered(args, **kw):
@@ -188,19 +224,24 @@ def _lowered(args, **kw):
 
 
 def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
-    """A decode-only step (max_q_len 1) of float32 q over float32 or bfloat16 pages lowers to
-    the kernel and gives the dense reference's outputs, lse and pages; chunks, bfloat16 q,
-    low-bit pages and other variants stay on the XLA path."""
+    """A decode-only step (max_q_len 1) of float32 q over float32 or bfloat16 pages, or int8
+    / fp8 row-scaled ones, lowers to the kernel and gives the dense reference's outputs, lse
+    and pages; chunks, bfloat16 q, FP4 and TurboQuant pages and other variants stay on the
+    XLA path."""
     args, sinks = _decode_batch(3, [5, 11, 2], width=40)
     kw = dict(sliding_window=6, sinks=sinks)
     half_pages = args[:3] + (args[3].astype(jnp.bfloat16), args[4].astype(jnp.bfloat16)) + args[5:]
-    for pages in (args, half_pages):
-        assert cpu.TARGET in _lowered(pages, max_q_len=1, **kw)
-        want = ragged_paged_attention(*pages, **kw)  # the dense reference (no max_q_len)
-        got = ragged_paged_attention(*pages, max_q_len=1, **kw)
-        for g, w in zip(got, want):
+    row_scaled = {name: args[:3] + (kv_formats.resolve(name).quantize(args[3]),
+                                    kv_formats.resolve(name).quantize(args[4])) + args[5:] for name in ("int8", "fp8")}
+    for pages, fmt in [(args, None), (half_pages, None), *((p, name) for name, p in row_scaled.items())]:
+        assert cpu.TARGET in _lowered(pages, max_q_len=1, kv_format=fmt, **kw)
+        want = ragged_paged_attention(*pages, kv_format=fmt, **kw)  # the dense reference (no max_q_len)
+        got = ragged_paged_attention(*pages, max_q_len=1, kv_format=fmt, **kw)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert g.dtype == w.dtype
             assert_close(g.astype(jnp.float32), w.astype(jnp.float32))
+    nvfp4 = args[:3] + tuple(kv_formats.resolve("nvfp4").quantize(p) for p in args[3:5]) + args[5:]
+    assert cpu.TARGET not in _lowered(nvfp4, max_q_len=1, kv_format="nvfp4")
     assert cpu.TARGET not in _lowered(args, max_q_len=2, max_chunks=1)
     bf16 = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args)
     assert cpu.TARGET not in _lowered(bf16, max_q_len=1)

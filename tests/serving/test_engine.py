@@ -273,7 +273,7 @@ def test_llm_argument_validation(make_llm, kw, match):
 
 
 # fp8 / nvfp4 / turboquant: tests/model/test_kv_formats.py; bfloat16 pages under float32 activations
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "bfloat16"])
 def test_quantized_kv_cache_engine_matches_a_plain_greedy_loop(make_llm, tiny_model, kv_cache_dtype):
     """The engine's paged, batched, chunked path reads the same stored codes as a
     one-sequence greedy loop over model.forward with the same kv_cache_dtype."""
