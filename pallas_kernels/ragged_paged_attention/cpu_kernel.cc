@@ -394,29 +394,30 @@ template <typename T>
 void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
   const int64_t G = p.Hq / p.Hkv, D = p.D, n = it.hi - it.lo + 1, stride = p.Hkv * D;
   const int32_t* table = p.tables + p.seq[it.t] * p.W;
+  const int64_t ns = (n + 15) / 16 * 16;  // a head's stride in the scores: whole vectors, padded with -inf
   s.rows.resize(n);
+  if constexpr (kScaled<T>) {  // position i's scales in KV head h: [h * ns + i] (0 past n), in kUnit
+    s.kscale.assign(p.Hkv * ns, 0.0f);
+    s.vscale.assign(p.Hkv * ns, 0.0f);
+  }
   for (int64_t position = it.lo, i = 0; position <= it.hi;) {  // a page at a time
     const int64_t page = std::clamp<int64_t>(table[position / p.ps], 0, p.P - 1), slot = position % p.ps;
-    const int64_t slots = std::min(p.ps - slot, it.hi - position + 1), first = (page * p.ps + slot) * stride;
-    for (int64_t j = 0; j < slots; ++j) s.rows[i++] = first + j * stride;
+    const int64_t slots = std::min(p.ps - slot, it.hi - position + 1), first = page * p.ps + slot;
+    for (int64_t j = 0; j < slots; ++j, ++i) {
+      s.rows[i] = (first + j) * stride;
+      if constexpr (kScaled<T>)
+        for (int64_t h = 0; h < p.Hkv; ++h) {
+          s.kscale[h * ns + i] = p.ks[(first + j) * p.Hkv + h] * kUnit<T>;
+          s.vscale[h * ns + i] = p.vs[(first + j) * p.Hkv + h] * kUnit<T>;
+        }
+    }
     position += slots;
   }
   const float* q = p.q + it.t * p.Hq * D;
-  const int64_t ns = (n + 15) / 16 * 16;  // a head's stride in the scores: whole vectors, padded with -inf
   s.scores.resize(p.Hq * ns);
   float* scores = s.scores.data();
-  const float *kscale = nullptr, *vscale = nullptr;
-  if constexpr (kScaled<T>) {  // position i's scales in KV head h: [h * ns + i] (0 past n)
-    s.kscale.assign(p.Hkv * ns, 0.0f);
-    s.vscale.assign(p.Hkv * ns, 0.0f);
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t h = 0, at = s.rows[i] / D; h < p.Hkv; ++h) {
-        s.kscale[h * ns + i] = p.ks[at + h] * kUnit<T>;
-        s.vscale[h * ns + i] = p.vs[at + h] * kUnit<T>;
-      }
-    kscale = s.kscale.data();
-    vscale = s.vscale.data();
-  }
+  const float* kscale = kScaled<T> ? s.kscale.data() : nullptr;
+  const float* vscale = kScaled<T> ? s.vscale.data() : nullptr;
 #if defined(__AVX512F__)
   if (D % 16 == 0) {
     scores16(p, q, s.rows.data(), n, ns, kscale, scores);
