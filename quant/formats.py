@@ -153,9 +153,10 @@ def e2m1_decode_arith(codes: jax.Array) -> jax.Array:
 def e4m3_decode_arith(codes: jax.Array) -> jax.Array:
     """float8_e4m3fn [...] (or its uint8 bit patterns) -> float32 [...], from the bits.
 
-    Same values as e4m3_decode (-0.0 and the NaN codes 0x7F / 0xFF included). XLA:CPU
-    converts float8 with a slow software routine; this is integer ops and a bitcast:
-    exponent e = bits 6..3 (bias 7), mantissa m = bits 2..0. A normal value's f32 pattern
+    Same values as a float8_e4m3fn -> float32 convert (ml_dtypes'; -0.0 and the NaN codes
+    0x7F / 0xFF included). XLA:CPU converts float8 with a slow software routine, and XLA:GPU
+    folds a convert pair (see e4m3_decode); this is integer ops and a bitcast: exponent e =
+    bits 6..3 (bias 7), mantissa m = bits 2..0. A normal value's f32 pattern
     is its low 7 bits shifted to f32's exponent/mantissa fields, exponent rebiased by
     127 - 7; a subnormal (e = 0) is m * 2^-9, built as 2^-6 (1 + m / 8) - 2^-6. Not jitted
     and free of array constants, like e2m1_decode_arith.

@@ -20,9 +20,15 @@ from jax.extend import core as jcore
 # derivative rule's primal): a convert chain can run through their boundary.
 _INLINED = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
             "custom_vjp_call_jaxpr", "remat", "checkpoint")
-# Ops that only move elements: XLA's ReshapeMover may sink them below a convert, which then
-# meets the convert before them, so a chain runs through them too.
-_LAYOUT = ("reshape", "squeeze", "expand_dims", "transpose", "broadcast_in_dim", "copy", "copy_p")
+# Ops that only move elements: XLA may move a convert across them (ReshapeMover sinks
+# reshapes and transposes below elementwise ops, the simplifier hoists a convert above a
+# slice), so a chain runs through them too.
+_LAYOUT = ("reshape", "squeeze", "expand_dims", "transpose", "broadcast_in_dim", "copy", "copy_p", "slice",
+           "dynamic_slice", "concatenate", "rev", "pad")
+# Control flow XLA may inline (a conditional whose branch is known at compile time, as
+# lax.platform_dependent's are once lowered for one platform; a scan of one step): checked as
+# if its operands flowed into every branch and its results came from any of them.
+_MAYBE_INLINED = ("cond", "scan")
 
 
 def _float(dtype) -> bool:
@@ -64,18 +70,22 @@ def rounding_round_trips(fn, *args) -> list[str]:
                 if _float(src) and _float(dst) and _lossy(src, dst):
                     rounded[eqn.outvars[0]] = (np.dtype(src).name, np.dtype(dst).name)
                 continue
-            if eqn.primitive.name in _LAYOUT and ins[0] is not None:
-                rounded[eqn.outvars[0]] = ins[0]
+            if eqn.primitive.name in _LAYOUT:
+                if any(r is not None for r in ins):
+                    rounded[eqn.outvars[0]] = next(r for r in ins if r is not None)
                 continue
             subs = list(_sub_jaxprs(eqn))
-            if eqn.primitive.name in _INLINED and subs:
-                outs = walk(subs[0], ins)
-                for v, r in zip(eqn.outvars, outs):
+            if eqn.primitive.name in _INLINED + _MAYBE_INLINED and subs:
+                branches = subs if eqn.primitive.name == "cond" else subs[:1]
+                operands = ins[1:] if eqn.primitive.name == "cond" else ins  # a cond's first is the index
+                outs = [walk(sub, operands) for sub in branches]
+                for i, v in enumerate(eqn.outvars):
+                    r = next((out[i] for out in outs if out[i] is not None), None)
                     if r is not None:
                         rounded[v] = r
-                for sub in subs[1:]:
+                for sub in subs[len(branches):]:
                     walk(sub, [None] * len(sub.invars))
-            else:  # a real boundary (loops, conditionals, kernels): nothing flows through
+            else:  # a real boundary (while loops, kernels): nothing flows through
                 for sub in subs:
                     walk(sub, [None] * len(sub.invars))
         return [rounded.get(v) if isinstance(v, jcore.Var) else None for v in jaxpr.outvars]

@@ -161,14 +161,18 @@ def test_e4m3_arithmetic_decode_equals_the_convert_on_every_code():
 
 def test_round_trip_finder_sees_a_rounding_cast_pair_through_reshapes_and_nested_jits():
     """The finder behind the next test: a planted f32 -> bf16 -> f32 pair is found directly,
-    through a reshape and across a nested jit; a lossless pair (bf16 -> f32 -> bf16) and a
-    bitcast in between are not round trips."""
+    through a reshape or a slice, across a nested jit and into a conditional's branch; a
+    lossless pair (bf16 -> f32 -> bf16) and a bitcast in between are not round trips."""
     x = jnp.ones((4, 8), jnp.float32)
     to_bf16 = jax.jit(lambda x: x.astype(jnp.bfloat16))
     assert rounding_round_trips(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), x) == [
         "float32 -> bfloat16 -> float32"]
     assert len(rounding_round_trips(lambda x: to_bf16(x).reshape(32).astype(jnp.float32), x)) == 1
     assert len(rounding_round_trips(lambda x: formats.e4m3_encode(x).T.astype(jnp.float32), x)) == 1
+    assert len(rounding_round_trips(lambda x: to_bf16(x)[1:3].astype(jnp.float32), x)) == 1
+    branch = lambda i, x: jax.lax.switch(i, [lambda y: y.astype(jnp.float32), lambda y: y.astype(jnp.float32) * 2],
+                                         to_bf16(x))
+    assert len(rounding_round_trips(branch, 0, x)) == 2  # one per branch
     assert rounding_round_trips(lambda x: x.astype(jnp.float32).astype(jnp.bfloat16), x.astype(jnp.bfloat16)) == []
     assert rounding_round_trips(lambda x: formats.e4m3_decode_arith(formats.e4m3_encode(x)), x) == []
 

@@ -40,7 +40,9 @@ def test_fp8_codes_equal_ml_dtypes_rounding():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((8, 32)).astype(np.float32)
     q = quantize_rows(jnp.asarray(x), "fp8")
-    y = x / (np.abs(x).max(-1, keepdims=True) / np.float32(448.0))
+    # the quantizer's own float32 operations: the scale absmax * (1 / 448), x times its reciprocal
+    scale = np.abs(x).max(-1, keepdims=True) * (np.float32(1) / np.float32(448.0))
+    y = x * (np.float32(1) / scale)
     np.testing.assert_array_equal(
         np.asarray(q.codes).view(np.uint8), y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     )

@@ -63,13 +63,14 @@ def test_mixed_prefill_and_decode_step_calls_the_kernels_in_every_layer(tiny, kv
     assert kernel_calls(export_cuda(fn, *specs), TRITON_CALL) == LAYERS
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8", "nvfp4", "mxfp4"])
-def test_step_keeps_every_kv_rounding_when_xla_gpu_folds_convert_pairs(tiny, kv_cache_dtype):
-    """A step that writes a prefill chunk and a decode row into a low-bit pool holds no float
-    convert pair that XLA:GPU would fold away (tests/round_trips.py): on an H200 the NVFP4
-    writes picked their codes against unrounded block scales until E4M3 was decoded from its
-    bits."""
-    fn, specs = _step_specs(*tiny, kv_cache_dtype, lens=(9, 1))
+@pytest.mark.parametrize("lens", [(9, 1), (1, 1)], ids=["mixed", "decode"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8", "fp8", "nvfp4", "mxfp4", "turboquant-3.5"])
+def test_step_keeps_every_kv_rounding_when_xla_gpu_folds_convert_pairs(tiny, kv_cache_dtype, lens):
+    """A step that writes a prefill chunk and a decode row (or decode rows alone) into a pool of
+    each kv_cache_dtype holds no float convert pair that XLA:GPU would fold away
+    (tests/round_trips.py): on an H200 the NVFP4 writes picked their codes against unrounded
+    block scales until E4M3 was decoded from its bits."""
+    fn, specs = _step_specs(*tiny, kv_cache_dtype, lens=lens)
     assert rounding_round_trips(fn, *specs) == []
 
 
