@@ -112,7 +112,10 @@ def _nvfp4_quantize(x: jax.Array, ts: jax.Array | None) -> NVFP4:
         ts = jnp.max(jnp.abs(blocks)) / (E4M3_MAX * E2M1_MAX)
         ts = jnp.where(ts > 0, ts, 1.0)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
-    scales = e4m3_encode(amax / (E2M1_MAX * ts))
+    # A multiplication by the reciprocal, whether ts is traced or a constant XLA folds (it
+    # turns a division by a constant into one), so that eager, jitted and the CPU attention
+    # kernel's KV write (pallas_kernels/ragged_paged_attention/cpu_kernel.cc) agree.
+    scales = e4m3_encode(amax * (1.0 / (E2M1_MAX * ts)))
     codes = e2m1_encode_scaled(blocks, (e4m3_decode(scales) * ts)[..., None])
     return NVFP4(pack_nibbles(_unblock(codes)), scales, ts)
 

@@ -1,8 +1,8 @@
 """The CPU path of decode attention: a C++ kernel (cpu_kernel.cc) called through the XLA FFI,
 one call per layer for steps whose query tokens are decode rows over float32 or bfloat16
-pages or int8 / fp8 pages with a scale per position and head (kv_format "int8" / "fp8"),
-which writes the step's new K/V into the pages (aliased, so in place when the pages
-are donated) and attends.
+pages, int8 / fp8 pages with a scale per position and head (kv_format "int8" / "fp8") or
+NVFP4 pages (kv_format "nvfp4"), which writes the step's new K/V into the pages (aliased,
+so in place when the pages are donated) and attends.
 
 xla.py's block walk is a while loop of small XLA thunks, which on XLA:CPU costs about 70 us
 a layer at one decode row whatever the context; this kernel reads each live position's K
@@ -10,8 +10,8 @@ and V rows once (every KV head's, side by side in the page), for all the query h
 splits long contexts into runs merged at the end. It computes the same
 function as the XLA path (results equal to float32 rounding), for softmax attention with or
 without soft-capping, sliding windows and sinks: the entry's CPU branch for those steps;
-others (chunks, draft trees, FP4 and TurboQuant pages, other variants) and gradients stay on
-xla.py.
+others (chunks, draft trees, MXFP4 and TurboQuant pages, other variants) and gradients stay
+on xla.py.
 Built like the quantized matmul's kernel (pallas_kernels/cpu_ffi.py); `available()` says
 whether that worked.
 """
@@ -29,6 +29,7 @@ import numpy as np
 from pallas_kernels import cpu_ffi
 from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.variant import SOFTMAX, soft_cap_of
+from quant.blockscaled import NVFP4
 from quant.kv_rows import RowQuantized
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
@@ -61,18 +62,22 @@ def _join_crew() -> None:
         use(ctypes.cast(matmul_cpu.KERNEL.library.KvfoldCrewRun, ctypes.c_void_p))
 
 
-def _row_scaled(kv_format) -> bool:
-    """Whether kv_format (resolved) is one the kernel reads: int8 / fp8 codes with a float32
-    scale per position and KV head (quant.kv_rows)."""
-    return isinstance(kv_format, kv_formats.Rows)
+def _reads(kv_format, pages) -> bool:
+    """Whether the kernel reads these low-bit pages (kv_format resolved): int8 / fp8 codes with
+    a float32 scale per position and KV head (quant.kv_rows), or NVFP4 without a tensor
+    scale, as the KV pools keep it."""
+    if isinstance(kv_format, kv_formats.Rows):
+        return True
+    return (isinstance(kv_format, kv_formats.BlockFP4) and kv_format.label == "nvfp4"
+            and isinstance(pages, NVFP4) and pages.tensor_scale is None)
 
 
 def supports(q, k_pages, variant, tree, kv_format, max_q_len) -> bool:
     """Whether the kernel takes a ragged_paged_attention step: decode rows only (max_q_len
-    1), float32 q over float32 or bfloat16 pages or int8 / fp8 row-scaled ones, no draft
-    tree, softmax with at most a soft cap, and a built kernel (a GPU or TPU host never
-    builds it)."""
-    pages_ok = (_row_scaled(kv_format) if kv_format is not None
+    1), float32 q over float32 or bfloat16 pages, int8 / fp8 row-scaled ones or NVFP4 ones
+    without a tensor scale, no draft tree, softmax with at most a soft cap, and a built
+    kernel (a GPU or TPU host never builds it)."""
+    pages_ok = (_reads(kv_format, k_pages) if kv_format is not None
                 else k_pages.dtype in (jnp.float32, jnp.bfloat16))
     return (max_q_len == 1 and pages_ok and tree is None and q.dtype == jnp.float32
             and (variant == SOFTMAX or soft_cap_of(variant) is not None)
@@ -91,29 +96,33 @@ def ragged_decode_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_len
 
 def decode_attention_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sinks=None, *,
                          sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                         kv_format=None):
+                         kv_format=None, target: str = TARGET):
     """(out [T, Hq, D] f32, lse [T, Hq] f32, k_pages, v_pages): the step's new rows k, v [T,
     Hkv, D] stored in the float32 or bfloat16 pages [num_pages, page_size, Hkv, D] (in place
     where XLA can alias them: donate the pages), as ref.write_new_kv stores them (rounded to
     the nearest bfloat16, ties to even, in bfloat16 pages; with kv_format "int8" or "fp8",
-    quant.RowQuantized pages, quantized as quant.quantize_rows does, bit for bit), then
-    token t (of the sequence and at the position ref.token_layout gives it) attends over
-    positions [0, its own] of its sequence (the last sliding_window of them on a sliding
-    layer), reading the codes and scaling each position's scores and weights by its K and
-    V scales. Tokens past cu_q_lens[-1] are padding (out 0, lse -inf, nothing written).
-    sinks: [Hq] logits that join each softmax's denominator. RuntimeError when the kernel
-    is not available."""
+    quant.RowQuantized pages, quantized as quant.quantize_rows does, bit for bit; with
+    "nvfp4", quant.NVFP4 pages without a tensor scale, as quant.nvfp4_quantize(x, 1.0) does),
+    then token t (of the sequence and at the position ref.token_layout gives it) attends
+    over positions [0, its own] of its sequence (the last sliding_window of them on a
+    sliding layer), reading the codes: a row-scaled position's K scale multiplies its
+    scores and its V scale its weights, an NVFP4 block's scale its decoded values. Tokens
+    past cu_q_lens[-1] are padding (out 0, lse -inf, nothing written).
+    sinks: [Hq] logits that join each softmax's denominator. target: the FFI name of the
+    build to call (a test registers a portable one under another). RuntimeError when the
+    kernel is not available."""
     if not available():
         raise RuntimeError(f"{KERNEL.what} is not available (no compiler, a failed build, "
                            "or KVFOLD_DECODE_ATTENTION_CPU=0)")
     fmt = None if kv_format is None else kv_formats.resolve(kv_format)
-    if fmt is not None and not _row_scaled(fmt):
-        raise ValueError(f"decode_attention_cpu reads float pages or kv_format 'int8' / 'fp8', not {fmt.label!r}")
+    if fmt is not None and not (_reads(fmt, k_pages) and _reads(fmt, v_pages)):
+        raise ValueError("decode_attention_cpu reads float pages, kv_format 'int8' / 'fp8' or 'nvfp4' pages "
+                         f"without a tensor scale, not {fmt.label!r} pages {type(k_pages).__name__}")
     none = jnp.zeros((1,), jnp.float32)  # the scales' placeholder beside float pages
-    (kc, ks), (vc, vs) = ((p.codes, p.scales) if fmt is not None else (p, none) for p in (k_pages, v_pages))
+    (kc, ks), (vc, vs) = (fmt.leaves(p)[:2] if fmt is not None else (p, none) for p in (k_pages, v_pages))
     num_tokens, num_q_heads, _ = q.shape
     like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+    call = jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                                      jax.ShapeDtypeStruct((num_tokens, num_q_heads), jnp.float32),
                                      like(kc), like(vc), like(ks), like(vs)),
                             input_output_aliases={3: 2, 4: 3, 5: 4, 6: 5}, vmap_method="sequential")
@@ -126,4 +135,6 @@ def decode_attention_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_
                                     soft_cap=np.float32(soft_cap or 0.0), has_sinks=np.int64(has_sinks))
     if fmt is None:
         return out, lse, kc, vc
+    if isinstance(k_pages, NVFP4):
+        return out, lse, NVFP4(kc, ks, None), NVFP4(vc, vs, None)
     return out, lse, RowQuantized(kc, ks), RowQuantized(vc, vs)

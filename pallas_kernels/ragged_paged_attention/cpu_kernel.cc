@@ -85,27 +85,51 @@ inline float from_bits(uint32_t bits) {
   return f;
 }
 
-// The value a page code stands for per unit of its row scale: 1, but 2^-8 for E4M3 codes where
-// AVX-512 reads them through float16 (load16(const Fp8*)); the row scales are multiplied by
-// kUnit as they are read, and every path (to_float as well) gives the codes in that unit.
+// What a row scale is multiplied by as it is read: 1, but 2^8 for E4M3 codes where AVX-512
+// reads them through float16 (load16(const Fp8*)) as 2^-8 times their values; every path
+// (to_float as well) then gives the codes as that fraction of their values.
 template <typename E>
 #if defined(__AVX512F__)
-constexpr float kUnit = std::is_same_v<E, Fp8> ? 256.0f : 1.0f;
+constexpr float kScaleUnit = std::is_same_v<E, Fp8> ? 256.0f : 1.0f;
 #else
-constexpr float kUnit = 1.0f;
+constexpr float kScaleUnit = 1.0f;
 #endif
 
-inline float to_float(int8_t x) { return static_cast<float>(x); }
-// As quant.formats.e4m3_decode_arith (a normal code's low 7 bits shifted into float32's
-// exponent and mantissa fields, exponent rebiased by 127 - 7; a subnormal m * 2^-9; 0x7F NaN),
-// in units of kUnit.
-inline float to_float(Fp8 x) {
-  const uint32_t low = x.bits & 0x7F;
+// An E4M3 code's value, as quant.formats.e4m3_decode_arith gives it: a normal code's low 7 bits
+// shifted into float32's exponent and mantissa fields (exponent rebiased by 127 - 7), a
+// subnormal m * 2^-9, 0x7F / 0xFF NaN.
+inline float e4m3_value(uint8_t bits) {
+  const uint32_t low = bits & 0x7F;
   const float mag = low == 0x7F ? std::numeric_limits<float>::quiet_NaN()
                     : low < 8   ? static_cast<float>(low) * 0x1p-9f
                                 : from_bits((low << 20) + (120u << 23));
-  return (x.bits & 0x80 ? -mag : mag) / kUnit<Fp8>;
+  return bits & 0x80 ? -mag : mag;
 }
+
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float to_float(Fp8 x) { return e4m3_value(x.bits) / kScaleUnit<Fp8>; }
+
+// NVFP4 pages (kv_format "nvfp4" with no tensor scale, quant.NVFP4): two E2M1 codes a byte
+// (element 2i in the low nibble) [P, ps, Hkv, D / 2] and an E4M3 scale per 16 elements [P, ps,
+// Hkv, D / 16]. Fp4 names the format; its pages are read through Fp4Ptr, which stands where a
+// pointer to elements stands for the other formats: an element offset into both arrays.
+struct Fp4 {};
+constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+struct Fp4Ptr {
+  const uint8_t *packed, *scales;
+  int64_t e;
+  Fp4Ptr operator+(int64_t offset) const { return {packed, scales, e + offset}; }
+  float operator[](int64_t i) const {  // element e + i, decoded
+    const int64_t at = e + i;
+    const uint8_t byte = packed[at / 2];
+    return kE2M1[at % 2 ? byte >> 4 : byte & 0xF] * e4m3_value(scales[at / 16]);
+  }
+};
+
+// What a page's elements are read through: a pointer to them, or an Fp4Ptr.
+template <typename E>
+using Ptr = std::conditional_t<std::is_same_v<E, Fp4>, Fp4Ptr, const E*>;
 
 // Pages whose codes carry one float32 scale per (position, KV head): x_hat = code * scale
 // (quant.kv_rows, kv_format "int8" / "fp8").
@@ -154,7 +178,7 @@ inline void store(float y, Fp8& out) {
 template <typename E>
 struct Problem {
   const float* q;      // [T, Hq, D]
-  const E *k, *v;      // pages [P, ps, Hkv, D]
+  Ptr<E> k, v;         // pages [P, ps, Hkv, D]
   const float* sinks;  // [Hq] or null
   const int32_t *tables, *seq, *pos;  // [S, W], [T], [T]
   float *out, *lse;                   // [T, Hq, D], [T, Hq]
@@ -163,8 +187,8 @@ struct Problem {
   const float *ks, *vs;  // kScaled<E>: the scales [P, ps, Hkv], else null
 };
 
-template <typename T>
-float dot(const float* a, const T* b, int64_t n) {
+template <typename P>
+float dot(const float* a, P b, int64_t n) {
   float lanes[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
@@ -212,13 +236,30 @@ inline __m512 load16(const int8_t* x) {
 // 16 E4M3 codes as float32 values 2^-8 times theirs: each code's sign, exponent and mantissa
 // shifted into a float16's fields (whose exponent bias, 15, is 8 more than E4M3's 7), so the
 // hardware's float16 conversion decodes them, subnormals included; the caller folds the 2^8
-// into the row's scale (kUnit). The NaN codes 0x7F / 0xFF read as +-480, but a row holding
-// one has a NaN scale (its absmax was NaN), which makes its scores and weights NaN all the same.
+// into the row's scale (kScaleUnit). The NaN codes 0x7F / 0xFF (an inf in a written row
+// leaves one under a finite scale) are made NaN, as to_float makes them.
 inline __m512 load16(const Fp8* x) {
   // sign-extended code << 7: the sign lands in bit 15 (and a copy in bit 14, cleared), the
   // exponent and mantissa in bits 13..7
-  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80))));
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  const __m256i b = _mm256_cvtepi8_epi16(bytes);
+  const __m512 value =
+      _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80))));
+  const __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_cvtepu8_epi32(bytes), _mm512_set1_epi32(0x7F)),
+                                                _mm512_set1_epi32(0x7F));
+  return _mm512_mask_mov_ps(value, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
+
+// 16 NVFP4 elements from a multiple of 16 (one block): the 8 bytes' nibbles spread over the
+// lanes, looked up in the E2M1 table, times the block's E4M3 scale.
+inline __m512 load16(const Fp4Ptr& x) {
+  const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x.packed + x.e / 2));
+  const __m512i pairs = _mm512_permutexvar_epi32(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                                                 _mm512_cvtepu8_epi32(eight));  // lane i: byte i / 2
+  const __m512i shift = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+  const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(pairs, shift), _mm512_set1_epi32(0xF));
+  return _mm512_mul_ps(_mm512_permutexvar_ps(codes, _mm512_loadu_ps(kE2M1)),
+                       _mm512_set1_ps(e4m3_value(x.scales[x.e / 16])));
 }
 
 // exp_nonpositive on 16 lanes: the same steps (with fused multiply-adds, so within an ulp of
@@ -260,27 +301,41 @@ inline __m512 sum16(const __m512* a) {
 // (-inf from n to ns), 16 positions at a time: their rows stay in the L1 cache for all the
 // heads, and one tree sums the 16 dot products of a head. D a multiple of 16.
 // With row-scaled codes, kscale [Hkv, ns] holds each position's K scale, applied to the sum.
+// NVFP4 rows, the dearest to decode, are decoded once per KV head into tile [16, D] for its
+// G query heads.
 template <typename T>
 void scores16(const Problem<T>& p, const float* q, const int64_t* rows, int64_t n, int64_t ns, const float* kscale,
-              float* scores) {
+              float* tile, float* scores) {
+  constexpr bool decode_once = std::is_same_v<T, Fp4>;
   const int64_t G = p.Hq / p.Hkv, D = p.D;
   const __m512 scale = _mm512_set1_ps(p.sm_scale);
   for (int64_t i0 = 0; i0 < ns; i0 += 16) {
     const int64_t live = std::min<int64_t>(16, n - i0);
-    for (int64_t h = 0; h < p.Hq; ++h) {
-      const float* qh = q + h * D;
-      const T* k = p.k + h / G * D;
-      __m512 a[16];
-      for (int64_t j = 0; j < 16; ++j) {
-        a[j] = _mm512_setzero_ps();
-        if (j >= live) continue;
-        const T* r = k + rows[i0 + j];
-        for (int64_t d = 0; d < D; d += 16) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), load16(r + d), a[j]);
+    for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
+      const Ptr<T> k = p.k + kvh * D;
+      if constexpr (decode_once)
+        for (int64_t j = 0; j < live; ++j)
+          for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(tile + j * D + d, load16(k + rows[i0 + j] + d));
+      for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
+        const float* qh = q + h * D;
+        __m512 a[16];
+        for (int64_t j = 0; j < 16; ++j) {
+          a[j] = _mm512_setzero_ps();
+          if (j >= live) continue;
+          if constexpr (decode_once) {
+            const float* r = tile + j * D;
+            for (int64_t d = 0; d < D; d += 16)
+              a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), _mm512_loadu_ps(r + d), a[j]);
+          } else {
+            const Ptr<T> r = k + rows[i0 + j];
+            for (int64_t d = 0; d < D; d += 16) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), load16(r + d), a[j]);
+          }
+        }
+        const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
+        __m512 sum = sum16(a);
+        if constexpr (kScaled<T>) sum = _mm512_mul_ps(sum, _mm512_loadu_ps(kscale + kvh * ns + i0));
+        _mm512_storeu_ps(scores + h * ns + i0, _mm512_mask_mul_ps(_mm512_set1_ps(-kInf), mask, sum, scale));
       }
-      const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
-      __m512 sum = sum16(a);
-      if constexpr (kScaled<T>) sum = _mm512_mul_ps(sum, _mm512_loadu_ps(kscale + h / G * ns + i0));
-      _mm512_storeu_ps(scores + h * ns + i0, _mm512_mask_mul_ps(_mm512_set1_ps(-kInf), mask, sum, scale));
     }
   }
 }
@@ -329,7 +384,7 @@ struct Part {
 // position's K and V scales [Hkv, n].
 struct Scratch {
   std::vector<int64_t> rows;
-  std::vector<float> scores, kscale, vscale;
+  std::vector<float> scores, kscale, vscale, tile;
 };
 
 #if defined(__AVX512F__)
@@ -337,13 +392,13 @@ struct Scratch {
 // one chunk, whose V accumulators (V of them, D / 16 a head: a template constant) stay in
 // registers, so each V row is read once for all of them.
 template <typename T, int V>
-void weigh_chunk(const float* w, const T* v, const int64_t* rows, int64_t n, int64_t i0, int64_t i1, int64_t D,
+void weigh_chunk(const float* w, Ptr<T> v, const int64_t* rows, int64_t n, int64_t i0, int64_t i1, int64_t D,
                  float* acc) {
   const int64_t per = D / 16;
   __m512 a[V];
   for (int u = 0; u < V; ++u) a[u] = _mm512_loadu_ps(acc + 16 * u);
   for (int64_t i = i0; i < i1; ++i) {
-    const T* r = v + rows[i];
+    const Ptr<T> r = v + rows[i];
     for (int u = 0; u < V; ++u)
       a[u] = _mm512_fmadd_ps(_mm512_set1_ps(w[u / per * n + i]), load16(r + u % per * 16), a[u]);
   }
@@ -351,7 +406,7 @@ void weigh_chunk(const float* w, const T* v, const int64_t* rows, int64_t n, int
 }
 
 template <typename T>
-using WeighChunk = void (*)(const float*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float*);
+using WeighChunk = void (*)(const float*, Ptr<T>, const int64_t*, int64_t, int64_t, int64_t, int64_t, float*);
 template <typename T, int... V>
 constexpr std::array<WeighChunk<T>, sizeof...(V) + 1> weigh_chunks(std::integer_sequence<int, V...>) {
   return {nullptr, &weigh_chunk<T, V + 1>...};
@@ -365,7 +420,7 @@ constexpr auto kWeighChunk = weigh_chunks<T>(std::make_integer_sequence<int, 16>
 // accumulators fit in 16 registers where D is a multiple of 16 (and at most 256), else in
 // plain loops the compiler vectorizes.
 template <typename T>
-void weigh(const float* w, const T* v, const int64_t* rows, int64_t n, int64_t i0, int64_t i1, int64_t G,
+void weigh(const float* w, Ptr<T> v, const int64_t* rows, int64_t n, int64_t i0, int64_t i1, int64_t G,
            int64_t D, float* acc) {
 #if defined(__AVX512F__)
   if (D % 16 == 0 && D <= 256) {
@@ -396,7 +451,7 @@ void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
   const int32_t* table = p.tables + p.seq[it.t] * p.W;
   const int64_t ns = (n + 15) / 16 * 16;  // a head's stride in the scores: whole vectors, padded with -inf
   s.rows.resize(n);
-  if constexpr (kScaled<T>) {  // position i's scales in KV head h: [h * ns + i] (0 past n), in kUnit
+  if constexpr (kScaled<T>) {  // position i's scales in KV head h: [h * ns + i] (0 past n), in kScaleUnit
     s.kscale.assign(p.Hkv * ns, 0.0f);
     s.vscale.assign(p.Hkv * ns, 0.0f);
   }
@@ -407,8 +462,8 @@ void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
       s.rows[i] = (first + j) * stride;
       if constexpr (kScaled<T>)
         for (int64_t h = 0; h < p.Hkv; ++h) {
-          s.kscale[h * ns + i] = p.ks[(first + j) * p.Hkv + h] * kUnit<T>;
-          s.vscale[h * ns + i] = p.vs[(first + j) * p.Hkv + h] * kUnit<T>;
+          s.kscale[h * ns + i] = p.ks[(first + j) * p.Hkv + h] * kScaleUnit<T>;
+          s.vscale[h * ns + i] = p.vs[(first + j) * p.Hkv + h] * kScaleUnit<T>;
         }
     }
     position += slots;
@@ -420,13 +475,14 @@ void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
   const float* vscale = kScaled<T> ? s.vscale.data() : nullptr;
 #if defined(__AVX512F__)
   if (D % 16 == 0) {
-    scores16(p, q, s.rows.data(), n, ns, kscale, scores);
+    s.tile.resize(16 * D);
+    scores16(p, q, s.rows.data(), n, ns, kscale, s.tile.data(), scores);
   } else
 #endif
   {
     for (int64_t h = 0; h < p.Hq; ++h) std::fill(scores + h * ns + n, scores + (h + 1) * ns, -kInf);
     for (int64_t i = 0; i < n; ++i) {
-      const T* r = p.k + s.rows[i];
+      const Ptr<T> r = p.k + s.rows[i];
       for (int64_t h = 0; h < p.Hq; ++h) {
         float score = dot(q + h * D, r + h / G * D, D);
         if constexpr (kScaled<T>) score *= kscale[h / G * ns + i];
@@ -447,7 +503,7 @@ void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
   for (int64_t i0 = 0; i0 < n; i0 += kRun)
     for (int64_t h = 0; h < p.Hkv; ++h) {
       const int64_t i1 = std::min(n, i0 + kRun);
-      weigh(scores + h * G * ns, p.v + h * D, s.rows.data(), ns, i0, i1, G, D, part.out.data() + h * G * D);
+      weigh<T>(scores + h * G * ns, p.v + h * D, s.rows.data(), ns, i0, i1, G, D, part.out.data() + h * G * D);
     }
 }
 
@@ -519,33 +575,61 @@ std::atomic<CrewRun> crew_run{nullptr};
 std::atomic<int64_t> crew_calls{0};  // calls whose items the crew ran (KvfoldDecodeAttentionCrewCalls)
 constexpr int64_t kPoolWork = int64_t{1} << 18;  // positions * query heads * head_dim
 
+// One KV head's new row x [D] into its page slot sh (position slot * Hkv + head) of the pages
+// (and their scales): as is; as quant.kv_rows quantizes it (row-scaled codes: scale = absmax *
+// (1 / qmax), codes of x * (1 / scale), x * 1 for an all-zero row: the float32 operations
+// XLA:CPU runs there); or as quant.nvfp4_quantize at tensor scale 1 (per 16: the E4M3 scale of
+// absmax * (1 / 6), each code the nearest E2M1 value of x over the rounded scale, found by
+// comparing |x| with the midpoints times it, ties to the even code, 0 under a scale <= 0 or
+// NaN).
+template <typename T>
+void store_row(const float* x, int64_t D, void* pages, void* scales, int64_t sh) {
+  const auto absmax = [](const float* x, int64_t n) {  // NaN if any is
+    float amax = 0.0f;
+    for (int64_t d = 0; d < n; ++d)
+      amax = std::isnan(x[d]) || std::isnan(amax) ? NAN : std::max(amax, std::fabs(x[d]));
+    return amax;
+  };
+  if constexpr (std::is_same_v<T, Fp4>) {
+    constexpr float kMid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+    constexpr bool kUp[7] = {false, true, false, true, false, true, false};
+    uint8_t* packed = static_cast<uint8_t*>(pages) + sh * D / 2;
+    Fp8* block_scales = static_cast<Fp8*>(scales) + sh * D / 16;
+    for (int64_t b = 0; b < D / 16; ++b) {
+      store(absmax(x + 16 * b, 16) * (1.0f / 6.0f), block_scales[b]);
+      const float scale = e4m3_value(block_scales[b].bits);
+      uint8_t codes[16];
+      for (int j = 0; j < 16; ++j) {
+        const float mag = std::fabs(x[16 * b + j]);
+        uint8_t c = 0;
+        for (int m = 0; m < 7; ++m) c += kUp[m] ? mag >= kMid[m] * scale : mag > kMid[m] * scale;
+        codes[j] = scale > 0.0f ? static_cast<uint8_t>(c | (std::signbit(x[16 * b + j]) ? 8 : 0)) : 0;
+      }
+      for (int j = 0; j < 8; ++j) packed[8 * b + j] = static_cast<uint8_t>(codes[2 * j] | codes[2 * j + 1] << 4);
+    }
+  } else if constexpr (kScaled<T>) {
+    T* codes = static_cast<T*>(pages) + sh * D;
+    float& scale = static_cast<float*>(scales)[sh];
+    const float qmax = std::is_same_v<T, int8_t> ? 127.0f : 448.0f;
+    scale = absmax(x, D) * (1.0f / qmax);
+    const float inv = 1.0f / (scale > 0.0f ? scale : 1.0f);
+    for (int64_t d = 0; d < D; ++d) store(x[d] * inv, codes[d]);
+  } else {
+    T* row = static_cast<T*>(pages) + sh * D;
+    for (int64_t d = 0; d < D; ++d) store(x[d], row[d]);
+  }
+}
+
 // Token t's sequence and position from the step's layout, as ref.token_layout gives them:
 // seq[t] counts the query starts cu_q_lens[1 .. S] at or before t (S for the padding past
 // the last row, whose position is -1), and its position is kv_lens[s] - q_len[s] + t -
 // cu_q_lens[s]. Then its new K/V rows are stored at that position's page slot, as
 // ref.write_new_kv stores them: nothing for padding, a position past the table, or an entry
 // outside [0, P) (a bad entry never lands in another sequence's page).
-// One KV head's new row x [D] into its page slot: as is, or (row-scaled codes) as
-// quant.kv_rows quantizes it: scale = absmax * (1 / qmax), codes of x * (1 / scale) (x * 1
-// for an all-zero row), the same float32 operations XLA:CPU runs there.
-template <typename T>
-void store_row(const float* x, int64_t D, T* codes, float* scale) {
-  if constexpr (kScaled<T>) {
-    float amax = 0.0f;
-    for (int64_t d = 0; d < D; ++d) amax = std::isnan(x[d]) || std::isnan(amax) ? NAN : std::max(amax, std::fabs(x[d]));
-    const float qmax = std::is_same_v<T, int8_t> ? 127.0f : 448.0f;
-    *scale = amax * (1.0f / qmax);
-    const float inv = 1.0f / (*scale > 0.0f ? *scale : 1.0f);
-    for (int64_t d = 0; d < D; ++d) store(x[d] * inv, codes[d]);
-  } else {
-    for (int64_t d = 0; d < D; ++d) store(x[d], codes[d]);
-  }
-}
-
 template <typename T>
 void lay_out_and_write(const int32_t* cu, const int32_t* kv_lens, const float* k, const float* v, int64_t S,
-                       Problem<T>& p, std::vector<int32_t>& seq, std::vector<int32_t>& pos, T* k_pages,
-                       T* v_pages, float* k_scales, float* v_scales) {
+                       Problem<T>& p, std::vector<int32_t>& seq, std::vector<int32_t>& pos, void* k_pages,
+                       void* v_pages, void* k_scales, void* v_scales) {
   const int64_t row = p.Hkv * p.D;
   seq.assign(p.T, static_cast<int32_t>(S));
   pos.assign(p.T, -1);
@@ -560,9 +644,8 @@ void lay_out_and_write(const int32_t* cu, const int32_t* kv_lens, const float* k
     if (page < 0 || page >= p.P) continue;
     const int64_t slot = page * p.ps + pos[t] % p.ps;
     for (int64_t h = 0; h < p.Hkv; ++h) {
-      const int64_t at = slot * row + h * p.D, scale = slot * p.Hkv + h;
-      store_row(k + t * row + h * p.D, p.D, k_pages + at, kScaled<T> ? k_scales + scale : nullptr);
-      store_row(v + t * row + h * p.D, p.D, v_pages + at, kScaled<T> ? v_scales + scale : nullptr);
+      store_row<T>(k + t * row + h * p.D, p.D, k_pages, k_scales, slot * p.Hkv + h);
+      store_row<T>(v + t * row + h * p.D, p.D, v_pages, v_scales, slot * p.Hkv + h);
     }
   }
 }
@@ -571,15 +654,24 @@ void lay_out_and_write(const int32_t* cu, const int32_t* kv_lens, const float* k
 // results, aliased to the operands), then every token's attention over them.
 template <typename T>
 void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k,
-         const ffi::Buffer<ffi::F32>& v, T* kp, T* vp, float* ks, float* vs, const ffi::Buffer<ffi::S32>& block_tables,
-         const ffi::Buffer<ffi::S32>& cu_q_lens, const ffi::Buffer<ffi::S32>& kv_lens, const float* sinks, float* out,
-         float* lse, int64_t P, int64_t ps, int64_t Hkv, float sm_scale, int64_t sliding_window, float soft_cap) {
+         const ffi::Buffer<ffi::F32>& v, void* kp, void* vp, void* ks, void* vs,
+         const ffi::Buffer<ffi::S32>& block_tables, const ffi::Buffer<ffi::S32>& cu_q_lens,
+         const ffi::Buffer<ffi::S32>& kv_lens, const float* sinks, float* out, float* lse, int64_t P, int64_t ps,
+         int64_t Hkv, float sm_scale, int64_t sliding_window, float soft_cap) {
   const auto qd = q.dimensions(), bd = block_tables.dimensions();
   const int64_t T_ = qd[0], Hq = qd[1], D = qd[2], S = kv_lens.element_count();
   auto shared = std::make_shared<Shared<T>>();
   Problem<T>& p = shared->p;
-  p = Problem<T>{q.typed_data(), kp, vp, sinks, block_tables.typed_data(), nullptr, nullptr, out, lse, T_, Hq, Hkv, D,
-                 P, ps, S, bd[1], sliding_window, sm_scale, soft_cap, ks, vs};
+  const auto view = [](void* pages, void* scales) -> Ptr<T> {
+    if constexpr (std::is_same_v<T, Fp4>)
+      return Fp4Ptr{static_cast<const uint8_t*>(pages), static_cast<const uint8_t*>(scales), 0};
+    else
+      return static_cast<const T*>(pages);
+  };
+  const bool scaled = kScaled<T>;
+  p = Problem<T>{q.typed_data(), view(kp, ks), view(vp, vs), sinks, block_tables.typed_data(), nullptr, nullptr, out,
+                 lse, T_, Hq, Hkv, D, P, ps, S, bd[1], sliding_window, sm_scale, soft_cap,
+                 scaled ? static_cast<const float*>(ks) : nullptr, scaled ? static_cast<const float*>(vs) : nullptr};
   lay_out_and_write(cu_q_lens.typed_data(), kv_lens.typed_data(), k.typed_data(), v.typed_data(), S, p, shared->seq,
                     shared->pos, kp, vp, ks, vs);
   p.seq = shared->seq.data();
@@ -622,15 +714,16 @@ void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const ffi::Buffer
 }
 
 // A result buffer that XLA aliased to its operand; where it did not, the operand copied in.
-template <typename T>
-T* aliased(const ffi::AnyBuffer& operand, ffi::Result<ffi::AnyBuffer>& result) {
-  T* data = static_cast<T*>(result->untyped_data());
+void* aliased(const ffi::AnyBuffer& operand, ffi::Result<ffi::AnyBuffer>& result) {
+  void* data = result->untyped_data();
   if (data != operand.untyped_data()) std::memcpy(data, operand.untyped_data(), operand.size_bytes());
   return data;
 }
 
-// The checks of one call and its run over float32 or bfloat16 pages, or int8 / E4M3 codes with
-// their row scales (float32 [P, ps, Hkv]; a placeholder of one element beside float pages).
+// The checks of one call and its run over float32 or bfloat16 pages, int8 / E4M3 codes with
+// their row scales (float32 [P, ps, Hkv]), or NVFP4's packed codes (uint8 [P, ps, Hkv, D / 2])
+// with their block scales (float8_e4m3fn [P, ps, Hkv, D / 16]); beside float pages the scales
+// are a placeholder of one float32.
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                            ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
@@ -640,45 +733,49 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                            ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::AnyBuffer> ks_out,
                            ffi::Result<ffi::AnyBuffer> vs_out, float sm_scale, int64_t sliding_window, float soft_cap,
                            int64_t has_sinks) {
+  using Type = ffi::DataType;
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2)
     return ffi::Error::InvalidArgument("decode_attention_cpu: q must be 3-D, the pages 4-D, block_tables 2-D");
+  const Type type = k_pages.element_type();
+  const bool fp4 = type == Type::U8, scaled = type == Type::S8 || type == Type::F8E4M3FN;
   const int64_t T = qd[0], Hq = qd[1], D = qd[2], Hkv = kd[2], S = kv_lens.element_count();
   const auto vd = v_pages.dimensions();
-  if (kd[3] != D || Hkv <= 0 || Hq % Hkv || vd.size() != 4 || !std::equal(vd.begin(), vd.end(), kd.begin()))
+  if (kd[3] != (fp4 ? D / 2 : D) || (fp4 && D % 16) || Hkv <= 0 || Hq % Hkv || vd.size() != 4 ||
+      !std::equal(vd.begin(), vd.end(), kd.begin()))
     return ffi::Error::InvalidArgument("decode_attention_cpu: page shapes do not match q's heads");
-  using Type = ffi::DataType;
-  const Type type = k_pages.element_type();
-  if ((type != Type::F32 && type != Type::BF16 && type != Type::S8 && type != Type::F8E4M3FN) ||
-      v_pages.element_type() != type)
-    return ffi::Error::InvalidArgument("decode_attention_cpu: the pages must both be float32, bfloat16, int8 or "
-                                       "float8_e4m3fn");
-  const bool scaled = type == Type::S8 || type == Type::F8E4M3FN;
-  const int64_t scales = scaled ? kd[0] * kd[1] * Hkv : 1;
-  if (k_scales.element_type() != Type::F32 || v_scales.element_type() != Type::F32 ||
+  if ((type != Type::F32 && type != Type::BF16 && !scaled && !fp4) || v_pages.element_type() != type)
+    return ffi::Error::InvalidArgument("decode_attention_cpu: the pages must both be float32, bfloat16, int8, "
+                                       "float8_e4m3fn or uint8 (NVFP4)");
+  const int64_t scales = fp4 ? kd[0] * kd[1] * Hkv * (D / 16) : scaled ? kd[0] * kd[1] * Hkv : 1;
+  const Type scale_type = fp4 ? Type::F8E4M3FN : Type::F32;
+  if (k_scales.element_type() != scale_type || v_scales.element_type() != scale_type ||
       k_scales.element_count() != scales || v_scales.element_count() != scales)
-    return ffi::Error::InvalidArgument("decode_attention_cpu: int8 / fp8 pages need scales [num_pages, page_size, "
-                                       "num_kv_heads] (float pages a placeholder of one)");
+    return ffi::Error::InvalidArgument("decode_attention_cpu: int8 / fp8 pages need float32 scales [num_pages, "
+                                       "page_size, num_kv_heads], NVFP4 pages float8_e4m3fn ones [.., head_dim / "
+                                       "16], float pages a float32 placeholder of one");
   if (k.element_count() != T * Hkv * D || v.element_count() != T * Hkv * D)
     return ffi::Error::InvalidArgument("decode_attention_cpu: the new K/V rows do not match q and the pages");
   if (bd[0] != S || cu_q_lens.element_count() != S + 1 || (has_sinks && sinks.element_count() != Hq))
     return ffi::Error::InvalidArgument("decode_attention_cpu: block_tables / cu_q_lens / kv_lens / sinks lengths "
                                        "do not match");
   const float* sink = has_sinks ? sinks.typed_data() : nullptr;
-  float *ks = aliased<float>(k_scales, ks_out), *vs = aliased<float>(v_scales, vs_out);
-  if (!scaled) ks = vs = nullptr;
-  const auto go = [&](auto* kp, auto* vp) {
-    run(pool, q, k, v, kp, vp, ks, vs, block_tables, cu_q_lens, kv_lens, sink, out->typed_data(), lse->typed_data(),
-        kd[0], kd[1], Hkv, sm_scale, sliding_window, soft_cap);
+  void *kp = aliased(k_pages, k_out), *vp = aliased(v_pages, v_out);
+  void *ks = aliased(k_scales, ks_out), *vs = aliased(v_scales, vs_out);
+  const auto go = [&](auto element) {
+    run<decltype(element)>(pool, q, k, v, kp, vp, ks, vs, block_tables, cu_q_lens, kv_lens, sink, out->typed_data(),
+                           lse->typed_data(), kd[0], kd[1], Hkv, sm_scale, sliding_window, soft_cap);
   };
   if (type == Type::F32)
-    go(aliased<float>(k_pages, k_out), aliased<float>(v_pages, v_out));
+    go(float{});
   else if (type == Type::BF16)
-    go(aliased<Bf16>(k_pages, k_out), aliased<Bf16>(v_pages, v_out));
+    go(Bf16{});
   else if (type == Type::S8)
-    go(aliased<int8_t>(k_pages, k_out), aliased<int8_t>(v_pages, v_out));
+    go(int8_t{});
+  else if (type == Type::F8E4M3FN)
+    go(Fp8{});
   else
-    go(aliased<Fp8>(k_pages, k_out), aliased<Fp8>(v_pages, v_out));
+    go(Fp4{});
   return ffi::Error::Success();
 }
 
@@ -697,9 +794,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hq, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k [T, Hkv, D], the new rows
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v [T, Hkv, D]
-                                  .Arg<ffi::AnyBuffer>()         // k_pages [P, ps, Hkv, D] f32 / bf16 / s8 / f8
+                                  .Arg<ffi::AnyBuffer>()         // k_pages [P, ps, Hkv, D] (NVFP4: D / 2 bytes)
                                   .Arg<ffi::AnyBuffer>()         // v_pages [P, ps, Hkv, D]
-                                  .Arg<ffi::AnyBuffer>()         // k_scales [P, ps, Hkv] f32 (int8 / fp8; else [1])
+                                  .Arg<ffi::AnyBuffer>()         // k_scales [P, ps, Hkv] f32, f8 [.., D / 16] or [1]
                                   .Arg<ffi::AnyBuffer>()         // v_scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, W]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]

@@ -1,7 +1,7 @@
 """The CPU kernel of decode attention (pallas_kernels/ragged_paged_attention/cpu_kernel.cc,
 through the XLA FFI) against ref.write_new_kv's pages and a float64 oracle over them, and
-the entry's choice of it: decode-only steps of float32 q over float32 or bfloat16 pages or
-int8 / fp8 row-scaled ones, nothing else."""
+the entry's choice of it: decode-only steps of float32 q over float32 or bfloat16 pages,
+int8 / fp8 row-scaled ones or NVFP4 ones, nothing else."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import ragged_paged_attention
+from pallas_kernels import cpu_ffi, ragged_paged_attention
 from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.ref import token_layout, write_new_kv
@@ -71,10 +71,11 @@ def _bytes(x):
     return np.asarray(x).view(np.uint8)
 
 
-def _check_kernel(args, sinks, sm_scale, window=None, cap=None, page_dtype=jnp.float32):
+def _check_kernel(args, sinks, sm_scale, window=None, cap=None, page_dtype=jnp.float32, target=cpu.TARGET):
     """The kernel against the reference's page writes (equal pages: bfloat16 pages round the
-    new rows as XLA's convert does; page_dtype "int8" / "fp8": the pages quantized by
-    quant.quantize_rows, codes and scales byte for byte) and the oracle's attention over them."""
+    new rows as XLA's convert does; page_dtype "int8" / "fp8" / "nvfp4": the pages quantized
+    by quant.quantize_rows / quant.nvfp4_quantize, codes and scales byte for byte) and the
+    oracle's attention over them."""
     q, k, v, k_pages, v_pages, table, cu, kv_lens = args
     fmt = kv_formats.resolve(page_dtype) if isinstance(page_dtype, str) else None
     if fmt is None:
@@ -85,7 +86,8 @@ def _check_kernel(args, sinks, sm_scale, window=None, cap=None, page_dtype=jnp.f
     seq, pos = token_layout(cu, kv_lens, q.shape[0])
     want_k, want_v = write_new_kv(k_pages, v_pages, k, v, table, seq, pos, fmt)
     out, lse, got_k, got_v = cpu.decode_attention_cpu(*args, sinks, sm_scale=sm_scale, sliding_window=window,
-                                                      soft_cap=cap, kv_format=page_dtype if fmt else None)
+                                                      soft_cap=cap, kv_format=page_dtype if fmt else None,
+                                                      target=target)
     for got, want in zip(jax.tree.leaves((got_k, got_v)), jax.tree.leaves((want_k, want_v))):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(_bytes(got), _bytes(want))
@@ -97,14 +99,34 @@ def _check_kernel(args, sinks, sm_scale, window=None, cap=None, page_dtype=jnp.f
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
 
 
+PAGES = [jnp.float32, jnp.bfloat16, "int8", "fp8", "nvfp4"]
+PAGE_IDS = ["f32", "bf16", "int8", "fp8", "nvfp4"]
+
+
+PORTABLE = "kvfold_decode_attention_portable"
+
+
+@pytest.fixture(scope="module")
+def portable():
+    """The kernel built without AVX-512 (the plain loops, and E4M3 read at its own scale),
+    registered under its own FFI name."""
+    flags = tuple(f for f in cpu_ffi.FLAGS if f != "-march=native") + ("-march=x86-64-v2",)
+    cpu_ffi.register(cpu_ffi.build(cpu.SOURCE, "the portable CPU decode-attention kernel", flags=flags), PORTABLE,
+                     cpu.KERNEL.symbol)
+    return PORTABLE
+
+
+@pytest.mark.parametrize("page_dtype", PAGES, ids=PAGE_IDS)
+def test_portable_build_matches_the_float64_oracle(portable, page_dtype):
+    """What a CPU without AVX-512 runs: every page format, a run split in two, sinks."""
+    args, sinks = _decode_batch(13, [1, 9, 70], num_q_heads=6, num_kv_heads=2, head_dim=32)
+    _check_kernel(args, sinks, 32 ** -0.5, page_dtype=page_dtype, target=portable)
+
+
 def test_the_kernel_builds_here():
     """CI installs a C++ compiler (Makefile setup): a silent fallback to the XLA path would
     hide a broken build."""
     assert cpu.available()
-
-
-PAGES = [jnp.float32, jnp.bfloat16, "int8", "fp8"]
-PAGE_IDS = ["f32", "bf16", "int8", "fp8"]
 
 
 @pytest.mark.parametrize("page_dtype", PAGES, ids=PAGE_IDS)
@@ -114,7 +136,10 @@ def test_kernel_matches_the_float64_oracle(window, cap, with_sinks, heads, head_
     """Contexts of one position, a partial page, whole pages and several pages; GQA groups
     of 3 and plain multi-head; a head_dim that is not a multiple of the kernel's 16 lanes;
     sliding window, soft cap, sinks; a padding token; float32 and bfloat16 pages, and int8
-    and fp8 codes with a scale per position and head."""
+    and fp8 codes with a scale per position and head, NVFP4 codes with a scale per 16 (whose
+    head_dim must be a multiple of 16)."""
+    if page_dtype == "nvfp4" and head_dim % 16:
+        pytest.skip("NVFP4 rows are whole blocks of 16")
     args, sinks = _decode_batch(1, [1, 6, 8, 13], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim)
     _check_kernel(args, sinks if with_sinks else None, head_dim ** -0.5, window, cap, page_dtype)
 
@@ -200,11 +225,14 @@ def test_a_long_row_split_into_runs_merges_its_parts(window, cap, with_sinks, he
         _check_kernel(args, sinks if with_sinks else None, head_dim ** -0.5, window, cap, pages)
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8"])
-def test_row_scaled_writes_round_every_code_as_quantize_rows_does(name):
-    """New rows spanning 2^-30 .. 2^10 inside one row (fp8 subnormals, int8 codes of 0),
-    exact int8 ties, an all-zero row (scale 0) and a row that saturates E4M3's 448 land in
-    the codes and scales quant.quantize_rows gives, byte for byte."""
+@pytest.mark.parametrize("name", ["int8", "fp8", "nvfp4"])
+def test_low_bit_writes_round_every_code_as_the_quantizers_do(name):
+    """New rows spanning 2^-30 .. 2^10 inside one row (fp8 subnormals, int8 codes of 0, NVFP4
+    blocks with subnormal or zero scales), exact int8 ties, an all-zero row (scale 0), a row
+    that saturates E4M3's 448, an NVFP4 block of scale 1 holding every E2M1 midpoint (ties
+    to the even code), NaN and infinite elements land in the codes and scales
+    quant.quantize_rows / quant.nvfp4_quantize give, byte for byte; attention over them is
+    the oracle's, NaN where it is NaN."""
     args, _ = _decode_batch(11, [3, 7], num_q_heads=4, num_kv_heads=2, head_dim=64, padding=0)
     q, k, v, k_pages, v_pages, table, cu, kv_lens = args
     rng = np.random.default_rng(12)
@@ -214,8 +242,13 @@ def test_row_scaled_writes_round_every_code_as_quantize_rows_does(name):
     wide[0, 1, :8] = [127.0, 0.5, 1.5, 2.5, -0.5, -3.5, 100.5, -126.5]
     wide[1, 0] = 448.0 * 2.0 ** rng.uniform(-16, 0, 64)  # fp8's scale is 1: codes down to subnormals
     wide[1, 0, :4] = [448.0, 447.0, 2.0 ** -9 * 1.5, 2.0 ** -9 * 2.5]
+    wide[1, 1, 16:32] = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -5.0, 5.5, 0.0, -0.0, 1e-3, 2.9]
+    wide[1, 1, :2] = [np.nan, -np.nan]  # a NaN row (block) scale
+    wide[1, 1, 32:34] = [np.inf, -np.inf]
     k = jnp.asarray(wide, jnp.float32)
-    v = jnp.asarray(wide[:, ::-1], jnp.float32)
+    wide = wide[:, ::-1].copy()
+    wide[0, 0, 5] = np.inf  # an inf under a finite absmax elsewhere: its code is NaN
+    v = jnp.asarray(wide, jnp.float32)
     _check_kernel((q, k, v, k_pages, v_pages, table, cu, kv_lens), None, 0.125, page_dtype=name)
 
 
@@ -224,15 +257,16 @@ def _lowered(args, **kw):
 
 
 def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
-    """A decode-only step (max_q_len 1) of float32 q over float32 or bfloat16 pages, or int8
-    / fp8 row-scaled ones, lowers to the kernel and gives the dense reference's outputs, lse
-    and pages; chunks, bfloat16 q, FP4 and TurboQuant pages and other variants stay on the
-    XLA path."""
+    """A decode-only step (max_q_len 1) of float32 q over float32 or bfloat16 pages, int8 /
+    fp8 row-scaled ones or NVFP4 ones, lowers to the kernel and gives the dense reference's
+    outputs, lse and pages; chunks, bfloat16 q, MXFP4 and TurboQuant pages and other variants
+    stay on the XLA path."""
     args, sinks = _decode_batch(3, [5, 11, 2], width=40)
     kw = dict(sliding_window=6, sinks=sinks)
     half_pages = args[:3] + (args[3].astype(jnp.bfloat16), args[4].astype(jnp.bfloat16)) + args[5:]
     row_scaled = {name: args[:3] + (kv_formats.resolve(name).quantize(args[3]),
-                                    kv_formats.resolve(name).quantize(args[4])) + args[5:] for name in ("int8", "fp8")}
+                                    kv_formats.resolve(name).quantize(args[4])) + args[5:]
+                  for name in ("int8", "fp8", "nvfp4")}
     for pages, fmt in [(args, None), (half_pages, None), *((p, name) for name, p in row_scaled.items())]:
         assert cpu.TARGET in _lowered(pages, max_q_len=1, kv_format=fmt, **kw)
         want = ragged_paged_attention(*pages, kv_format=fmt, **kw)  # the dense reference (no max_q_len)
@@ -240,8 +274,8 @@ def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert g.dtype == w.dtype
             assert_close(g.astype(jnp.float32), w.astype(jnp.float32))
-    nvfp4 = args[:3] + tuple(kv_formats.resolve("nvfp4").quantize(p) for p in args[3:5]) + args[5:]
-    assert cpu.TARGET not in _lowered(nvfp4, max_q_len=1, kv_format="nvfp4")
+    mxfp4 = args[:3] + tuple(kv_formats.resolve("mxfp4").quantize(p) for p in args[3:5]) + args[5:]
+    assert cpu.TARGET not in _lowered(mxfp4, max_q_len=1, kv_format="mxfp4")
     assert cpu.TARGET not in _lowered(args, max_q_len=2, max_chunks=1)
     bf16 = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args)
     assert cpu.TARGET not in _lowered(bf16, max_q_len=1)
