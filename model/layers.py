@@ -157,8 +157,8 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     reads float (of the activations' dtype or another: bfloat16 under float32), fp8, int8,
     nvfp4 and turboquant pages itself (on TPU inside the kernel; on CPU a C++ kernel for
     decode rows over float, int8, fp8 and nvfp4 pages, else its XLA path walks the block
-    table a block of pages at a time). Only KIVI pages (their exact newest page lives outside the pages) are read
-    back whole and attended densely.
+    table a block of pages at a time). Only KIVI pages (their exact newest page lives
+    outside the pages) are read back whole and attended densely.
 
     norm: (weight, eps) of the RMSNorm x takes first (model.lora.linears folds it into a
     packed kernel), or None for x as it is.

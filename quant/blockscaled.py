@@ -11,7 +11,8 @@ stored in a KV pool). Rows are the last axis; every leading axis is batch.
 
 Scale rules (each the one its source uses):
 - NVFP4 (NVIDIA's two-level recipe): tensor_scale = amax(x) / (448 * 6); block scale =
-  e4m3(amax(block) / (6 * tensor_scale)); elements e2m1(x / (block_scale * tensor_scale)).
+  e4m3(amax(block) * (1 / (6 * tensor_scale))), float32 operations in that order (what the
+  CPU attention kernel's KV write repeats); elements e2m1(x / (block_scale * tensor_scale)).
 - MXFP4 (OCP MX v1.0): shared exponent floor(log2(amax(block))) - 2, 2 being E2M1's
   largest exponent; elements that land above 6 saturate, as the spec prescribes.
 - FP8 block (DeepSeek's ue8m0 scale_fmt): scale = 2**ceil(log2(amax(block) / 448)),

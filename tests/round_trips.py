@@ -75,7 +75,8 @@ def rounding_round_trips(fn, *args) -> list[str]:
                     rounded[eqn.outvars[0]] = next(r for r in ins if r is not None)
                 continue
             subs = list(_sub_jaxprs(eqn))
-            if eqn.primitive.name in _INLINED + _MAYBE_INLINED and subs:
+            one_step = eqn.primitive.name != "scan" or eqn.params.get("length") == 1
+            if eqn.primitive.name in _INLINED + _MAYBE_INLINED and subs and one_step:
                 branches = subs if eqn.primitive.name == "cond" else subs[:1]
                 operands = ins[1:] if eqn.primitive.name == "cond" else ins  # a cond's first is the index
                 outs = [walk(sub, operands) for sub in branches]

@@ -67,17 +67,17 @@ def _reads(kv_format, pages) -> bool:
     a float32 scale per position and KV head (quant.kv_rows), or NVFP4 without a tensor
     scale, as the KV pools keep it."""
     if isinstance(kv_format, kv_formats.Rows):
-        return True
+        return isinstance(pages, RowQuantized)
     return (isinstance(kv_format, kv_formats.BlockFP4) and kv_format.label == "nvfp4"
             and isinstance(pages, NVFP4) and pages.tensor_scale is None)
 
 
-def supports(q, k_pages, variant, tree, kv_format, max_q_len) -> bool:
+def supports(q, k_pages, v_pages, variant, tree, kv_format, max_q_len) -> bool:
     """Whether the kernel takes a ragged_paged_attention step: decode rows only (max_q_len
     1), float32 q over float32 or bfloat16 pages, int8 / fp8 row-scaled ones or NVFP4 ones
     without a tensor scale, no draft tree, softmax with at most a soft cap, and a built
     kernel (a GPU or TPU host never builds it)."""
-    pages_ok = (_reads(kv_format, k_pages) if kv_format is not None
+    pages_ok = (_reads(kv_format, k_pages) and _reads(kv_format, v_pages) if kv_format is not None
                 else k_pages.dtype in (jnp.float32, jnp.bfloat16))
     return (max_q_len == 1 and pages_ok and tree is None and q.dtype == jnp.float32
             and (variant == SOFTMAX or soft_cap_of(variant) is not None)
@@ -115,9 +115,11 @@ def decode_attention_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_
         raise RuntimeError(f"{KERNEL.what} is not available (no compiler, a failed build, "
                            "or KVFOLD_DECODE_ATTENTION_CPU=0)")
     fmt = None if kv_format is None else kv_formats.resolve(kv_format)
-    if fmt is not None and not (_reads(fmt, k_pages) and _reads(fmt, v_pages)):
-        raise ValueError("decode_attention_cpu reads float pages, kv_format 'int8' / 'fp8' or 'nvfp4' pages "
-                         f"without a tensor scale, not {fmt.label!r} pages {type(k_pages).__name__}")
+    for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if fmt is not None and not _reads(fmt, pages):
+            raise ValueError(f"decode_attention_cpu reads float pages, quant.RowQuantized pages of kv_format "
+                             f"'int8' / 'fp8', or quant.NVFP4 pages without a tensor scale (the XLA path takes "
+                             f"those with one), not {name} {type(pages).__name__} of kv_format {fmt.label!r}")
     none = jnp.zeros((1,), jnp.float32)  # the scales' placeholder beside float pages
     (kc, ks), (vc, vs) = (fmt.leaves(p)[:2] if fmt is not None else (p, none) for p in (k_pages, v_pages))
     num_tokens, num_q_heads, _ = q.shape

@@ -33,8 +33,10 @@
 // 6.4-6.5 ms). Float32 or bfloat16 pages [num_pages, page_size, num_kv_heads, head_dim], or
 // int8 / E4M3 codes with a float32 scale per position and KV head [num_pages, page_size,
 // num_kv_heads] (quant.kv_rows): a position's K scale multiplies its scores, its V scale its
-// weights, so the codes are read as they are (a quarter of float32's bytes), and the write
-// quantizes each new row as quant.quantize_rows does, bit for bit.
+// weights, so the codes are read as they are (a quarter of float32's bytes); or NVFP4's packed
+// E2M1 codes [.., head_dim / 2] with an E4M3 scale per 16 [.., head_dim / 16] (no tensor
+// scale), decoded 16 at a time. The write quantizes each new row as quant.quantize_rows /
+// quant.nvfp4_quantize(x, 1.0) do, bit for bit.
 
 #include <algorithm>
 #include <array>
@@ -111,15 +113,15 @@ inline float to_float(Fp8 x) { return e4m3_value(x.bits) / kScaleUnit<Fp8>; }
 
 // NVFP4 pages (kv_format "nvfp4" with no tensor scale, quant.NVFP4): two E2M1 codes a byte
 // (element 2i in the low nibble) [P, ps, Hkv, D / 2] and an E4M3 scale per 16 elements [P, ps,
-// Hkv, D / 16]. Fp4 names the format; its pages are read through Fp4Ptr, which stands where a
-// pointer to elements stands for the other formats: an element offset into both arrays.
-struct Fp4 {};
+// Hkv, D / 16]. Nvfp4 names the format; its pages are read through Nvfp4Ptr, which stands
+// where a pointer to elements stands for the other formats: an element offset into both.
+struct Nvfp4 {};
 constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-struct Fp4Ptr {
+struct Nvfp4Ptr {
   const uint8_t *packed, *scales;
   int64_t e;
-  Fp4Ptr operator+(int64_t offset) const { return {packed, scales, e + offset}; }
+  Nvfp4Ptr operator+(int64_t offset) const { return {packed, scales, e + offset}; }
   float operator[](int64_t i) const {  // element e + i, decoded
     const int64_t at = e + i;
     const uint8_t byte = packed[at / 2];
@@ -127,9 +129,9 @@ struct Fp4Ptr {
   }
 };
 
-// What a page's elements are read through: a pointer to them, or an Fp4Ptr.
+// What a page's elements are read through: a pointer to them, or an Nvfp4Ptr.
 template <typename E>
-using Ptr = std::conditional_t<std::is_same_v<E, Fp4>, Fp4Ptr, const E*>;
+using Ptr = std::conditional_t<std::is_same_v<E, Nvfp4>, Nvfp4Ptr, const E*>;
 
 // Pages whose codes carry one float32 scale per (position, KV head): x_hat = code * scale
 // (quant.kv_rows, kv_format "int8" / "fp8").
@@ -173,12 +175,12 @@ inline void store(float y, Fp8& out) {
   out.bits = sign | static_cast<uint8_t>(((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120u << 3));
 }
 
-// Pages of float32 or bfloat16 elements E, or row-scaled int8 / E4M3 codes with their scales;
-// q, the new rows and the results are float32.
+// Pages of float32 or bfloat16 elements E, row-scaled int8 / E4M3 codes with their scales, or
+// NVFP4 codes; q, the new rows and the results are float32.
 template <typename E>
 struct Problem {
   const float* q;      // [T, Hq, D]
-  Ptr<E> k, v;         // pages [P, ps, Hkv, D]
+  Ptr<E> k, v;         // pages [P, ps, Hkv, D] (NVFP4: a view of the codes and block scales)
   const float* sinks;  // [Hq] or null
   const int32_t *tables, *seq, *pos;  // [S, W], [T], [T]
   float *out, *lse;                   // [T, Hq, D], [T, Hq]
@@ -252,7 +254,7 @@ inline __m512 load16(const Fp8* x) {
 
 // 16 NVFP4 elements from a multiple of 16 (one block): the 8 bytes' nibbles spread over the
 // lanes, looked up in the E2M1 table, times the block's E4M3 scale.
-inline __m512 load16(const Fp4Ptr& x) {
+inline __m512 load16(const Nvfp4Ptr& x) {
   const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x.packed + x.e / 2));
   const __m512i pairs = _mm512_permutexvar_epi32(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
                                                  _mm512_cvtepu8_epi32(eight));  // lane i: byte i / 2
@@ -306,7 +308,7 @@ inline __m512 sum16(const __m512* a) {
 template <typename T>
 void scores16(const Problem<T>& p, const float* q, const int64_t* rows, int64_t n, int64_t ns, const float* kscale,
               float* tile, float* scores) {
-  constexpr bool decode_once = std::is_same_v<T, Fp4>;
+  constexpr bool decode_once = std::is_same_v<T, Nvfp4>;
   const int64_t G = p.Hq / p.Hkv, D = p.D;
   const __m512 scale = _mm512_set1_ps(p.sm_scale);
   for (int64_t i0 = 0; i0 < ns; i0 += 16) {
@@ -381,7 +383,7 @@ struct Part {
 
 // A thread's buffers: each position's row offset in the pages (the same in K and V; the row
 // holds every KV head, Hkv * D elements), the scores [Hq, n] and, for row-scaled codes, each
-// position's K and V scales [Hkv, n].
+// position's K and V scales [Hkv, n], and (NVFP4) a KV head's rows decoded for scores16 [16, D].
 struct Scratch {
   std::vector<int64_t> rows;
   std::vector<float> scores, kscale, vscale, tile;
@@ -475,7 +477,7 @@ void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
   const float* vscale = kScaled<T> ? s.vscale.data() : nullptr;
 #if defined(__AVX512F__)
   if (D % 16 == 0) {
-    s.tile.resize(16 * D);
+    if constexpr (std::is_same_v<T, Nvfp4>) s.tile.resize(16 * D);
     scores16(p, q, s.rows.data(), n, ns, kscale, s.tile.data(), scores);
   } else
 #endif
@@ -575,26 +577,26 @@ std::atomic<CrewRun> crew_run{nullptr};
 std::atomic<int64_t> crew_calls{0};  // calls whose items the crew ran (KvfoldDecodeAttentionCrewCalls)
 constexpr int64_t kPoolWork = int64_t{1} << 18;  // positions * query heads * head_dim
 
-// One KV head's new row x [D] into its page slot sh (position slot * Hkv + head) of the pages
-// (and their scales): as is; as quant.kv_rows quantizes it (row-scaled codes: scale = absmax *
+// One KV head's new row x [D] into the pages (and their scales) at slot_head, its position's
+// slot * Hkv + head: as is; as quant.kv_rows quantizes it (row-scaled codes: scale = absmax *
 // (1 / qmax), codes of x * (1 / scale), x * 1 for an all-zero row: the float32 operations
 // XLA:CPU runs there); or as quant.nvfp4_quantize at tensor scale 1 (per 16: the E4M3 scale of
 // absmax * (1 / 6), each code the nearest E2M1 value of x over the rounded scale, found by
 // comparing |x| with the midpoints times it, ties to the even code, 0 under a scale <= 0 or
 // NaN).
 template <typename T>
-void store_row(const float* x, int64_t D, void* pages, void* scales, int64_t sh) {
+void store_row(const float* x, int64_t D, void* pages, void* scales, int64_t slot_head) {
   const auto absmax = [](const float* x, int64_t n) {  // NaN if any is
     float amax = 0.0f;
     for (int64_t d = 0; d < n; ++d)
       amax = std::isnan(x[d]) || std::isnan(amax) ? NAN : std::max(amax, std::fabs(x[d]));
     return amax;
   };
-  if constexpr (std::is_same_v<T, Fp4>) {
+  if constexpr (std::is_same_v<T, Nvfp4>) {
     constexpr float kMid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
     constexpr bool kUp[7] = {false, true, false, true, false, true, false};
-    uint8_t* packed = static_cast<uint8_t*>(pages) + sh * D / 2;
-    Fp8* block_scales = static_cast<Fp8*>(scales) + sh * D / 16;
+    uint8_t* packed = static_cast<uint8_t*>(pages) + slot_head * D / 2;
+    Fp8* block_scales = static_cast<Fp8*>(scales) + slot_head * D / 16;
     for (int64_t b = 0; b < D / 16; ++b) {
       store(absmax(x + 16 * b, 16) * (1.0f / 6.0f), block_scales[b]);
       const float scale = e4m3_value(block_scales[b].bits);
@@ -608,14 +610,14 @@ void store_row(const float* x, int64_t D, void* pages, void* scales, int64_t sh)
       for (int j = 0; j < 8; ++j) packed[8 * b + j] = static_cast<uint8_t>(codes[2 * j] | codes[2 * j + 1] << 4);
     }
   } else if constexpr (kScaled<T>) {
-    T* codes = static_cast<T*>(pages) + sh * D;
-    float& scale = static_cast<float*>(scales)[sh];
+    T* codes = static_cast<T*>(pages) + slot_head * D;
+    float& scale = static_cast<float*>(scales)[slot_head];
     const float qmax = std::is_same_v<T, int8_t> ? 127.0f : 448.0f;
     scale = absmax(x, D) * (1.0f / qmax);
     const float inv = 1.0f / (scale > 0.0f ? scale : 1.0f);
     for (int64_t d = 0; d < D; ++d) store(x[d] * inv, codes[d]);
   } else {
-    T* row = static_cast<T*>(pages) + sh * D;
+    T* row = static_cast<T*>(pages) + slot_head * D;
     for (int64_t d = 0; d < D; ++d) store(x[d], row[d]);
   }
 }
@@ -663,12 +665,12 @@ void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const ffi::Buffer
   auto shared = std::make_shared<Shared<T>>();
   Problem<T>& p = shared->p;
   const auto view = [](void* pages, void* scales) -> Ptr<T> {
-    if constexpr (std::is_same_v<T, Fp4>)
-      return Fp4Ptr{static_cast<const uint8_t*>(pages), static_cast<const uint8_t*>(scales), 0};
+    if constexpr (std::is_same_v<T, Nvfp4>)
+      return Nvfp4Ptr{static_cast<const uint8_t*>(pages), static_cast<const uint8_t*>(scales), 0};
     else
       return static_cast<const T*>(pages);
   };
-  const bool scaled = kScaled<T>;
+  constexpr bool scaled = kScaled<T>;
   p = Problem<T>{q.typed_data(), view(kp, ks), view(vp, vs), sinks, block_tables.typed_data(), nullptr, nullptr, out,
                  lse, T_, Hq, Hkv, D, P, ps, S, bd[1], sliding_window, sm_scale, soft_cap,
                  scaled ? static_cast<const float*>(ks) : nullptr, scaled ? static_cast<const float*>(vs) : nullptr};
@@ -775,7 +777,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   else if (type == Type::F8E4M3FN)
     go(Fp8{});
   else
-    go(Fp4{});
+    go(Nvfp4{});
   return ffi::Error::Success();
 }
 

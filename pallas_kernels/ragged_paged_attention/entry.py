@@ -73,8 +73,8 @@ def ragged_paged_attention(
         tree), the Triton ragged kernel (kernel_gpu.py) for other steps over float, int8
         or fp8 pages with power-of-two page_size and head_dim >= 16, and the XLA path
         otherwise; on CPU the C++ kernel (cpu.py) for decode-only steps of float32 q
-        over float32 or bfloat16 pages or int8 / fp8 ones (kv_format), the XLA path
-        (xla.py) for the rest.
+        over float32 or bfloat16 pages, int8 / fp8 ones or NVFP4 ones without a tensor
+        scale (kv_format), the XLA path (xla.py) for the rest.
 
     Returns:
       out [total_q_tokens, num_q_heads, head_dim] in q.dtype, lse f32 [total_q_tokens,
@@ -144,7 +144,7 @@ def ragged_paged_attention(
         block_q = 16 if max_q_len is None else min(16, 1 << (max_q_len - 1).bit_length())
         gpu = _at_page_dtype(mixed, ragged_paged_attention_gpu, block_q=block_q, **static)
     native = (bind(cpu.ragged_decode_cpu, **static)
-              if cpu.supports(q, k_pages, static["variant"], tree, fmt, max_q_len) else None)
+              if cpu.supports(q, k_pages, v_pages, static["variant"], tree, fmt, max_q_len) else None)
     if interpret is True:
         interpret = pltpu.InterpretParams()
     return dispatch(

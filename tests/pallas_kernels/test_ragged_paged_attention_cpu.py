@@ -6,6 +6,7 @@ int8 / fp8 row-scaled ones or NVFP4 ones, nothing else."""
 from __future__ import annotations
 
 import ctypes
+import platform
 
 import jax
 import jax.numpy as jnp
@@ -109,7 +110,9 @@ PORTABLE = "kvfold_decode_attention_portable"
 @pytest.fixture(scope="module")
 def portable():
     """The kernel built without AVX-512 (the plain loops, and E4M3 read at its own scale),
-    registered under its own FFI name."""
+    registered under its own FFI name (an x86-64 build: skipped on other hosts)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the portable build targets x86-64-v2")
     flags = tuple(f for f in cpu_ffi.FLAGS if f != "-march=native") + ("-march=x86-64-v2",)
     cpu_ffi.register(cpu_ffi.build(cpu.SOURCE, "the portable CPU decode-attention kernel", flags=flags), PORTABLE,
                      cpu.KERNEL.symbol)
@@ -337,3 +340,45 @@ def test_mismatched_buffers_are_refused_by_the_kernel():
     with pytest.raises(Exception, match="lengths do not match"):
         cpu.decode_attention_cpu(q, k, v, k_pages, v_pages, table, cu[:1], kv_lens,
                                  sm_scale=0.1)[0].block_until_ready()
+
+
+def _raw_call(q, k, v, pages, scales, table, cu, kv_lens):
+    """The kernel's FFI target called with these page and scale buffers as they are (what
+    decode_attention_cpu's own checks would stop first)."""
+    like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    call = jax.ffi.ffi_call(cpu.TARGET, (like(q), jax.ShapeDtypeStruct(q.shape[:2], jnp.float32), like(pages),
+                                         like(pages), like(scales), like(scales)))
+    return call(q, k, v, pages, pages, scales, scales, table, cu, kv_lens, jnp.zeros((1,), jnp.float32),
+                sm_scale=np.float32(0.1), sliding_window=np.int64(0), soft_cap=np.float32(0),
+                has_sinks=np.int64(0))[0].block_until_ready()
+
+
+def test_low_bit_buffers_that_do_not_fit_are_refused_by_the_kernel():
+    """Packed uint8 pages are read as NVFP4 only beside float8_e4m3fn scales of head_dim / 16
+    per row: MXFP4's uint8 scales, float32 ones or a wrong count are refused, as are row
+    scales of the wrong count beside int8 codes; NVFP4 pages with a tensor scale (or int8
+    codes without their RowQuantized) are a ValueError before the kernel, and the entry
+    keeps them on the XLA path."""
+    args, _ = _decode_batch(4, [3, 6], head_dim=32)
+    q, k, v, k_pages, v_pages, table, cu, kv_lens = args
+    nvfp4 = kv_formats.resolve("nvfp4").quantize(k_pages)
+    mxfp4 = kv_formats.resolve("mxfp4").quantize(k_pages)
+    int8 = kv_formats.resolve("int8").quantize(k_pages)
+    for scales in (mxfp4.scales, nvfp4.scales.astype(jnp.float32), nvfp4.scales[..., :1]):
+        with pytest.raises(Exception, match="NVFP4 pages float8_e4m3fn"):
+            _raw_call(q, k, v, nvfp4.packed, scales, table, cu, kv_lens)
+    with pytest.raises(Exception, match="int8 / fp8 pages need float32 scales"):
+        _raw_call(q, k, v, int8.codes, int8.scales[:1], table, cu, kv_lens)
+    scaled = nvfp4._replace(tensor_scale=jnp.float32(0.5))
+    with pytest.raises(ValueError, match="without a tensor scale"):
+        cpu.decode_attention_cpu(q, k, v, scaled, scaled, table, cu, kv_lens, sm_scale=0.1, kv_format="nvfp4")
+    with pytest.raises(ValueError, match="not k_pages ndarray|not k_pages ArrayImpl"):
+        cpu.decode_attention_cpu(q, k, v, int8.codes, int8.codes, table, cu, kv_lens, sm_scale=0.1,
+                                 kv_format="int8")
+    step = args[:3] + (scaled, scaled) + args[5:]
+    assert cpu.TARGET not in _lowered(step, max_q_len=1, kv_format="nvfp4")
+    want = ragged_paged_attention(*step, kv_format="nvfp4")  # the dense reference
+    got = ragged_paged_attention(*step, max_q_len=1, kv_format="nvfp4")
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(g.astype(jnp.float32), w.astype(jnp.float32))
+

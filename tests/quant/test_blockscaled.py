@@ -57,7 +57,7 @@ def test_nvfp4_matches_float64_oracle():
     blocks = x.reshape(64, -1, 16)
     ts = np.float32(np.abs(x).max()) / np.float32(448 * 6)
     amax = np.abs(blocks).max(-1)
-    sb = (amax / (np.float32(6) * ts)).astype(np.float64).clip(0, 448).astype(E4M3)
+    sb = (amax * (np.float32(1) / (np.float32(6) * ts))).astype(np.float64).clip(0, 448).astype(E4M3)
     denom = sb.astype(np.float32) * ts  # f32, as stored
     # A block far below the tensor amax gets block scale 0 (E4M3 underflow): codes 0.
     safe = np.where(denom > 0, denom, 1).astype(np.float64)[..., None]
@@ -74,7 +74,7 @@ def test_nvfp4_fixed_tensor_scale_for_kv_rows():
     x = rng.standard_normal((8, 64)).astype(np.float32)
     q = quant.nvfp4_quantize(jnp.asarray(x), tensor_scale=1.0)
     assert float(q.tensor_scale) == 1.0
-    sb = (np.abs(x.reshape(8, 4, 16)).max(-1) / 6).astype(E4M3)
+    sb = (np.abs(x.reshape(8, 4, 16)).max(-1) * (np.float32(1) / np.float32(6))).astype(E4M3)
     np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8), sb.view(np.uint8))
     # Rows quantize independently with a fixed tensor scale: row 3 alone gives the same bytes.
     q3 = quant.nvfp4_quantize(jnp.asarray(x[3:4]), tensor_scale=1.0)

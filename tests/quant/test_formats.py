@@ -161,8 +161,8 @@ def test_e4m3_arithmetic_decode_equals_the_convert_on_every_code():
 
 def test_round_trip_finder_sees_a_rounding_cast_pair_through_reshapes_and_nested_jits():
     """The finder behind the next test: a planted f32 -> bf16 -> f32 pair is found directly,
-    through a reshape or a slice, across a nested jit and into a conditional's branch; a
-    lossless pair (bf16 -> f32 -> bf16) and a bitcast in between are not round trips."""
+    through a reshape or a slice, across a nested jit and into a conditional's branch or a
+    one-step scan; a lossless pair (bf16 -> f32 -> bf16) and a bitcast in between are not round trips."""
     x = jnp.ones((4, 8), jnp.float32)
     to_bf16 = jax.jit(lambda x: x.astype(jnp.bfloat16))
     assert rounding_round_trips(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), x) == [
@@ -173,6 +173,8 @@ def test_round_trip_finder_sees_a_rounding_cast_pair_through_reshapes_and_nested
     branch = lambda i, x: jax.lax.switch(i, [lambda y: y.astype(jnp.float32), lambda y: y.astype(jnp.float32) * 2],
                                          to_bf16(x))
     assert len(rounding_round_trips(branch, 0, x)) == 2  # one per branch
+    once = lambda x: jax.lax.scan(lambda c, y: (c, y.astype(jnp.float32)), 0.0, to_bf16(x)[None])[1]
+    assert len(rounding_round_trips(once, x)) == 1  # a scan of one step is inlined
     assert rounding_round_trips(lambda x: x.astype(jnp.float32).astype(jnp.bfloat16), x.astype(jnp.bfloat16)) == []
     assert rounding_round_trips(lambda x: formats.e4m3_decode_arith(formats.e4m3_encode(x)), x) == []
 
