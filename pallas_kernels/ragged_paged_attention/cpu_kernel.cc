@@ -69,23 +69,18 @@ struct Bf16 {
 };
 
 inline float to_float(float x) { return x; }
-inline float to_float(Bf16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// An FP8 E4M3 (fn) code of a row-scaled page (kv_format "fp8").
-struct Fp8 {
-  uint8_t bits;
-};
-
 inline float from_bits(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+
+inline float to_float(Bf16 x) { return from_bits(static_cast<uint32_t>(x.bits) << 16); }
+
+// An FP8 E4M3 (fn) code of a row-scaled page (kv_format "fp8").
+struct Fp8 {
+  uint8_t bits;
+};
 
 // What a row scale is multiplied by as it is read: 1, but 2^8 for E4M3 codes where AVX-512
 // reads them through float16 (load16(const Fp8*)) as 2^-8 times their values; every path
