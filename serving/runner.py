@@ -51,6 +51,7 @@ from model import lora as model_lora
 from model.deepseek import paged as paged_csa2
 from model.kv_cache import KVCache
 from model.transformer import lm_head
+from pallas_kernels.paged_attention.kv_formats import from_bits, to_bits
 from pallas_kernels.tree_mask import TreeMask, pack_mask
 from serving.draft_tree import DraftTree, TreeSpec
 from serving.engine import MIN_CHUNK_TOKENS, Row, RowResult, bucket
@@ -391,19 +392,21 @@ def _copy_pages(pool, src, dst):
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
 def _write_pages(pool, pages, data):
-    return jax.tree.map(lambda a, d: a.at[pages].set(d), pool, data)
+    # Leaves move as their bits (kv_formats.to_bits): byte-exact, bfloat16 NaN payloads too.
+    return jax.tree.map(lambda a, d: from_bits(to_bits(a).at[pages].set(to_bits(d.astype(a.dtype))), a.dtype),
+                        pool, data)
 
 
 @jax.jit
 def _read_pages(pool, pages):
-    return jax.tree.map(lambda a: a[pages], pool)
+    return jax.tree.map(lambda a: from_bits(to_bits(a)[pages], a.dtype), pool)
 
 
 def _rows_of(pool, pages):
     """Each of `pages` as one uint8 row: every pool leaf's bytes of that page, in leaf
     order (serving.kv_tiers.PageCodec's row, built on the device)."""
     n = pages.shape[0]
-    rows = jnp.concatenate([jax.lax.bitcast_convert_type(a[pages], jnp.uint8).reshape(n, -1)
+    rows = jnp.concatenate([jax.lax.bitcast_convert_type(to_bits(a)[pages], jnp.uint8).reshape(n, -1)
                             for a in jax.tree.leaves(pool)], axis=1)
     return tuple(rows[i] for i in range(n))
 
@@ -418,7 +421,8 @@ def _write_rows(pool, pages, rows):
         shape, width = a.shape[1:], a.dtype.itemsize
         size = math.prod(shape) * width
         part = rows[:, offset:offset + size].reshape((rows.shape[0],) + shape + ((width,) if width > 1 else ()))
-        out.append(a.at[pages].set(jax.lax.bitcast_convert_type(part, a.dtype)))
+        bits = to_bits(a)
+        out.append(from_bits(bits.at[pages].set(jax.lax.bitcast_convert_type(part, bits.dtype)), a.dtype))
         offset += size
     return jax.tree.unflatten(treedef, out)
 

@@ -165,12 +165,16 @@ def _bits_dtype(dtype):
     return None
 
 
-def _to_bits(a):
+def to_bits(a):
+    """a as its unsigned-integer bits when it is a float narrower than 32 bits (see
+    _bits_dtype), else a itself: indexing and scatters move such bits unchanged, where
+    XLA:CPU's float path would also canonicalize NaN payloads."""
     bits = _bits_dtype(a.dtype)
     return a if bits is None else lax.bitcast_convert_type(a, bits)
 
 
-def _from_bits(a, dtype):
+def from_bits(a, dtype):
+    """Inverse of to_bits: bits back as `dtype` (a no-op when a already is)."""
     return a if a.dtype == jnp.dtype(dtype) else lax.bitcast_convert_type(a, dtype)
 
 
@@ -182,7 +186,7 @@ def gather(pages, page_ids):
     def one(a):
         if a.ndim < 3:
             return a
-        return _from_bits(_to_bits(a)[page_ids], a.dtype)
+        return from_bits(to_bits(a)[page_ids], a.dtype)
 
     return jax.tree.map(one, pages)
 
@@ -196,13 +200,13 @@ def _scatter_rows(pool, index, rows):
     always dropped row keeps it a real scatter (model/kv_cache.py scatter_rows says more).
     """
     n, page_size, *rest = pool.shape
-    flat = _to_bits(pool).reshape(n * page_size, *rest)
-    rows = _to_bits(rows.astype(pool.dtype))
+    flat = to_bits(pool).reshape(n * page_size, *rest)
+    rows = to_bits(rows.astype(pool.dtype))
     if index.shape[0] == 1:
         index = jnp.concatenate([index, jnp.full((1,), n * page_size, index.dtype)])
         rows = jnp.concatenate([rows, rows])
     flat = flat.at[index].set(rows, mode="drop")
-    return _from_bits(flat.reshape(pool.shape), pool.dtype)
+    return from_bits(flat.reshape(pool.shape), pool.dtype)
 
 
 class _Format:

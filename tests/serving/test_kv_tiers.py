@@ -50,12 +50,13 @@ def test_page_codec_round_trips_mixed_leaves():
         assert back[name].dtype == data[name].dtype
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8", "nvfp4", "turboquant-3.5"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8", "fp8", "nvfp4", "turboquant-3.5"])
 def test_pinned_rows_are_the_codecs_rows_and_write_back_bit_exactly(kv_cache_dtype):
     """The pinned host tier's rows, packed on the device (ModelRunner.read_rows), are
     byte for byte PageCodec's numpy rows of the same pages (so disk files are the same
     either way), live in pinned_host memory, and write_pages(upload_rows(...)) puts the
-    pages back unchanged, for pools of float, int8, fp8, NVFP4 and TurboQuant pages."""
+    pages back unchanged, for pools of float, bfloat16, int8, fp8, NVFP4 and TurboQuant
+    pages (random bytes: bfloat16 NaNs of every payload, which a float copy would change)."""
     from serving.runner import ModelRunner
 
     config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2,
