@@ -22,6 +22,19 @@ Fractional rates, two ways:
   f * D(b + 1) + (1 - f) * D(b) instead of the mean, so it pays wherever energy is skewed
   across channels (keys of LLMs: model/kv_formats.py says which channels it picks).
 
+Two options of the mse mode, for vectors whose energy is not spread like a random one's
+(LLM keys: one channel holds about a third of ||k||^2 on the default model, see
+model/kv_formats.py):
+
+- sparse=n keeps the n largest-magnitude channels of each vector outside the rotation
+  (their index uint8 and value bfloat16: dense-and-sparse quantization as in KVQuant,
+  Hooper et al., 2024). The rest, with those channels zeroed, is rotated and quantized, so
+  its error scales with the rest's norm instead of the outliers'.
+- rescale=True stores the scale ||x|| / ||c[idx]|| in place of ||x||, so ||x_hat|| =
+  ||x||. The Lloyd-Max reconstruction is shorter than x by about 1 - D/2 (D its distortion):
+  optimal for the vector's MSE, but it shrinks every attention score by that factor, and
+  the softmax flattens. Readers are unchanged: x_hat = scale * Pi^T c[idx] either way.
+
 Attention trick: <q, x_hat> = n * (<Pi q, c[idx]> + sqrt(pi/2)/d * ||r|| * <S q, sign>),
 so score() rotates and projects the query once instead of de-rotating every key.
 
@@ -47,7 +60,9 @@ _MAX_BITS = 8
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["idx", "norm", "qjl", "rnorm"], meta_fields=[]
+    jax.tree_util.register_dataclass,
+    data_fields=["idx", "norm", "qjl", "rnorm", "sparse_idx", "sparse_val"],
+    meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
 class TurboCodes:
@@ -57,13 +72,18 @@ class TurboCodes:
       first for fractional rates; zero bytes in prod mode at 1 bit);
     norm: float32 [...], ||x||;
     qjl: uint8 [..., d/8], packed sign bits of S r (bit 1 = +1), prod mode only, else None;
-    rnorm: float32 [...], ||r|| of the unit vector's residual, prod mode only, else None.
+    rnorm: float32 [...], ||r|| of the unit vector's residual, prod mode only, else None;
+    sparse_idx: uint8 [..., n], the channels kept outside the rotation (sparse=n), else None;
+    sparse_val: bfloat16 [..., n], their values, else None.
+    With sparse channels, norm is that of the rest (or its rescaled scale).
     """
 
     idx: jax.Array
     norm: jax.Array
     qjl: jax.Array | None = None
     rnorm: jax.Array | None = None
+    sparse_idx: jax.Array | None = None
+    sparse_val: jax.Array | None = None
 
     @property
     def nbytes(self) -> int:
@@ -73,7 +93,7 @@ class TurboCodes:
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["rotation", "projection", "centroids"],
-    meta_fields=["layout", "mode"],
+    meta_fields=["layout", "mode", "sparse", "rescale"],
 )
 @dataclasses.dataclass(frozen=True)
 class _Params:
@@ -85,6 +105,8 @@ class _Params:
     centroids: tuple[jax.Array, ...]  # per channel group, f32 [2**bits]
     layout: tuple[tuple[int, int, int], ...]  # per channel group: (start, size, bits)
     mode: str
+    sparse: int = 0  # channels per vector kept outside the rotation
+    rescale: bool = False  # store ||x|| / ||c[idx]|| so that ||x_hat|| = ||x||
 
 
 @functools.lru_cache(maxsize=64)
@@ -97,15 +119,18 @@ def _random_matrices(dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class TurboQuant:
-    """TurboQuant(dim, bits, mode="mse" | "prod", seed=0).
+    """TurboQuant(dim, bits, mode="mse" | "prod", seed=0, sparse=0, rescale=False).
 
     dim: vector length d (>= 2). bits: bits per coordinate, a multiple of 0.5 in
     [1, 8]; prod mode spends 1 of them on QJL, so its bits must be 1 or >= 2.
     Every group of coordinates must pack into whole bytes (size * bits % 8 == 0; any
-    d that is a multiple of 16 works). seed fixes Pi and S.
+    d that is a multiple of 16 works). seed fixes Pi and S. sparse (channels kept
+    outside the rotation, 0 <= sparse < d <= 256) and rescale: mse mode only, see the
+    module docstring.
     """
 
-    def __init__(self, dim: int, bits: float, mode: str = "mse", seed: int = 0):
+    def __init__(self, dim: int, bits: float, mode: str = "mse", seed: int = 0, sparse: int = 0,
+                 rescale: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not isinstance(dim, (int, np.integer)) or dim < 2:
@@ -119,7 +144,14 @@ class TurboQuant:
             raise ValueError(f"fractional bits split the channels in half: dim must be even, got {dim}")
         if mode == "prod" and dim % 8:
             raise ValueError(f"prod mode packs d sign bits into bytes: dim must divide by 8, got {dim}")
+        if not isinstance(sparse, (int, np.integer)) or not 0 <= sparse < dim:
+            raise ValueError(f"sparse must be an integer in [0, dim={dim}), got {sparse!r}")
+        if (sparse or rescale) and mode != "mse":
+            raise ValueError("sparse and rescale are options of mode='mse'")
+        if sparse and dim > 256:
+            raise ValueError(f"sparse channels are indexed by uint8: dim must be <= 256, got {dim}")
         self.dim, self.bits, self.mode, self.seed = int(dim), float(bits), mode, int(seed)
+        self.sparse, self.rescale = int(sparse), bool(rescale)
 
         if mse_bits.is_integer():
             layout = ((0, self.dim, int(mse_bits)),)
@@ -138,6 +170,8 @@ class TurboQuant:
             centroids=tuple(jnp.asarray(sphere_codebook(self.dim, b), jnp.float32) for _, _, b in layout),
             layout=layout,
             mode=mode,
+            sparse=self.sparse,
+            rescale=self.rescale,
         )
 
     @property
@@ -151,7 +185,8 @@ class TurboQuant:
         return self._params.projection
 
     def __repr__(self) -> str:
-        return f"TurboQuant(dim={self.dim}, bits={self.bits:g}, mode={self.mode!r}, seed={self.seed})"
+        extra = (f", sparse={self.sparse}" if self.sparse else "") + (", rescale=True" if self.rescale else "")
+        return f"TurboQuant(dim={self.dim}, bits={self.bits:g}, mode={self.mode!r}, seed={self.seed}{extra})"
 
     def _check(self, x: jax.Array, what: str) -> jax.Array:
         x = jnp.asarray(x)
@@ -160,8 +195,9 @@ class TurboQuant:
         return x.astype(jnp.float32)
 
     def _check_codes(self, codes: TurboCodes) -> TurboCodes:
-        if not isinstance(codes, TurboCodes) or (codes.qjl is None) != (self.mode == "mse"):
-            raise ValueError(f"codes were not made by a {self.mode}-mode TurboQuant")
+        if (not isinstance(codes, TurboCodes) or (codes.qjl is None) != (self.mode == "mse")
+                or (codes.sparse_idx is None) != (self.sparse == 0)):
+            raise ValueError(f"codes were not made by this {self.mode}-mode TurboQuant: {self!r}")
         return codes
 
     def quantize(self, x: jax.Array) -> TurboCodes:
@@ -196,15 +232,18 @@ class SplitCodes:
 
 
 class TurboQuantSplit:
-    """TurboQuantSplit(dim, bits, outliers, seed=0): the paper's fractional rate.
+    """TurboQuantSplit(dim, bits, outliers, seed=0, sparse=0, rescale=False): the paper's
+    fractional rate.
 
     bits = b + 0.5 (b in 1..7); outliers: dim / 2 distinct channel indices in [0, dim),
     quantized by an mse-mode TurboQuant(dim / 2, b + 1, seed) after being gathered in the
     given order; the other channels (ascending) by TurboQuant(dim / 2, b, seed + 1). Each
     half keeps its own norm. dim must divide by 16 so both halves pack into whole bytes.
+    sparse and rescale go to both halves (each keeps its own `sparse` largest channels).
     """
 
-    def __init__(self, dim: int, bits: float, outliers, seed: int = 0):
+    def __init__(self, dim: int, bits: float, outliers, seed: int = 0, sparse: int = 0,
+                 rescale: bool = False):
         if not isinstance(dim, (int, np.integer)) or dim < 16 or dim % 16:
             raise ValueError(f"TurboQuantSplit needs dim divisible by 16, got {dim!r}")
         if not (isinstance(bits, (int, float)) and 1 < bits < _MAX_BITS and bits % 1 == 0.5):
@@ -215,15 +254,17 @@ class TurboQuantSplit:
         self.dim, self.bits, self.seed = int(dim), float(bits), int(seed)
         self.outliers = out
         self.regular = tuple(c for c in range(self.dim) if c not in set(out))
-        self.hi = TurboQuant(self.dim // 2, math.ceil(bits), "mse", seed)
-        self.lo = TurboQuant(self.dim // 2, math.floor(bits), "mse", seed + 1)
+        self.hi = TurboQuant(self.dim // 2, math.ceil(bits), "mse", seed, sparse, rescale)
+        self.lo = TurboQuant(self.dim // 2, math.floor(bits), "mse", seed + 1, sparse, rescale)
+        self.sparse, self.rescale = self.hi.sparse, self.hi.rescale
         # x_hat = concat(hi, lo)[..., inverse] puts every channel back where it came from.
         self._order = np.asarray(out + self.regular)
         self.inverse = tuple(int(i) for i in np.argsort(self._order))
 
     def __repr__(self) -> str:
+        extra = (f", sparse={self.sparse}" if self.sparse else "") + (", rescale=True" if self.rescale else "")
         return (f"TurboQuantSplit(dim={self.dim}, bits={self.bits:g}, "
-                f"outliers={self.outliers}, seed={self.seed})")
+                f"outliers={self.outliers}, seed={self.seed}{extra})")
 
     def quantize(self, x: jax.Array) -> SplitCodes:
         """Float [..., d] -> SplitCodes (leading shape [...])."""
@@ -238,7 +279,7 @@ class TurboQuantSplit:
     def dequantize(self, codes: SplitCodes) -> jax.Array:
         """SplitCodes -> x_hat float32 [..., d]."""
         if not isinstance(codes, SplitCodes):
-            raise ValueError("codes were not made by a TurboQuantSplit")
+            raise ValueError(f"codes were not made by this {self.mode}-mode TurboQuant: {self!r}")
         both = jnp.concatenate([self.hi.dequantize(codes.outlier), self.lo.dequantize(codes.regular)], -1)
         return both[..., np.asarray(self.inverse)]
 
@@ -264,24 +305,44 @@ def _qjl_scale(p: _Params) -> float:
     return math.sqrt(math.pi / 2) / p.rotation.shape[0]
 
 
+def _sparse_split(p: _Params, x: jax.Array):
+    """x [..., d] -> (the rest: x with its p.sparse largest-magnitude channels zeroed,
+    their indices uint8 [..., n], their values bfloat16 [..., n])."""
+    _, idx = jax.lax.top_k(jnp.abs(x), p.sparse)
+    picked = jnp.any(idx[..., :, None] == jnp.arange(x.shape[-1]), axis=-2)
+    val = jnp.take_along_axis(x, idx, axis=-1)
+    return jnp.where(picked, 0.0, x), idx.astype(jnp.uint8), val.astype(jnp.bfloat16)
+
+
+def _sparse_dense(p: _Params, codes: TurboCodes) -> jax.Array:
+    """The sparse channels as a dense f32 [..., d] (zeros elsewhere)."""
+    onehot = codes.sparse_idx[..., :, None].astype(jnp.int32) == jnp.arange(p.rotation.shape[0])
+    return jnp.sum(jnp.where(onehot, codes.sparse_val[..., None].astype(jnp.float32), 0.0), axis=-2)
+
+
 @jax.jit
 def _quantize(p: _Params, x: jax.Array) -> TurboCodes:
+    sparse_idx = sparse_val = None
+    if p.sparse:
+        x, sparse_idx, sparse_val = _sparse_split(p, x)
     norm = jnp.linalg.norm(x, axis=-1)
     safe = jnp.where(norm > 0, norm, 1.0)[..., None]
     # Codes of the rotated unit vector (x R^T) / norm, found by comparing x R^T with
     # boundary * norm: no division, whose rounding on GPUs depends on the fusion (see
     # quant.formats.e2m1_encode_scaled), and full float32 for the rotation (not TF32).
     y = jnp.dot(x, p.rotation.T, precision=jax.lax.Precision.HIGHEST)
-    packed = []
+    packed, length2 = [], 0.0
     for (start, size, bits), c in zip(p.layout, p.centroids):
         if bits == 0:
             continue
         boundaries = 0.5 * (c[:-1] + c[1:])
         codes = jnp.sum(y[..., start : start + size, None] > boundaries * safe[..., None], axis=-1, dtype=jnp.int32)
         packed.append(pack_bits(codes, bits))
+        length2 = length2 + jnp.sum(c[codes] ** 2, axis=-1)
     idx = jnp.concatenate(packed, axis=-1) if packed else jnp.zeros((*x.shape[:-1], 0), jnp.uint8)
     if p.mode == "mse":
-        return TurboCodes(idx, norm)
+        scale = norm / jnp.sqrt(length2) if p.rescale else norm  # every codebook lacks 0: length2 > 0
+        return TurboCodes(idx, scale, sparse_idx=sparse_idx, sparse_val=sparse_val)
     r = x / safe - _rotated_centroids(p, idx) @ p.rotation
     signs = (r @ p.projection.T) >= 0
     return TurboCodes(idx, norm, pack_bits(signs, 1), jnp.linalg.norm(r, axis=-1))
@@ -292,7 +353,8 @@ def _dequantize(p: _Params, codes: TurboCodes) -> jax.Array:
     u = _rotated_centroids(p, codes.idx) @ p.rotation
     if p.mode == "prod":
         u = u + _qjl_scale(p) * codes.rnorm[..., None] * (_signs(p, codes) @ p.projection)
-    return codes.norm[..., None] * u
+    x = codes.norm[..., None] * u
+    return x + _sparse_dense(p, codes) if p.sparse else x
 
 
 @jax.jit
@@ -301,7 +363,10 @@ def _score(p: _Params, q: jax.Array, codes: TurboCodes) -> jax.Array:
     if p.mode == "prod":
         sq = jnp.einsum("...d,...nd->...n", q @ p.projection.T, _signs(p, codes))
         s = s + _qjl_scale(p) * codes.rnorm * sq
-    return s * codes.norm
+    s = s * codes.norm
+    if p.sparse:  # + sum_j q[idx_j] * val_j
+        s = s + jnp.einsum("...d,...nd->...n", q, _sparse_dense(p, codes))
+    return s
 
 
 def _unit(rng: np.random.Generator, n: int, d: int) -> np.ndarray:

@@ -29,6 +29,7 @@ so no dequantized cache is ever materialised. The XLA paths use the same object:
 | "mxfp4"     | quant.MXFP4               | packed uint8 [.., D/2], scales ue8m0 [.., D/32]  |
 | TurboQuant  | quant.TurboCodes          | idx uint8 [.., D*b/8], norm f32 [P, ps, H]       |
 | TQ split    | quant.SplitCodes          | outlier / regular: TurboCodes of D/2 channels    |
+|             |   (sparse=n)              |   + sparse_idx uint8, sparse_val bf16 [.., n]    |
 
 NVFP4's tensor scale. NVIDIA's recipe scales a whole tensor by amax / (448 * 6), but KV
 rows arrive a few at a time and no tensor amax exists, so pages are quantized with the
@@ -81,6 +82,14 @@ every 8-code group of each half's pack_bits stream. A group of 8 b-bit codes is 
 and code j lies in its bytes (b*j) // 8 and, when it straddles, the next one; those
 strided bytes are picked with a 0/1 matmul (like the block scales below), so widths
 that straddle bytes (3) read as well as 2 and 4.
+
+Sparse channels (TurboQuantSplit(sparse=n), the KV cache's formats): each half also keeps
+its n largest channels exact, x_hat = scale * Pi^T c[idx] + sum_j val_j e_{idx_j}. In
+the rotated basis the second term is sum_j val_j Pi[:, idx_j], so a tile adds val_j times
+the rows of Pi in its part at column idx_j, and keys and values alike stay in the basis
+the rest of the kernel works in. In the kernel that lookup is a select chain over the
+half's d/2 columns (the rotation's entries are trace-time constants; a kernel cannot
+capture an array); the XLA path gathers the columns.
 """
 
 from __future__ import annotations
@@ -92,6 +101,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from quant.blockscaled import MXFP4, NVFP4, mxfp4_quantize, nvfp4_quantize
@@ -492,7 +502,8 @@ def _lookup(codes, codebook, size):
 
 @dataclasses.dataclass(frozen=True)
 class TurboSplit(_Format):
-    """quant.TurboQuantSplit codes (outlier / regular channel halves); see the module docstring."""
+    """quant.TurboQuantSplit codes (outlier / regular channel halves, each with its sparse
+    channels when the quantizer has sparse > 0); see the module docstring."""
 
     tq: TurboQuantSplit  # hashed by identity: one compiled program per quantizer instance
     label: str = "turboquant_split"
@@ -501,34 +512,53 @@ class TurboSplit(_Format):
     def quantize(self, x):
         return self.tq.quantize(x)
 
+    def _halves(self, pages):
+        return ((pages.outlier, self.tq.hi), (pages.regular, self.tq.lo))
+
     def check(self, pages, head_dim, name):
         if self.tq.dim != head_dim:
             raise ValueError(f"TurboQuantSplit dim {self.tq.dim} != head_dim {head_dim}")
         if not isinstance(pages, SplitCodes):
             raise ValueError(f"{name} for a TurboQuantSplit kv_format must be quant.SplitCodes")
-        lead = None
-        for half, inst in (("outlier", self.tq.hi), ("regular", self.tq.lo)):
-            codes = getattr(pages, half)
-            if not isinstance(codes, TurboCodes) or codes.qjl is not None:
-                raise ValueError(f"{name}.{half} must be mse-mode quant.TurboCodes")
+        lead, n = None, self.tq.sparse
+        for half, (codes, inst) in zip(("outlier", "regular"), self._halves(pages)):
+            if (not isinstance(codes, TurboCodes) or codes.qjl is not None
+                    or (codes.sparse_idx is None) != (n == 0)):
+                raise ValueError(f"{name}.{half} must be mse-mode quant.TurboCodes "
+                                 f"{f'with {n} sparse channels' if n else 'without sparse channels'}")
             _check_leaf(f"{name}.{half}.idx", codes.idx, 4, inst.dim * int(inst.bits) // 8,
                         lead, jnp.uint8)
             lead = codes.idx.shape[:3]
             _check_leaf(f"{name}.{half}.norm", codes.norm, 3, None, lead, jnp.float32)
+            if n:
+                _check_leaf(f"{name}.{half}.sparse_idx", codes.sparse_idx, 4, n, lead, jnp.uint8)
+                _check_leaf(f"{name}.{half}.sparse_val", codes.sparse_val, 4, n, lead, jnp.bfloat16)
 
     def leaves(self, pages):
-        return (pages.outlier.idx, pages.outlier.norm, pages.regular.idx, pages.regular.norm)
+        out = []
+        for codes, _ in self._halves(pages):
+            out += [codes.idx, codes.norm]
+            if self.tq.sparse:
+                out += [codes.sparse_idx, codes.sparse_val]
+        return tuple(out)
 
     def extras(self):
         return tuple(jnp.asarray(sphere_codebook(inst.dim, int(inst.bits)), jnp.float32)
                      for inst in (self.tq.hi, self.tq.lo))
 
     def tile(self, get: Getter, part, extras, expand=_expand_blocks):
-        halves = []
+        halves, per_half = [], 4 if self.tq.sparse else 2
         for i, inst in enumerate((self.tq.hi, self.tq.lo)):
-            bits = int(inst.bits)
-            codes = group_codes(get(2 * i), bits, part)
-            halves.append(_lookup(codes, extras[i], 1 << bits) * get(2 * i + 1))
+            bits, first = int(inst.bits), per_half * i
+            codes = group_codes(get(first), bits, part)
+            half = _lookup(codes, extras[i], 1 << bits) * get(first + 1)
+            if self.tq.sparse:
+                rot = np.asarray(inst.rotation)[part :: self.parts].tolist()  # [d/2/parts][d/2] floats
+                idx, val = get(first + 2).astype(jnp.int32), get(first + 3).astype(jnp.float32)
+                for j in range(self.tq.sparse):
+                    column = jnp.concatenate([_lookup(idx[:, j : j + 1], row, len(row)) for row in rot], axis=1)
+                    half = half + val[:, j : j + 1] * column
+            halves.append(half)
         return jnp.concatenate(halves, axis=1)
 
     def dequantize(self, pages):
@@ -536,9 +566,9 @@ class TurboSplit(_Format):
 
     def rows(self, pages, part):
         """tile(part) in bulk: [outlier | regular] code `part` of every 8-code group, each
-        ||x|| c[code] in its half's rotated basis."""
+        ||x|| c[code] in its half's rotated basis (plus its sparse channels' Pi columns)."""
         halves = []
-        for codes, inst in ((pages.outlier, self.tq.hi), (pages.regular, self.tq.lo)):
+        for codes, inst in self._halves(pages):
             bits = int(inst.bits)
             first, shift = divmod(bits * part, 8)
             packed = codes.idx.astype(jnp.int32)
@@ -546,7 +576,11 @@ class TurboSplit(_Format):
             if shift + bits > 8:  # straddles into the group's next byte
                 word = word | (packed[..., first + 1::bits] << 8)
             codebook = jnp.asarray(sphere_codebook(inst.dim, bits), jnp.float32)
-            halves.append(codebook[(word >> shift) & ((1 << bits) - 1)] * codes.norm[..., None])
+            half = codebook[(word >> shift) & ((1 << bits) - 1)] * codes.norm[..., None]
+            if self.tq.sparse:  # + val_j * Pi[part rows, idx_j]: [..., n, d/2/parts] summed over n
+                columns = inst.rotation[part :: self.parts].T[codes.sparse_idx.astype(jnp.int32)]
+                half = half + jnp.sum(codes.sparse_val.astype(jnp.float32)[..., None] * columns, axis=-2)
+            halves.append(half)
         return jnp.concatenate(halves, axis=-1)
 
     def prepare_q(self, k_pages, q):
@@ -575,9 +609,10 @@ def resolve(kv_format: Any):
     if isinstance(kv_format, TurboQuantSplit):
         return TurboSplit(kv_format)
     if isinstance(kv_format, TurboQuant):
-        if kv_format.mode != "mse" or kv_format.bits not in TURBO_BITS:
+        if kv_format.mode != "mse" or kv_format.bits not in TURBO_BITS or kv_format.sparse:
             raise ValueError(
-                f"TurboQuant kv_format must be mode='mse' with bits in {TURBO_BITS}, got {kv_format}"
+                f"TurboQuant kv_format must be mode='mse' with bits in {TURBO_BITS} and no sparse "
+                f"channels (those are read for a TurboQuantSplit), got {kv_format}"
             )
         return Turbo(kv_format)
     if kv_format in ("int8", "fp8"):

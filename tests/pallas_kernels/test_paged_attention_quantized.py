@@ -22,9 +22,11 @@ from tests.pallas_kernels.helpers import assert_close, paged_inputs, spec
 
 D = 64
 TQ4, TQ1 = TurboQuant(D, 4, seed=3), TurboQuant(D, 1, seed=4)
-# The KV cache's turboquant-3.5 / -2.5: channel halves at 4 + 3 / 3 + 2 bits (3 straddles bytes).
+# The KV cache's turboquant-3.5 / -2.5: channel halves at 4 + 3 / 3 + 2 bits (3 straddles bytes);
+# 3.5 also with two sparse channels per half and rescaled norms (the cache keeps one per half).
 OUTLIERS = tuple(range(D // 4, D // 2)) + tuple(range(3 * D // 4, D))
-TQ35, TQ25 = TurboQuantSplit(D, 3.5, OUTLIERS, seed=5), TurboQuantSplit(D, 2.5, OUTLIERS[::-1], seed=6)
+TQ35 = TurboQuantSplit(D, 3.5, OUTLIERS, seed=5, sparse=2, rescale=True)
+TQ25 = TurboQuantSplit(D, 2.5, OUTLIERS[::-1], seed=6)
 FORMATS = {"int8": "int8", "fp8": "fp8", "nvfp4": "nvfp4", "mxfp4": "mxfp4", "tq4": TQ4, "tq1": TQ1,
            "tq3.5": TQ35, "tq2.5": TQ25}
 SINKS = (0.5, -1.0, 2.0, 0.0)
@@ -337,8 +339,14 @@ def _assert_same_turbo_codes(tq, got, want, x, tol=1e-5):
         _assert_same_turbo_codes(tq.lo, got.regular, want.regular, x[..., half:], tol)
         return
     x = np.asarray(x, np.float64)
+    if tq.sparse:  # the same channels kept aside, with the same values; the rest is rotated
+        np.testing.assert_array_equal(np.asarray(got.sparse_idx), np.asarray(want.sparse_idx))
+        np.testing.assert_array_equal(np.asarray(got.sparse_val, np.float32), np.asarray(want.sparse_val, np.float32))
+        x = x.copy()
+        np.put_along_axis(x, np.asarray(want.sparse_idx, np.int64), 0.0, axis=-1)
     norm = np.linalg.norm(x, axis=-1, keepdims=True)
-    np.testing.assert_allclose(np.asarray(got.norm), norm[..., 0], rtol=1e-6)
+    if not tq.rescale:  # rescaled norms depend on the codes: compared through dequantize below
+        np.testing.assert_allclose(np.asarray(got.norm), norm[..., 0], rtol=1e-6)
     y = x @ np.asarray(tq.rotation, np.float64).T
     offset = 0
     for (start, size, bits), c in zip(tq._params.layout, tq._params.centroids):

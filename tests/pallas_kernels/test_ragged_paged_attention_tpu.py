@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from model.kv_formats import rope_outlier_channels
+from model.kv_formats import turboquant
 from pallas_kernels import ragged_paged_attention
 from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.ragged_paged_attention import TreeMask, pack_mask
@@ -20,7 +20,6 @@ from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attent
 from pallas_kernels.ragged_paged_attention.ref import ragged_paged_attention_ref
 from pallas_kernels.variant import SOFTMAX
 from quant.blockscaled import nvfp4_quantize
-from quant.turboquant import TurboQuantSplit
 from pallas_kernels.lowering import export_tpu
 from tests.pallas_kernels.helpers import assert_close, spec
 
@@ -153,7 +152,7 @@ FORMATS = {
     "fp8": "fp8",
     "nvfp4": "nvfp4",
     "nvfp4-tensor-scale": "nvfp4",
-    "turboquant-3.5": TurboQuantSplit(D, 3.5, rope_outlier_channels(D), seed=0),
+    "turboquant-3.5": turboquant(D, 3.5),  # the cache's: sparse channels, rescaled
 }
 # (q_len, kv_len): a decode row; a chunk continuing a 7-token prefix across a page
 # boundary; a fresh 11-token prefill (two query tiles); a decode row opening page 3.

@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import ml_dtypes
 import pytest
 
 import quant
@@ -83,30 +84,41 @@ OUTLIERS = tuple(range(D // 4, D // 2)) + tuple(range(3 * D // 4, D))  # any hal
 
 
 def _split_reference(x, split):
-    """TurboQuantSplit in float64 numpy, from the paper's definition."""
+    """TurboQuantSplit in float64 numpy, from the paper's definition, with the sparse
+    channels (dense-and-sparse, KVQuant) and rescaled norms when the quantizer has them."""
     from quant.turboquant import _random_matrices
 
     out = np.empty_like(x)
     for channels, bits, seed in ((split.outliers, split.hi.bits, split.seed),
                                  (split.regular, split.lo.bits, split.seed + 1)):
-        part = x[:, channels]
+        part = x[:, channels].copy()
+        spikes = np.zeros_like(part)
+        if split.sparse:
+            top = np.argsort(-np.abs(part), axis=-1, kind="stable")[:, :split.sparse]
+            values = np.take_along_axis(part, top, -1)
+            np.put_along_axis(spikes, top, values.astype(ml_dtypes.bfloat16).astype(np.float64), -1)
+            np.put_along_axis(part, top, 0.0, -1)
         norm = np.linalg.norm(part, axis=-1, keepdims=True)
         pi, _ = _random_matrices(len(channels), seed)
         c = sphere_codebook(len(channels), int(bits))
         y = (part / norm) @ pi.T
-        out[:, channels] = norm * (c[np.argmin(np.abs(y[..., None] - c), -1)] @ pi)
+        centroids = c[np.argmin(np.abs(y[..., None] - c), -1)]
+        if split.rescale:
+            norm = norm / np.linalg.norm(centroids, axis=-1, keepdims=True)
+        out[:, channels] = norm * (centroids @ pi) + spikes
     return out
 
 
-@pytest.mark.parametrize("bits", [2.5, 3.5])
-def test_split_equals_float64_reference(bits):
-    split = quant.TurboQuantSplit(D, bits, OUTLIERS, seed=5)
+@pytest.mark.parametrize("bits, sparse, rescale", [(2.5, 0, False), (3.5, 0, False), (3.5, 1, True), (2.5, 3, False)])
+def test_split_equals_float64_reference(bits, sparse, rescale):
+    split = quant.TurboQuantSplit(D, bits, OUTLIERS, seed=5, sparse=sparse, rescale=rescale)
     x = np.random.default_rng(11).standard_normal((512, D)) * np.linspace(0.2, 3, D)
     codes = split.quantize(jnp.asarray(x, jnp.float32))
     hi, lo = math.ceil(bits), math.floor(bits)
     assert codes.outlier.idx.shape == (512, D // 2 * hi // 8)
     assert codes.regular.idx.shape == (512, D // 2 * lo // 8)
-    assert codes.nbytes == 512 * (D * bits / 8 + 8)  # + two f32 norms
+    # + two f32 norms, and per half `sparse` uint8 indices and bfloat16 values
+    assert codes.nbytes == 512 * (D * bits / 8 + 8 + 2 * sparse * 3)
     got = np.asarray(split.dequantize(codes), np.float64)
     want = _split_reference(x, split)
     # f32 rounding may flip a coordinate that sits on a codebook boundary.
@@ -131,6 +143,42 @@ def test_split_error_follows_the_outlier_energy(bits):
     assert rel < 0.6 * (hi + lo) / 2
 
 
+def test_sparse_channels_take_the_spike_out_of_the_error():
+    """Keys of LLMs carry a few channels far above the rest (model/kv_formats.py). With the
+    spike kept aside (bfloat16, relative error <= 2^-9) the rotated part's error scales with
+    the rest's norm: D(b) * ||rest||^2 instead of D(b) * ||x||^2."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4096, 64))
+    x[np.arange(4096), rng.integers(0, 64, 4096)] = 30.0 * rng.choice([-1, 1], 4096)
+    plain, sparse = quant.TurboQuant(64, 3), quant.TurboQuant(64, 3, sparse=1)
+    err = {}
+    for name, tq in (("plain", plain), ("sparse", sparse)):
+        got = np.asarray(tq.dequantize(tq.quantize(jnp.asarray(x, jnp.float32))), np.float64)
+        err[name] = np.mean(np.sum((got - x) ** 2, -1))
+    codes = sparse.quantize(jnp.asarray(x, jnp.float32))
+    np.testing.assert_array_equal(np.asarray(codes.sparse_idx[:, 0]), np.argmax(np.abs(x), -1))
+    rest2 = np.sum(x ** 2, -1) - np.max(x ** 2, -1)
+    d3 = sphere_codebook_mse(64, 3)
+    assert abs(err["plain"] / (d3 * np.mean(np.sum(x ** 2, -1))) - 1) < 0.1
+    assert abs(err["sparse"] / (d3 * np.mean(rest2)) - 1) < 0.1
+    assert err["sparse"] < err["plain"] / 10
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_rescale_keeps_the_norm_and_the_direction(bits):
+    """rescale=True: ||x_hat|| = ||x|| (Lloyd-Max alone shrinks it by about 1 - D/2), and
+    x_hat points where the unrescaled one does."""
+    x = np.random.default_rng(9).standard_normal((2048, D)) * 3
+    plain, rescaled = quant.TurboQuant(D, bits, seed=1), quant.TurboQuant(D, bits, seed=1, rescale=True)
+    a, b = (np.asarray(tq.dequantize(tq.quantize(jnp.asarray(x, jnp.float32))), np.float64)
+            for tq in (plain, rescaled))
+    norm = np.linalg.norm(x, axis=-1)
+    np.testing.assert_allclose(np.linalg.norm(b, axis=-1), norm, rtol=1e-5)
+    shrink = np.mean(np.linalg.norm(a, axis=-1) / norm)
+    assert abs(shrink - math.sqrt(1 - PAPER_MSE[bits])) < 0.02
+    np.testing.assert_allclose(b / norm[:, None], a / np.linalg.norm(a, axis=-1, keepdims=True), atol=1e-5)
+
+
 def test_split_validation():
     with pytest.raises(ValueError, match=r"b \+ 0.5"):
         quant.TurboQuantSplit(D, 3, OUTLIERS)
@@ -138,11 +186,18 @@ def test_split_validation():
         quant.TurboQuantSplit(D, 3.5, OUTLIERS[:-1] + (0, 0))
     with pytest.raises(ValueError, match="divisible by 16"):
         quant.TurboQuantSplit(40, 3.5, range(20))
+    with pytest.raises(ValueError, match=r"sparse must be an integer in \[0, dim=64\)"):
+        quant.TurboQuantSplit(D, 3.5, OUTLIERS, sparse=64)
+    with_sparse = quant.TurboQuantSplit(D, 3.5, OUTLIERS, sparse=1)
+    codes = quant.TurboQuantSplit(D, 3.5, OUTLIERS).quantize(jnp.ones((2, D)))
+    with pytest.raises(ValueError, match="codes were not made by this mse-mode TurboQuant"):
+        with_sparse.dequantize(codes)
 
 
-@pytest.mark.parametrize("mode", ["mse", "prod"])
+@pytest.mark.parametrize("mode", ["mse", "prod", "mse-sparse"])
 def test_score_equals_inner_product_with_dequantized_keys(mode):
-    tq = quant.TurboQuant(64, 3, mode=mode, seed=3)
+    sparse = mode == "mse-sparse"
+    tq = quant.TurboQuant(64, 3, mode=mode.removesuffix("-sparse"), seed=3, sparse=2 if sparse else 0, rescale=sparse)
     rng = np.random.default_rng(8)
     keys = jnp.asarray(rng.standard_normal((2, 4, 10, 64)) * 3, jnp.float32)  # [B, H, N, d], not unit
     q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
@@ -178,6 +233,14 @@ def test_turboquant_validation():
         quant.TurboQuant(100, 3)
     with pytest.raises(ValueError, match=r"float \[\.\.\., 128\]"):
         quant.TurboQuant(D, 2).quantize(jnp.zeros((3, 64)))
+    with pytest.raises(ValueError, match="options of mode='mse'"):
+        quant.TurboQuant(D, 3, mode="prod", sparse=1)
+    with pytest.raises(ValueError, match="options of mode='mse'"):
+        quant.TurboQuant(D, 3, mode="prod", rescale=True)
+    with pytest.raises(ValueError, match="sparse must be an integer"):
+        quant.TurboQuant(D, 3, sparse=-1)
+    with pytest.raises(ValueError, match="indexed by uint8"):
+        quant.TurboQuant(512, 3, sparse=1)
     with pytest.raises(ValueError, match="prod-mode"):
         quant.TurboQuant(D, 2, mode="prod").dequantize(quant.TurboQuant(D, 2).quantize(jnp.ones((1, D))))
     with pytest.raises(SystemExit):
