@@ -387,7 +387,10 @@ def _spec_step(params, config, page_size, draft_params, draft_config, spec, pool
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
 def _copy_pages(pool, src, dst):
-    return jax.tree.map(lambda a: a.at[dst].set(a[src]), pool)
+    def copy(a):  # as bits, like _write_pages
+        bits = to_bits(a)
+        return from_bits(bits.at[dst].set(bits[src]), a.dtype)
+    return jax.tree.map(copy, pool)
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))

@@ -75,9 +75,14 @@ def test_pinned_rows_are_the_codecs_rows_and_write_back_bit_exactly(kv_cache_dty
     np.testing.assert_array_equal(np.stack([np.asarray(r) for r in rows]), want)
     before = runner.read_pages([5, 2, 7])
     runner.write_pages([0, 1, 3], runner.upload_rows(rows))
-    after = runner.read_pages([0, 1, 3])
-    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    same = lambda a, b: all(np.array_equal(x.view(np.uint8), y.view(np.uint8))
+                            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    assert same(runner.read_pages([0, 1, 3]), before)
+    # Every other page move is byte-exact too: host pages (swap), device pages (transfer), copy-on-write.
+    runner.write_pages([4], runner.read_pages([5]))
+    runner.put_pages([6], runner.take_pages([2, 7]), start=1)
+    runner.copy_pages([(2, 3)])  # page 3 held page 7's bytes
+    assert same(runner.read_pages([4, 3, 6]), before)
 
 
 def test_auto_keeps_pinned_rows_on_accelerators_only():
