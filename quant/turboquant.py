@@ -30,8 +30,10 @@ model/kv_formats.py):
   (their index uint8 and value bfloat16: dense-and-sparse quantization as in KVQuant,
   Hooper et al., 2024). The rest, with those channels zeroed, is rotated and quantized, so
   its error scales with the rest's norm instead of the outliers'.
-- rescale=True stores the scale ||x|| / ||c[idx]|| in place of ||x||, so ||x_hat|| =
-  ||x||. The Lloyd-Max reconstruction is shorter than x by about 1 - D/2 (D its distortion):
+- rescale=True stores the scale n / ||c[idx]|| in place of n = ||x|| (of the rest, with
+  sparse channels), so the rotated part's reconstruction keeps that norm (x_hat as a whole
+  only nearly: the rest's reconstruction also has some error on the sparse channels). The
+  Lloyd-Max reconstruction is shorter by sqrt(1 - D), about 1 - D/2 (D its distortion):
   optimal for the vector's MSE, but it shrinks every attention score by that factor, and
   the softmax flattens. Readers are unchanged: x_hat = scale * Pi^T c[idx] either way.
 
@@ -279,7 +281,7 @@ class TurboQuantSplit:
     def dequantize(self, codes: SplitCodes) -> jax.Array:
         """SplitCodes -> x_hat float32 [..., d]."""
         if not isinstance(codes, SplitCodes):
-            raise ValueError(f"codes were not made by this {self.mode}-mode TurboQuant: {self!r}")
+            raise ValueError(f"codes were not made by this TurboQuantSplit: {self!r}")
         both = jnp.concatenate([self.hi.dequantize(codes.outlier), self.lo.dequantize(codes.regular)], -1)
         return both[..., np.asarray(self.inverse)]
 

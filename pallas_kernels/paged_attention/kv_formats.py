@@ -89,7 +89,9 @@ the rotated basis the second term is sum_j val_j Pi[:, idx_j], so a tile adds va
 the rows of Pi in its part at column idx_j, and keys and values alike stay in the basis
 the rest of the kernel works in. In the kernel that lookup is a select chain over the
 half's d/2 columns (the rotation's entries are trace-time constants; a kernel cannot
-capture an array); the XLA path gathers the columns.
+capture an array); the XLA path gathers the columns. A NaN or inf element of a row becomes
+its half's sparse channel, which quant's dequantize keeps to that channel but the rotated
+basis spreads over the half (as it spread the whole non-finite half before).
 """
 
 from __future__ import annotations
@@ -578,7 +580,9 @@ class TurboSplit(_Format):
             codebook = jnp.asarray(sphere_codebook(inst.dim, bits), jnp.float32)
             half = codebook[(word >> shift) & ((1 << bits) - 1)] * codes.norm[..., None]
             if self.tq.sparse:  # + val_j * Pi[part rows, idx_j]: [..., n, d/2/parts] summed over n
-                columns = inst.rotation[part :: self.parts].T[codes.sparse_idx.astype(jnp.int32)]
+                # An index past the half (only in bytes no write made) adds nothing, as in tile().
+                columns = inst.rotation[part :: self.parts].T.at[codes.sparse_idx.astype(jnp.int32)].get(
+                    mode="fill", fill_value=0.0)
                 half = half + jnp.sum(codes.sparse_val.astype(jnp.float32)[..., None] * columns, axis=-2)
             halves.append(half)
         return jnp.concatenate(halves, axis=-1)

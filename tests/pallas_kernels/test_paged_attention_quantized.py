@@ -3,6 +3,8 @@ validation, lowering, and that the kernel reads low-bit leaves only."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -326,6 +328,23 @@ def test_rows_in_the_kernels_basis_score_and_sum_like_dequantized_rows(name):
     summed = kv_formats.merge_parts(jnp.stack([p @ r for r in rows]))
     np.testing.assert_allclose(np.asarray(fmt.finish_out(pages, summed), np.float64),
                                np.asarray(p, np.float64) @ x_hat, rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_index_past_the_half_adds_nothing_in_rows_and_tile():
+    """A sparse index no write made (garbage bytes of a page) reads as no sparse channel in
+    the XLA path's rows and in the kernel's tile alike, not as a clamped channel."""
+    fmt = kv_formats.resolve(TQ35)
+    pages = fmt.quantize(jnp.asarray(np.random.default_rng(3).standard_normal((1, 8, 1, D)), jnp.float32))
+    bad = dataclasses.replace(pages, outlier=dataclasses.replace(
+        pages.outlier, sparse_idx=pages.outlier.sparse_idx.at[0, 2:5, 0, 1].set(200)))
+    none = dataclasses.replace(pages, outlier=dataclasses.replace(
+        pages.outlier, sparse_val=pages.outlier.sparse_val.at[0, 2:5, 0, 1].set(0)))
+    leaves = lambda p: [leaf[0, :, 0].reshape(8, -1) for leaf in fmt.leaves(p)]  # one page, one head
+    for part in range(fmt.parts):
+        want = np.asarray(fmt.rows(none, part))
+        np.testing.assert_array_equal(np.asarray(fmt.rows(bad, part)), want)
+        got = fmt.tile(lambda i, ls=leaves(bad): ls[i], part, fmt.extras())
+        np.testing.assert_allclose(np.asarray(got), want[0, :, 0], rtol=1e-6, atol=1e-6)
 
 
 def _assert_same_turbo_codes(tq, got, want, x, tol=1e-5):

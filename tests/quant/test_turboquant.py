@@ -192,6 +192,8 @@ def test_split_validation():
     codes = quant.TurboQuantSplit(D, 3.5, OUTLIERS).quantize(jnp.ones((2, D)))
     with pytest.raises(ValueError, match="codes were not made by this mse-mode TurboQuant"):
         with_sparse.dequantize(codes)
+    with pytest.raises(ValueError, match="codes were not made by this TurboQuantSplit"):
+        with_sparse.dequantize(codes.outlier)
 
 
 @pytest.mark.parametrize("mode", ["mse", "prod", "mse-sparse"])
