@@ -108,7 +108,7 @@ class _Params:
     layout: tuple[tuple[int, int, int], ...]  # per channel group: (start, size, bits)
     mode: str
     sparse: int = 0  # channels per vector kept outside the rotation
-    rescale: bool = False  # store ||x|| / ||c[idx]|| so that ||x_hat|| = ||x||
+    rescale: bool = False  # store n / ||c[idx]||: the rotated part keeps its norm n
 
 
 @functools.lru_cache(maxsize=64)
@@ -118,6 +118,11 @@ def _random_matrices(dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     q, r = np.linalg.qr(rng.standard_normal((dim, dim)))
     pi = q * np.sign(np.diag(r))  # the sign fix makes the distribution exactly Haar
     return pi, rng.standard_normal((dim, dim))
+
+
+def _options(tq) -> str:
+    """The repr tail of a quantizer's non-default sparse / rescale options."""
+    return (f", sparse={tq.sparse}" if tq.sparse else "") + (", rescale=True" if tq.rescale else "")
 
 
 class TurboQuant:
@@ -187,8 +192,7 @@ class TurboQuant:
         return self._params.projection
 
     def __repr__(self) -> str:
-        extra = (f", sparse={self.sparse}" if self.sparse else "") + (", rescale=True" if self.rescale else "")
-        return f"TurboQuant(dim={self.dim}, bits={self.bits:g}, mode={self.mode!r}, seed={self.seed}{extra})"
+        return f"TurboQuant(dim={self.dim}, bits={self.bits:g}, mode={self.mode!r}, seed={self.seed}{_options(self)})"
 
     def _check(self, x: jax.Array, what: str) -> jax.Array:
         x = jnp.asarray(x)
@@ -264,9 +268,8 @@ class TurboQuantSplit:
         self.inverse = tuple(int(i) for i in np.argsort(self._order))
 
     def __repr__(self) -> str:
-        extra = (f", sparse={self.sparse}" if self.sparse else "") + (", rescale=True" if self.rescale else "")
         return (f"TurboQuantSplit(dim={self.dim}, bits={self.bits:g}, "
-                f"outliers={self.outliers}, seed={self.seed}{extra})")
+                f"outliers={self.outliers}, seed={self.seed}{_options(self)})")
 
     def quantize(self, x: jax.Array) -> SplitCodes:
         """Float [..., d] -> SplitCodes (leading shape [...])."""
