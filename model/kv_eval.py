@@ -6,6 +6,9 @@ It lives in model/ (not quant/) because it runs the model: quant imports nothing
 One row per kv_cache_dtype (model/kv_formats.py), all from one batched prefill per format
 (every query reads the cache after the chunk's write, so it sees the stored codes):
 
+Quantized pages hold keys minus their layer's mean key, as LLM stores them
+(model/key_centers.py: the centers come from other topics of the same documentation).
+
 - B/token: page-pool bytes one token takes over all layers, K and V, every kv head;
   B/seq: fixed bytes per sequence outside the pages (KIVI's exact newest page).
 - ppl, dppl: perplexity of the first `tokens` tokens of Python's own documentation
@@ -34,7 +37,8 @@ from model import compile_cache
 from model.config import SLIDING_ATTENTION, ModelConfig
 from model.context import ForwardContext
 from model.kv_cache import slot_mapping
-from model.kv_formats import KV_CACHE_DTYPES, bytes_per_token, recent_bytes_per_seq
+from model.key_centers import documentation_text, for_kv_cache
+from model.kv_formats import FLOAT_FORMATS, KV_CACHE_DTYPES, bytes_per_token, recent_bytes_per_seq
 from model.layers import attention_block, rms_norm
 from model.rope import rope_tables
 from model.tokenizer import Tokenizer
@@ -51,9 +55,7 @@ _ANSWER_PREFIX = "The secret number is"
 
 def documentation_ids(tokenizer: Tokenizer, num_tokens: int) -> list[int]:
     """The first `num_tokens` tokens of pydoc_data.topics, topics in sorted order."""
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics))
+    text = documentation_text()
     # Tokenizing all ~465k characters takes seconds; a prefix does, bar its cut last words.
     for size in (8 * num_tokens + 256, len(text)):
         ids = tokenizer.encode(text[:size], add_special_tokens=False)
@@ -145,14 +147,18 @@ def evaluate(config: ModelConfig, params, tokenizer: Tokenizer, formats=DEFAULT_
     tokens = jnp.asarray([documentation_ids(tokenizer, num_tokens)] + [p + a for p, a in examples],
                          jnp.int32)
     answers = np.asarray([a for _, a in examples])
-    base = None
+    base, centered = None, None
     for name in (BASELINE,) + tuple(f for f in formats if f != BASELINE):
         start = time.perf_counter()
-        nll, greedy, residuals = _score(params, config, tokens, name, answer_len)
+        run = params
+        if name not in FLOAT_FORMATS:  # as LLM runs them: centered keys (model/key_centers.py)
+            centered = centered or for_kv_cache(params, config, tokenizer, name)
+            run = centered
+        nll, greedy, residuals = _score(run, config, tokens, name, answer_len)
         if base is None:
             base_residuals = residuals
             base_attention = attention_outputs(params, config, residuals, BASELINE)
-        attn = attention_outputs(params, config, base_residuals, name)
+        attn = attention_outputs(run, config, base_residuals, name)
         ppl = float(np.exp(np.mean(np.asarray(nll, np.float64))))
         row = {"kv_cache_dtype": name, "bytes_per_token": bytes_per_token(name, config),
                "bytes_per_seq": recent_bytes_per_seq(name, config), "ppl": ppl,

@@ -174,6 +174,8 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
         k = rms_norm(k, params["k_norm"], config.rms_norm_eps)
     cos, sin = ctx.rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if "k_center" in params:  # the same scores up to one shift per query (model/key_centers.py)
+        k = k - params["k_center"].reshape(config.num_kv_heads, hd).astype(k.dtype)
     pages = kernel_pages(cache)
     if pages is None:
         cache = write_kv(cache, k, v, ctx)

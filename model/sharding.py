@@ -56,7 +56,7 @@ TENSOR = (EXPERT, MODEL)  # the axes a tensor-parallel split spans: tp = ep * (t
 # Layer weights by how they split: output columns, input rows, or a per-head vector.
 _COLUMN = ("wq", "wk", "wv", "w_gate", "w_up", "shared_gate", "shared_up")
 _ROW = ("wo", "w_down", "shared_down")
-_HEAD_VECTOR = ("bq", "bk", "bv", "sinks")
+_HEAD_VECTOR = ("bq", "bk", "bv", "sinks", "k_center")
 
 
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None,
@@ -155,7 +155,7 @@ def expand_kv_heads(config: ModelConfig, params: dict, tp: int) -> tuple[ModelCo
         heads = x.reshape(*x.shape[:-1], config.num_kv_heads, hd)
         return jnp.repeat(heads, repeat, axis=-2).reshape(*x.shape[:-1], tp * hd)
 
-    layers = [{name: widen(w) if name in ("wk", "wv", "bk", "bv") else w for name, w in layer.items()}
+    layers = [{name: widen(w) if name in ("wk", "wv", "bk", "bv", "k_center") else w for name, w in layer.items()}
               for layer in params["layers"]]
     return dataclasses.replace(config, num_kv_heads=tp), {**params, "layers": layers}
 

@@ -81,7 +81,7 @@ import model
 from model.weights import WEIGHTS_DTYPES
 from pallas_kernels.quant_matmul import prepare_params
 from model.deepseek import paged as paged_csa2
-from model import eagle3
+from model import eagle3, key_centers
 from model.config import ATTENTION, SLIDING_ATTENTION
 from model.kv_formats import KV_CACHE_DTYPES, bytes_per_token, check_kv_cache_dtype
 from model.sharding import check_expert_parallel, check_tensor_parallel
@@ -245,8 +245,11 @@ class LLM:
         # when tp exceeds them and a MoE layer's experts in ep groups (model/sharding.py);
         # self.config stays the model's own.
         params = prepare_params(params)  # packed weights in the layout this backend's kernel reads
-        rank_meshes, step_config, rank_params = [None], config, [params]
         self._loaded = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+        self._kv_cache_dtype = kv_cache_dtype
+        # quantized pages hold keys minus their layer's mean key: exact, and more accurate
+        params = key_centers.for_kv_cache(params, config, tokenizer, kv_cache_dtype)
+        rank_meshes, step_config, rank_params = [None], config, [params]
         check_tensor_parallel(config, tp)
         check_expert_parallel(config, tp, ep)
         if tp * dp > 1:
@@ -333,7 +336,8 @@ class LLM:
         to the running dtype, so a bfloat16 trainer state fits a float32 engine), or a
         checkpoint path `model.load` reads, of the same model config. Nothing recompiles:
         the weights are arguments of the jitted step, never constants. The prefix cache is
-        flushed, since its pages hold K/V the old weights computed. Call it between
+        flushed, since its pages hold K/V the old weights computed; a quantized pool's key
+        centers are taken again over the new weights (model/key_centers.py). Call it between
         `generate` calls: with requests in flight it raises ValueError, as it does for a
         pytree or checkpoint that does not match; the old weights stay on error."""
         with self._lock:
@@ -346,6 +350,7 @@ class LLM:
                     raise ValueError(f"checkpoint {path!r} is another model: its config differs "
                                      f"from the running one ({config} != {self.config})")
             params = _matching_params(self._loaded, prepare_params(params))
+            params = key_centers.for_kv_cache(params, self.config, self.tokenizer, self._kv_cache_dtype)
             for runner in self.runners:
                 runner.params = params if runner.mesh is None else \
                     model.shard_params(params, self.config, runner.mesh)[1]

@@ -278,10 +278,12 @@ def test_quantized_kv_cache_engine_matches_a_plain_greedy_loop(tiny_model, defau
     """The engine's paged, batched, chunked path reads the same stored codes as a
     one-sequence greedy loop over model.forward with the same kv_cache_dtype (on CPU its
     decode steps run the C++ kernel, which writes and reads int8, fp8 and NVFP4 pages
-    itself)."""
+    itself), both with the key centers the engine takes for quantized pages."""
     import dataclasses
 
     import jax.numpy as jnp
+
+    from model import key_centers
 
     config, params = tiny_model
     if kv_cache_dtype == "nvfp4":  # rows of whole 16-element blocks
@@ -291,6 +293,9 @@ def test_quantized_kv_cache_engine_matches_a_plain_greedy_loop(tiny_model, defau
     llm = LLM.from_loaded(config, params, default_tokenizer, max_model_len=128, max_num_seqs=4,
                           max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype)
     got = ids(llm.generate(ps, GREEDY))
+    quantized = kv_cache_dtype != "bfloat16"
+    assert all(("k_center" in layer) == quantized for layer in llm.runner.params["layers"])
+    params = key_centers.for_kv_cache(params, config, default_tokenizer, kv_cache_dtype)
     for p, want_ids in zip(ps, got):
         toks = list(p["prompt_token_ids"])
         cache = model.init_cache(config, 1, 64, kv_cache_dtype=kv_cache_dtype)
@@ -303,6 +308,21 @@ def test_quantized_kv_cache_engine_matches_a_plain_greedy_loop(tiny_model, defau
                                           jnp.asarray([[len(toks) + len(out) - 1]]), cache,
                                           jnp.asarray([0]))
         assert out == want_ids
+
+
+def test_update_weights_takes_the_key_centers_of_the_new_weights(tiny_model, default_tokenizer):
+    from model import key_centers
+
+    config, params = tiny_model
+    other = model.init_params(config, jax.random.key(1))
+    llm = LLM.from_loaded(config, params, default_tokenizer, max_model_len=64, max_num_seqs=2, kv_cache_dtype="int8")
+    centers = lambda p: [np.asarray(layer["k_center"]) for layer in p["layers"]]
+    before = centers(key_centers.for_kv_cache(params, config, default_tokenizer, "int8"))
+    np.testing.assert_allclose(centers(llm.runner.params), before, rtol=1e-6)
+    llm.update_weights(other)
+    after = centers(key_centers.for_kv_cache(other, config, default_tokenizer, "int8"))
+    np.testing.assert_allclose(centers(llm.runner.params), after, rtol=1e-6)
+    assert not np.allclose(before, after, rtol=0.1)
 
 
 def test_default_model_chat_names_paris(default_model, default_tokenizer):

@@ -7,6 +7,7 @@ from tests.model.eight_devices import run_on_8_devices
 
 # the default model's tokenizer (its vocabulary) with a tiny random model
 SCRIPT = r"""
+from model import key_centers
 tok = model.load_tokenizer("default")
 ids = tok.encode("The quick brown fox jumps over the lazy dog, then it runs to the river.")
 prompts = ["The capital of France is", "Write a haiku about the sea.", "Name three colors.", "Count to five."]
@@ -31,6 +32,14 @@ assert wide.runner.num_compilations() == compiled  # the new weights are argumen
 assert after == [r.outputs[0].token_ids for r in one.generate(prompts, sampling)]
 assert shard_shape(wide.runner.params["layers"][0]["wk"]) == (64, 16)
 say("8-head LLM tp=8 equals tp=1, before and after update_weights:", after)
+
+# a quantized pool's key centers repeat with the KV heads they shift
+centered = LLM.from_loaded(config, params, tok, max_model_len=128, tensor_parallel_size=8, kv_cache_dtype="int8")
+want = key_centers.for_kv_cache(params, config, tok, "int8")["layers"][0]["k_center"].reshape(2, 1, 16)
+got = np.asarray(centered.runner.params["layers"][0]["k_center"])
+np.testing.assert_allclose(got, np.broadcast_to(want, (2, 4, 16)).reshape(-1), rtol=1e-5, atol=1e-6)
+assert shard_shape(centered.runner.params["layers"][0]["k_center"]) == (16,)
+del centered
 
 # a pool split over devices keeps numpy host rows (a pinned row would gather every device's heads)
 tiered = LLM.from_loaded(config, params, tok, max_model_len=128, tensor_parallel_size=2,

@@ -1,0 +1,134 @@
+"""Key centers: exact for float attention, the stored keys' mean after centering is zero,
+and quantized pages read closer to the float model with them."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import model
+from model import key_centers, kv_eval, kv_formats
+from model.config import ModelConfig
+from tests.model.test_kv_formats import D, write_read
+
+T = 64
+
+
+@pytest.fixture(scope="module")
+def biased():
+    """A GQA model with a sliding layer whose keys share a large offset (a key bias, as in
+    Qwen2), the mean that makes quantized keys costly."""
+    config = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_heads=4,
+                         num_kv_heads=2, head_dim=32, layer_kinds=("attention", "sliding_attention"),
+                         max_position_embeddings=128, sliding_window=24, attention_bias=True)
+    params = model.init_params(config, jax.random.key(0))
+    params = jax.tree.map(lambda a: a * 10, params)  # keys of order one, not 0.02
+    for i, layer in enumerate(params["layers"]):
+        layer["bk"] = 3 * jax.random.normal(jax.random.key(10 + i), layer["bk"].shape)
+    tokens = jax.random.randint(jax.random.key(1), (1, T), 0, config.vocab_size)
+    return config, params, tokens
+
+
+def logits(params, config, tokens, kv_cache_dtype="float32"):
+    cache = model.init_cache(config, 1, T, kv_cache_dtype=kv_cache_dtype)
+    out, _ = model.forward(params, config, tokens, jnp.arange(T)[None], cache)
+    return np.asarray(out[0], np.float64)
+
+
+def spread_error(got, want):
+    return np.linalg.norm(got - want) / np.linalg.norm(want - want.mean(-1, keepdims=True))
+
+
+def test_centered_float_attention_equals_uncentered(biased):
+    config, params, tokens = biased
+    centered = key_centers.with_key_centers(params, config, tokens[0])
+    c = np.asarray(centered["layers"][0]["k_center"])
+    assert c.shape == (config.num_kv_heads * config.head_dim,) and np.linalg.norm(c) > 10
+    want = logits(params, config, tokens)
+    assert spread_error(logits(centered, config, tokens), want) < 1e-4
+    # any center is exact: the identity does not depend on its being the mean
+    shifted = jax.tree.map(lambda a: a, centered)
+    for layer in shifted["layers"]:
+        layer["k_center"] = layer["k_center"] + 5.0
+    assert spread_error(logits(shifted, config, tokens), want) < 1e-4
+
+
+def test_centered_keys_average_to_zero(biased):
+    """The stored keys of the centered model over the calibration tokens have mean zero in
+    every layer: the centers are each layer's mean key, subtracted where keys are written
+    (layer 1's keys come after layer 0's centered attention, unchanged by the identity)."""
+    config, params, tokens = biased
+    centered = key_centers.with_key_centers(params, config, tokens[0])
+    cache = model.init_cache(config, 1, T, kv_cache_dtype="float32")
+    _, cache = model.forward(centered, config, tokens, jnp.arange(T)[None], cache)
+    for layer, layer_params in zip(cache.layers, centered["layers"]):
+        keys = np.asarray(layer.pages["k"]).reshape(-1, config.num_kv_heads * config.head_dim)[:T]
+        scale = np.linalg.norm(layer_params["k_center"])
+        assert np.linalg.norm(keys.mean(0)) < 1e-5 * scale
+        assert np.linalg.norm(keys.mean(0) + layer_params["k_center"]) > 0.5 * scale
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "nvfp4", "mxfp4", "turboquant-3.5", "turboquant-2.5"])
+def test_quantized_scores_err_less_on_centered_keys(fmt):
+    """Keys with a common offset in the low-frequency RoPE channels, 80% of their energy (the
+    default model's mean key holds about 60%): through each format's pages, the scores
+    q . k_hat err less when the pages hold k - mean, since every format's error grows
+    with the rows it codes."""
+    rng = np.random.default_rng(0)
+    b, t, h, d = 1, 64, 2, D
+    offset = np.zeros((h, d))
+    offset[:, list(kv_formats.rope_outlier_channels(d))] = rng.standard_normal((h, d // 2)) * 2
+    k = jnp.asarray(offset + rng.standard_normal((b, t, h, d)) * 0.5, jnp.float32)
+    v = jnp.zeros_like(k)
+    q = rng.standard_normal((16, h, d))
+    mean = k.mean(axis=1)
+
+    def score_error(keys, shift):
+        _, got, _ = write_read(fmt, keys, v, [t])
+        err = np.einsum("qhd,bthd->qbth", q, got + shift - np.asarray(k, np.float64))
+        return np.sqrt(np.mean(err ** 2))
+    plain, centered = score_error(k, 0.0), score_error(k - mean[:, None], np.asarray(mean)[:, None])
+    assert centered < 0.7 * plain, (centered, plain)
+
+
+def test_for_kv_cache_centers_quantized_pages_of_supported_models(biased, default_tokenizer):
+    config, params, _ = biased
+    config = dataclasses.replace(config, vocab_size=default_tokenizer.vocab_size)
+    params = model.init_params(config, jax.random.key(2))
+    assert key_centers.for_kv_cache(params, config, default_tokenizer, "bfloat16") is params
+    centered = key_centers.for_kv_cache(params, config, default_tokenizer, "int8")
+    ids = key_centers.calibration_ids(default_tokenizer, config.max_position_embeddings)
+    for got, want in zip(centered["layers"], key_centers.key_centers(params, config, ids)):
+        np.testing.assert_array_equal(got["k_center"], want)
+    # centering again takes the mean of the model's own keys, not of already centered ones
+    again = key_centers.with_key_centers(centered, config, ids)
+    np.testing.assert_allclose(again["layers"][1]["k_center"], centered["layers"][1]["k_center"], atol=1e-6)
+    assert key_centers.without_key_centers(centered)["layers"][0].keys() == params["layers"][0].keys()
+    for other in (dict(attention_sinks=True), dict(attn_logit_softcap=30.0)):
+        unsupported = dataclasses.replace(config, **other)
+        assert not key_centers.supports(unsupported)
+        assert key_centers.for_kv_cache(params, unsupported, default_tokenizer, "int8") is params
+        with pytest.raises(ValueError, match="shift-invariant"):
+            key_centers.key_centers(params, unsupported, ids)
+
+
+def test_calibration_text_is_fixed_and_apart_from_the_evaluation_text(default_tokenizer):
+    n = key_centers.CALIBRATION_TOKENS
+    ids = key_centers.calibration_ids(default_tokenizer, n)
+    assert len(ids) == n and ids[:100] == key_centers.calibration_ids(default_tokenizer, 100)
+    grams = lambda x: {tuple(x[i:i + 8]) for i in range(len(x) - 7)}
+    assert not grams(ids) & grams(kv_eval.documentation_ids(default_tokenizer, 2048))
+    with pytest.raises(ValueError, match="asked for"):
+        key_centers.calibration_ids(default_tokenizer, 10 ** 8)
+
+
+@pytest.mark.parametrize("ids, match", [
+    ([[1, 2], [3, 4]], "1-D"), ([], "non-empty"), ([0.5, 1.0], "ints"), ([1, 128], r"\[0, 128\)"),
+    ([-1, 3], r"\[0, 128\)"), (list(range(100)) * 2, "at most 128"),
+])
+def test_key_centers_reject_bad_token_ids(biased, ids, match):
+    config, params, _ = biased
+    with pytest.raises(ValueError, match=match):
+        key_centers.key_centers(params, config, ids)
