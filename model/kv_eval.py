@@ -6,9 +6,6 @@ It lives in model/ (not quant/) because it runs the model: quant imports nothing
 One row per kv_cache_dtype (model/kv_formats.py), all from one batched prefill per format
 (every query reads the cache after the chunk's write, so it sees the stored codes):
 
-Quantized pages hold keys minus their layer's mean key, as LLM stores them
-(model/key_centers.py: the centers come from other topics of the same documentation).
-
 - B/token: page-pool bytes one token takes over all layers, K and V, every kv head;
   B/seq: fixed bytes per sequence outside the pages (KIVI's exact newest page).
 - ppl, dppl: perplexity of the first `tokens` tokens of Python's own documentation
@@ -19,6 +16,10 @@ Quantized pages hold keys minus their layer's mean key, as LLM stores them
 - needle: share of haystacks (the same documentation, `tokens` long, with "The secret
   number is NNNN." at depths 10/50/90%) whose number the model greedily reproduces after
   the prompt and the answer prefix "The secret number is".
+
+The formats LLM centers (model/key_centers.py CENTERED_FORMATS) run here centered too:
+their pages hold keys minus each layer's mean key, taken over other topics of the same
+documentation.
 
 --plot FILE.png also draws the table (matplotlib): dppl and B/token per kv_cache_dtype as bars.
 """
@@ -37,8 +38,8 @@ from model import compile_cache
 from model.config import SLIDING_ATTENTION, ModelConfig
 from model.context import ForwardContext
 from model.kv_cache import slot_mapping
-from model.key_centers import documentation_text, for_kv_cache
-from model.kv_formats import FLOAT_FORMATS, KV_CACHE_DTYPES, bytes_per_token, recent_bytes_per_seq
+from model.key_centers import applies, documentation_text, for_kv_cache
+from model.kv_formats import KV_CACHE_DTYPES, bytes_per_token, recent_bytes_per_seq
 from model.layers import attention_block, rms_norm
 from model.rope import rope_tables
 from model.tokenizer import Tokenizer
@@ -151,7 +152,7 @@ def evaluate(config: ModelConfig, params, tokenizer: Tokenizer, formats=DEFAULT_
     for name in (BASELINE,) + tuple(f for f in formats if f != BASELINE):
         start = time.perf_counter()
         run = params
-        if name not in FLOAT_FORMATS:  # as LLM runs them: centered keys (model/key_centers.py)
+        if applies(config, name):  # as LLM runs them: centered keys (model/key_centers.py)
             centered = centered or for_kv_cache(params, config, tokenizer, name)
             run = centered
         nll, greedy, residuals = _score(run, config, tokens, name, answer_len)

@@ -245,11 +245,11 @@ class LLM:
         # when tp exceeds them and a MoE layer's experts in ep groups (model/sharding.py);
         # self.config stays the model's own.
         params = prepare_params(params)  # packed weights in the layout this backend's kernel reads
+        if key_centers.supports(config):  # the engine takes its own key centers (below)
+            params = key_centers.without_key_centers(params)
+        rank_meshes, step_config, rank_params = [None], config, [params]
         self._loaded = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
         self._kv_cache_dtype = kv_cache_dtype
-        # quantized pages hold keys minus their layer's mean key: exact, and more accurate
-        params = key_centers.for_kv_cache(params, config, tokenizer, kv_cache_dtype)
-        rank_meshes, step_config, rank_params = [None], config, [params]
         check_tensor_parallel(config, tp)
         check_expert_parallel(config, tp, ep)
         if tp * dp > 1:
@@ -262,6 +262,7 @@ class LLM:
             for rank_mesh in rank_meshes:
                 step_config, placed = model.shard_params(params, config, rank_mesh)
                 rank_params.append(placed)
+        rank_params = self._with_key_centers(config, step_config, tokenizer, rank_params, rank_meshes)
         # KV slots each running sequence holds past its next token: a draft tree's, or the
         # further positions a multi-step decode call writes
         lookahead = draft.spec.lookahead if draft else steps - 1
@@ -349,16 +350,34 @@ class LLM:
                 if config != self.config:
                     raise ValueError(f"checkpoint {path!r} is another model: its config differs "
                                      f"from the running one ({config} != {self.config})")
-            params = _matching_params(self._loaded, prepare_params(params))
-            params = key_centers.for_kv_cache(params, self.config, self.tokenizer, self._kv_cache_dtype)
-            for runner in self.runners:
-                runner.params = params if runner.mesh is None else \
-                    model.shard_params(params, self.config, runner.mesh)[1]
+            params = prepare_params(params)
+            if key_centers.supports(self.config):
+                params = key_centers.without_key_centers(params)
+            params = _matching_params(self._loaded, params)
+            placed = [params if runner.mesh is None else model.shard_params(params, self.config, runner.mesh)[1]
+                      for runner in self.runners]
+            placed = self._with_key_centers(self.config, self.runner.config, self.tokenizer, placed,
+                                            [runner.mesh for runner in self.runners])
+            for runner, rank_params in zip(self.runners, placed):
+                runner.params = rank_params
             self.__dict__.pop("kv_fingerprint", None)  # the new weights compute other K/V
             if getattr(self.engine, "tiers", None) is not None:
                 self.engine.kv.reseed(self.kv_fingerprint)  # the tiers' pages are the old model's
             else:
                 self.engine.kv.flush_prefix_cache()
+
+    def _with_key_centers(self, config, step_config, tokenizer, rank_params: list, rank_meshes: list) -> list:
+        """Each rank's params with the key centers its quantized pages store (model/key_centers.py),
+        when the format and model call for them: taken over rank 0's copy as its devices hold it
+        (step_config: the config it runs under, KV heads repeated for tp) and placed like
+        every weight."""
+        if not key_centers.applies(config, self._kv_cache_dtype):
+            return rank_params
+        ids = key_centers.model_calibration_ids(tokenizer, config)
+        centers = key_centers.key_centers(rank_params[0], step_config, ids, rank_meshes[0])
+        placed = [key_centers.set_key_centers(params, centers) for params in rank_params]
+        return [params if mesh is None else model.shard_params(params, step_config, mesh)[1]
+                for params, mesh in zip(placed, rank_meshes)]
 
     @functools.cached_property
     def kv_fingerprint(self) -> bytes:

@@ -5,10 +5,12 @@ run the Triton paged decode kernel and other steps over float, int8, fp8, nvfp4 
 pools the Triton ragged kernel; TurboQuant pools lower to the XLA path there."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax import export
 
 import model
+from model import key_centers
 from model.config import ModelConfig
 from serving.engine import Row
 from serving.runner import ModelRunner, _step
@@ -49,7 +51,9 @@ def test_float_pool_decode_step_calls_the_kernel_in_every_layer(tiny):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "nvfp4", "turboquant-3.5"])
 def test_quantized_pool_decode_step_calls_the_kernels_in_every_layer(tiny, kv_cache_dtype):
-    fn, specs = _step_specs(*tiny, kv_cache_dtype)
+    config, params = tiny  # with the key centers LLM gives quantized pools (model/key_centers.py)
+    params = key_centers.set_key_centers(params, [jnp.ones(config.num_kv_heads * config.head_dim)] * LAYERS)
+    fn, specs = _step_specs(config, params, kv_cache_dtype)
     assert kernel_calls(export_tpu(fn, *specs), "tpu_custom_call") == LAYERS
     on_gpu = kv_cache_dtype != "turboquant-3.5"  # TurboQuant pages take the XLA path on CUDA
     assert kernel_calls(export_cuda(fn, *specs), TRITON_CALL) == (LAYERS if on_gpu else 0)
