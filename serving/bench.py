@@ -6,7 +6,7 @@
     python -m serving.bench trace PATH [--num-requests 1500] [--tiers] [--plot FILE.png]
     python -m serving.bench tiers PATH [--num-requests 48] [--kv-blocks 96] [--host-pages 64]
     python -m serving.bench context    [--batch 16] [--contexts 256 1024 4096] [--plot FILE.png]
-    python -m serving.bench kv-dtypes  [--batch 16] [--context 2048]
+    python -m serving.bench kv-dtypes  [--batch 16] [--context 2048] [--shared-prompt]
     python -m serving.bench scheduler  [--running 256 1024]
     python -m serving.bench speculative --draft DIR [--batch-sizes 1 8] [--new-tokens 64] [--plot FILE.png]
     python -m serving.bench fuzz       [--examples 1000] [--seed 0]
@@ -37,7 +37,8 @@ temporary directory), and with a pool large enough for every prefix (the optimum
 context: decode tokens/s (prefill excluded) as the live context grows at the default
 max_model_len, and one context under max_model_len 512 against the default: a step
 reads the pages the sequences hold, so the two should match.
-kv-dtypes: decode tokens/s at one long context for each kv_cache_dtype against float32.
+kv-dtypes: decode tokens/s at one long context for each kv_cache_dtype against float32
+(a prompt per row, so a step reads distinct pages; --shared-prompt: one for all rows).
 scheduler: microseconds per `schedule` call with N running requests.
 speculative: EAGLE-3 tree speculation against plain decoding on the same engine and
 prompts: tokens/s both ways, mean accepted length tau, acceptance by draft position,
@@ -89,6 +90,7 @@ from serving import scheduler as sched
 from serving.kv_tiers import WRITE_POLICIES, TierConfig, host_rows_memory
 from serving.params import SamplingParams
 
+BLOCK_SIZE = 16  # LLM's default page size
 PROMPT = "Write a short story about a robot who learns to paint."
 TOPICS = ["the ocean", "a city at night", "learning to cook", "the history of tea", "mountain climbing",
           "a friendly robot", "the moon landing", "winter mornings", "a busy market", "old libraries",
@@ -244,23 +246,28 @@ def bench_offline(args) -> None:
            [(str(args.num_prompts), ours, peer)])
 
 
-def _decode_rate(llm, prompt: list[int], batch: int, new_tokens: int) -> float:
-    """Decode tokens/s of `batch` copies of `prompt` (prefill excluded).
+def _decode_rate(llm, prompt: list, batch: int, new_tokens: int) -> float:
+    """Decode tokens/s of `batch` rows (prefill excluded): copies of `prompt` (token ids), or
+    row i from prompt[i] when `prompt` is a list of `batch` prompts.
 
-    One request first fills the prefix cache with the prompt (one prefill, not `batch`);
+    Each distinct prompt first fills the prefix cache (one prefill each, not `batch`);
     a warm-up batch then compiles the decode steps the run meets;
-    each timed batch starts from the cached prefix and is timed from its first token on.
+    each timed batch starts from the cached prefixes and is timed from its first token on.
     The better of two timed batches, as llama.cpp's column is the better of its two runs.
     """
+    prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt] * batch
+    if len(prompts) != batch:
+        raise ValueError(f"{len(prompts)} prompts for a batch of {batch}")
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1))
-    llm.generate([{"prompt_token_ids": prompt}] * batch, params)
+    distinct = list({tuple(p): p for p in prompts}.values())
+    llm.generate([{"prompt_token_ids": p} for p in distinct], SamplingParams(temperature=0, max_tokens=1))
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     engine = llm.engine
     best = 0.0
     for run in range(2):
         ids = [f"bench-{run}-{i}" for i in range(batch)]
-        for rid in ids:
-            engine.add_request(rid, prompt, params)
+        for rid, p in zip(ids, prompts):
+            engine.add_request(rid, p, params)
         while any(not engine.seqs[f"{rid}#0"].output.tokens for rid in ids):
             engine.step()
         start = time.perf_counter()
@@ -366,17 +373,28 @@ def bench_context(args) -> None:
 
 
 def bench_kv_dtypes(args) -> None:
-    """Decode tokens/s per kv_cache_dtype at one long live context, against the first listed."""
+    """Decode tokens/s per kv_cache_dtype at one long live context, against the first listed.
+
+    Every row has its own prompt, so a step reads batch x context positions of distinct
+    pages, the bytes a low-bit pool saves; --shared-prompt gives every row the same one (the
+    prefix cache then shares its pages, which a step reads batch times, mostly from cache)."""
     from serving.llm import LLM
 
-    print(f"\nKV formats: {args.model}, batch {args.batch}, {args.context} live tokens, "
+    print(f"\nKV formats: {args.model}, batch {args.batch}, {args.context} live tokens "
+          f"({'one prompt shared by every row' if args.shared_prompt else 'a prompt per row'}), "
           f"{args.new_tokens} new tokens, greedy, float32 weights, {_device()}")
     rows = []
+    max_model_len = args.context + args.new_tokens
+    # a pool that holds every row at full length, whatever the format's bytes: the default
+    # 1 GiB budget holds fewer float32 rows of 2,048 tokens than a batch of 16 needs
+    num_kv_blocks = args.batch * -(-max_model_len // BLOCK_SIZE)
     for fmt in args.kv_cache_dtypes:
-        llm = LLM(args.model, weights_dtype=_weights(args), max_model_len=args.context + args.new_tokens, max_num_seqs=args.batch,
-                  kv_cache_dtype=fmt)
-        prompt = _random_prompt(llm.config.vocab_size, args.context - args.new_tokens)
-        rows.append((fmt, _decode_rate(llm, prompt, args.batch, args.new_tokens)))
+        llm = LLM(args.model, weights_dtype=_weights(args), max_model_len=max_model_len, max_num_seqs=args.batch,
+                  kv_cache_dtype=fmt, block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks)
+        length = args.context - args.new_tokens
+        prompts = [_random_prompt(llm.config.vocab_size, length, seed=0 if args.shared_prompt else i)
+                   for i in range(args.batch)]
+        rows.append((fmt, _decode_rate(llm, prompts, args.batch, args.new_tokens)))
         del llm
     _rates_table("kv_cache_dtype", rows)
 
@@ -1435,6 +1453,8 @@ def main(argv: list[str] | None = None) -> None:
     k.add_argument("--new-tokens", type=int, default=32)
     k.add_argument("--kv-cache-dtypes", nargs="+",
                    default=["float32", "fp8", "int8", "nvfp4", "turboquant-3.5"])
+    k.add_argument("--shared-prompt", action="store_true",
+                   help="every row decodes after the same prompt (default: a prompt per row)")
     s = sub.add_parser("scheduler")
     s.add_argument("--running", type=int, nargs="+", default=[256, 1024])
     fz = sub.add_parser("fuzz")
