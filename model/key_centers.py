@@ -8,9 +8,8 @@ is large (about 60% of a key's energy in SmolLM2, most of it in a few low-freque
 channels), and a quantizer's error grows with the vector it codes. With the centers,
 `python -m model.kv_eval` measured turboquant-3.5 at +0.48 perplexity over float32 on 1,024
 tokens (+1.07 without) and nvfp4 at +0.97 (+1.64); int8's cost was already near zero. The
-mean is taken
-after RoPE: a center subtracted before it would turn, with each key's position, into a shift
-that differs between keys.
+mean is taken after RoPE: a center subtracted before it would turn, with each key's
+position, into a shift that differs between keys.
 
 The centers are a per-layer parameter, "k_center" ([num_kv_heads * head_dim], like "bk"),
 which `attention_block` subtracts from the rotated keys before anything reads or writes
