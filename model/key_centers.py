@@ -145,5 +145,9 @@ def for_kv_cache(params: dict, config: ModelConfig, tokenizer: Tokenizer, kv_cac
 
 
 def without_key_centers(params: dict) -> dict:
-    """params without any "k_center" (the model computes the same either way)."""
-    return {**params, "layers": [{k: v for k, v in layer.items() if k != CENTER} for layer in params["layers"]]}
+    """params without any "k_center" (a model that `supports` centers computes the same
+    either way); params of other layouts as they are."""
+    if not isinstance(params.get("layers"), (list, tuple)):
+        return params
+    return {**params, "layers": [{k: v for k, v in layer.items() if k != CENTER} if isinstance(layer, dict)
+                                 else layer for layer in params["layers"]]}

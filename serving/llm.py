@@ -245,8 +245,7 @@ class LLM:
         # when tp exceeds them and a MoE layer's experts in ep groups (model/sharding.py);
         # self.config stays the model's own.
         params = prepare_params(params)  # packed weights in the layout this backend's kernel reads
-        if key_centers.supports(config):  # the engine takes its own key centers (below)
-            params = key_centers.without_key_centers(params)
+        params = key_centers.without_key_centers(params)  # the engine takes its own (below)
         rank_meshes, step_config, rank_params = [None], config, [params]
         self._loaded = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
         self._kv_cache_dtype = kv_cache_dtype
@@ -337,8 +336,8 @@ class LLM:
         to the running dtype, so a bfloat16 trainer state fits a float32 engine), or a
         checkpoint path `model.load` reads, of the same model config. Nothing recompiles:
         the weights are arguments of the jitted step, never constants. The prefix cache is
-        flushed, since its pages hold K/V the old weights computed; a quantized pool's key
-        centers are taken again over the new weights (model/key_centers.py). Call it between
+        flushed, since its pages hold K/V the old weights computed; the key centers of a pool
+        in key_centers.CENTERED_FORMATS are taken again over the new weights. Call it between
         `generate` calls: with requests in flight it raises ValueError, as it does for a
         pytree or checkpoint that does not match; the old weights stay on error."""
         with self._lock:
@@ -350,10 +349,7 @@ class LLM:
                 if config != self.config:
                     raise ValueError(f"checkpoint {path!r} is another model: its config differs "
                                      f"from the running one ({config} != {self.config})")
-            params = prepare_params(params)
-            if key_centers.supports(self.config):
-                params = key_centers.without_key_centers(params)
-            params = _matching_params(self._loaded, params)
+            params = _matching_params(self._loaded, key_centers.without_key_centers(prepare_params(params)))
             placed = [params if runner.mesh is None else model.shard_params(params, self.config, runner.mesh)[1]
                       for runner in self.runners]
             placed = self._with_key_centers(self.config, self.runner.config, self.tokenizer, placed,

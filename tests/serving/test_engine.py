@@ -326,6 +326,12 @@ def test_update_weights_takes_the_key_centers_of_the_new_weights(tiny_model, def
     after = centers(key_centers.for_kv_cache(other, config, default_tokenizer, "int8"))
     np.testing.assert_allclose(centers(llm.runner.params), after, rtol=1e-6)
     assert not np.allclose(before, after, rtol=0.1)
+    # params that already carry centers (another engine's) are taken, and centered anew
+    llm.update_weights(key_centers.set_key_centers(params, [c * 0 for c in after]))
+    np.testing.assert_allclose(centers(llm.runner.params), before, rtol=1e-6)
+    again = LLM.from_loaded(config, llm.runner.params, default_tokenizer, max_model_len=64, max_num_seqs=2)
+    assert all("k_center" not in layer for layer in again.runner.params["layers"])  # a float pool
+    again.update_weights(params)
 
 
 def test_default_model_chat_names_paris(default_model, default_tokenizer):
