@@ -43,6 +43,10 @@ def write_new_kv(k_pages, v_pages, k, v, block_tables, seq, pos, kv_format=None)
     def write(pages, new):
         if kv_format is None:
             return pages.at[page, slot].set(new.astype(pages.dtype), mode="drop")
+        if not isinstance(pages, NVFP4) or pages.tensor_scale is None:
+            # the format's own write: narrow float leaves scattered as their bits, which
+            # XLA:CPU otherwise converts whole (the pool) to f32 and back on every write
+            return kv_format.write(pages, new, page, slot)
         # every page-axis leaf gets the token's row; a scalar (NVFP4's tensor scale) stays
         return jax.tree.map(lambda a, r: a.at[page, slot].set(r, mode="drop") if a.ndim >= 3 else a,
                             pages, quantize_like(kv_format, pages, new))
