@@ -66,17 +66,25 @@ def build(source: Path, what: str, force: bool = False, flags: tuple[str, ...] =
 def register(library: Path, target: str, symbol: str) -> ctypes.CDLL:
     """Load a built library and register its FFI handler `symbol` with XLA:CPU as `target`."""
     lib = ctypes.cdll.LoadLibrary(str(library))
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    register_handler(lib, target, symbol)
     return lib
+
+
+def register_handler(lib: ctypes.CDLL, target: str, symbol: str) -> None:
+    """Register a loaded library's FFI handler `symbol` with XLA:CPU as `target`."""
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
 
 
 class Kernel:
     """One C++ kernel: its source, the FFI name it is registered under (`target`), its
-    handler's symbol, what messages call it, and the environment variable that turns it
-    off when "0" (`switch`)."""
+    handler's symbol, what messages call it, the environment variable that turns it off
+    when "0" (`switch`), and (target, symbol) pairs of further handlers in the same
+    library (`others`)."""
 
-    def __init__(self, source: Path, target: str, symbol: str, what: str, switch: str):
+    def __init__(self, source: Path, target: str, symbol: str, what: str, switch: str,
+                 others: tuple[tuple[str, str], ...] = ()):
         self.source, self.target, self.symbol, self.what, self.switch = source, target, symbol, what, switch
+        self.others = others
 
     @functools.cached_property
     def library(self) -> ctypes.CDLL | None:
@@ -85,7 +93,10 @@ class Kernel:
         if os.environ.get(self.switch, "1") == "0":
             return None
         try:
-            return register(build(self.source, self.what), self.target, self.symbol)
+            library = register(build(self.source, self.what), self.target, self.symbol)
+            for target, symbol in self.others:
+                register_handler(library, target, symbol)
+            return library
         except (RuntimeError, OSError) as e:
             import warnings
 

@@ -2,7 +2,11 @@
 one call per layer for steps whose query tokens are decode rows over float32 or bfloat16
 pages, int8 / fp8 pages with a scale per position and head (kv_format "int8" / "fp8") or
 NVFP4 pages (kv_format "nvfp4"), which writes the step's new K/V into the pages (aliased,
-so in place when the pages are donated) and attends.
+so in place when the pages are donated) and attends; and its TurboQuant handler, for pages of
+a TurboQuant or a TurboQuantSplit (kv_cache_dtype turboquant-3.5 / -2.5) of at most 4 bits
+a code, which XLA writes (as the quantizer does) before the kernel reads them in the
+rotated basis: the query is rotated once before the call and the output rotated back once
+after it (pallas_kernels/paged_attention/kv_formats.py), so no row is de-rotated.
 
 xla.py's block walk is a while loop of small XLA thunks, which on XLA:CPU costs about 70 us
 a layer at one decode row whatever the context; this kernel reads each live position's K
@@ -10,8 +14,7 @@ and V rows once (every KV head's, side by side in the page), for all the query h
 splits long contexts into runs merged at the end. It computes the same
 function as the XLA path (results equal to float32 rounding), for softmax attention with or
 without soft-capping, sliding windows and sinks: the entry's CPU branch for those steps;
-others (chunks, draft trees, MXFP4 and TurboQuant pages, other variants) and gradients stay
-on xla.py.
+others (chunks, draft trees, MXFP4 pages, other variants) and gradients stay on xla.py.
 Built like the quantized matmul's kernel (pallas_kernels/cpu_ffi.py); `available()` says
 whether that worked.
 """
@@ -29,13 +32,18 @@ import numpy as np
 from pallas_kernels import cpu_ffi
 from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.variant import SOFTMAX, soft_cap_of
+from pallas_kernels.ragged_paged_attention.ref import token_layout, write_new_kv
 from quant.blockscaled import NVFP4
 from quant.kv_rows import RowQuantized
+from quant.lloyd_max import sphere_codebook
+from quant.turboquant import SplitCodes, TurboCodes
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGET = "kvfold_decode_attention"
+TURBO_TARGET = "kvfold_decode_attention_turbo"
 KERNEL = cpu_ffi.Kernel(SOURCE, TARGET, "KvfoldDecodeAttention", "the CPU decode-attention kernel",
-                        "KVFOLD_DECODE_ATTENTION_CPU")
+                        "KVFOLD_DECODE_ATTENTION_CPU", others=((TURBO_TARGET, "KvfoldDecodeAttentionTurbo"),))
+TURBO_MAX_BITS = 4  # the kernel looks codes up in one 16-entry vector
 
 
 def available() -> bool:
@@ -62,21 +70,34 @@ def _join_crew() -> None:
         use(ctypes.cast(matmul_cpu.KERNEL.library.KvfoldCrewRun, ctypes.c_void_p))
 
 
+def _groups(kv_format, pages):
+    """TurboQuant pages' channel groups, [(codes, quantizer)]: one for a TurboQuant, the
+    outlier and regular halves for a TurboQuantSplit."""
+    if isinstance(kv_format, kv_formats.TurboSplit):
+        return [(pages.outlier, kv_format.tq.hi), (pages.regular, kv_format.tq.lo)]
+    return [(pages, kv_format.tq)]
+
+
 def _reads(kv_format, pages) -> bool:
     """Whether the kernel reads these low-bit pages (kv_format resolved): int8 / fp8 codes with
-    a float32 scale per position and KV head (quant.kv_rows), or NVFP4 without a tensor
-    scale, as the KV pools keep it."""
+    a float32 scale per position and KV head (quant.kv_rows), NVFP4 without a tensor
+    scale, as the KV pools keep it, or TurboQuant codes of at most TURBO_MAX_BITS whose
+    channel groups are multiples of 16 (the kernel decodes 16 codes of one group at once)."""
     if isinstance(kv_format, kv_formats.Rows):
         return isinstance(pages, RowQuantized)
+    if isinstance(kv_format, (kv_formats.Turbo, kv_formats.TurboSplit)):
+        kind = SplitCodes if isinstance(kv_format, kv_formats.TurboSplit) else TurboCodes
+        return isinstance(pages, kind) and all(inst.dim % 16 == 0 and inst.bits <= TURBO_MAX_BITS
+                                               for _, inst in _groups(kv_format, pages))
     return (isinstance(kv_format, kv_formats.BlockFP4) and kv_format.label == "nvfp4"
             and isinstance(pages, NVFP4) and pages.tensor_scale is None)
 
 
 def supports(q, k_pages, v_pages, variant, tree, kv_format, max_q_len) -> bool:
     """Whether the kernel takes a ragged_paged_attention step: decode rows only (max_q_len
-    1), float32 q over float32 or bfloat16 pages, int8 / fp8 row-scaled ones or NVFP4 ones
-    without a tensor scale, no draft tree, softmax with at most a soft cap, and a built
-    kernel (a GPU or TPU host never builds it)."""
+    1), float32 q over float32 or bfloat16 pages, int8 / fp8 row-scaled ones, NVFP4 ones
+    without a tensor scale or TurboQuant ones (`_reads`), no draft tree, softmax with at
+    most a soft cap, and a built kernel (a GPU or TPU host never builds it)."""
     pages_ok = (_reads(kv_format, k_pages) and _reads(kv_format, v_pages) if kv_format is not None
                 else k_pages.dtype in (jnp.float32, jnp.bfloat16))
     return (max_q_len == 1 and pages_ok and tree is None and q.dtype == jnp.float32
@@ -87,11 +108,13 @@ def supports(q, k_pages, v_pages, variant, tree, kv_format, max_q_len) -> bool:
 def ragged_decode_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sinks, tree, *, sm_scale,
                       sliding_window, variant, kv_format=None):
     """ragged_paged_attention's CPU branch for the steps `supports` takes: one kernel call
-    that writes the new K/V into the pages and attends. Same returns as the entry."""
+    that writes the new K/V into the pages and attends (TurboQuant pages: written through
+    XLA first). Same returns as the entry."""
     del tree  # None: `supports`
-    return decode_attention_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sinks,
-                                sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap_of(variant),
-                                kv_format=kv_format)
+    turbo = isinstance(kv_format, (kv_formats.Turbo, kv_formats.TurboSplit))
+    call = decode_attention_turbo_cpu if turbo else decode_attention_cpu
+    return call(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sinks, sm_scale=sm_scale,
+                sliding_window=sliding_window, soft_cap=soft_cap_of(variant), kv_format=kv_format)
 
 
 def decode_attention_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sinks=None, *,
@@ -140,3 +163,53 @@ def decode_attention_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_
     if isinstance(k_pages, NVFP4):
         return out, lse, NVFP4(kc, ks, None), NVFP4(vc, vs, None)
     return out, lse, RowQuantized(kc, ks), RowQuantized(vc, vs)
+
+
+def decode_attention_turbo_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sinks=None, *,
+                               sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                               kv_format, target: str = TURBO_TARGET):
+    """decode_attention_cpu over TurboQuant pages (kv_format a TurboQuant or TurboQuantSplit,
+    or its format object; codes of at most TURBO_MAX_BITS): the new rows k, v are written
+    by ref.write_new_kv (the quantizer's own codes), then the kernel scores q, rotated into
+    each channel group's basis, against every live row decoded there (scale * c[code] plus
+    the sparse channels' columns of Pi) and sums the values' rows in that basis, which
+    finish_out rotates back. Same returns as decode_attention_cpu: (out [T, Hq, D] f32, lse
+    [T, Hq] f32, k_pages, v_pages). target: the FFI name of the build to call."""
+    if not available():
+        raise RuntimeError(f"{KERNEL.what} is not available (no compiler, a failed build, "
+                           "or KVFOLD_DECODE_ATTENTION_CPU=0)")
+    fmt = kv_formats.resolve(kv_format)
+    for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if not isinstance(fmt, (kv_formats.Turbo, kv_formats.TurboSplit)) or not _reads(fmt, pages):
+            raise ValueError(f"decode_attention_turbo_cpu reads quant.TurboCodes / quant.SplitCodes pages of a "
+                             f"TurboQuant kv_format with at most {TURBO_MAX_BITS} bits a code and channel groups of "
+                             f"a multiple of 16, not {name} {type(pages).__name__} of kv_format {fmt.label!r}")
+    seq, pos = token_layout(cu_q_lens, kv_lens, q.shape[0])
+    k_pages, v_pages = write_new_kv(k_pages, v_pages, k, v, block_tables, seq, pos, fmt)
+    groups = _groups(fmt, k_pages)
+    sparse = groups[0][1].sparse
+    leaves = []
+    for pages in (k_pages, v_pages):
+        these = []
+        for codes, _ in _groups(fmt, pages):
+            these += [codes.idx, codes.norm, *((codes.sparse_idx, codes.sparse_val) if sparse else
+                                               (jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.bfloat16)))]
+        leaves += these if len(groups) == 2 else these * 2  # one group: its leaves again in group 1's places
+    codebooks = np.zeros((len(groups), 16), np.float32)
+    for i, (_, inst) in enumerate(groups):
+        codebooks[i, : 1 << int(inst.bits)] = sphere_codebook(inst.dim, int(inst.bits))
+    columns = jnp.stack([inst.rotation.T for _, inst in groups])  # row i: Pi[:, i]
+    num_tokens, num_q_heads, _ = q.shape
+    call = jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                     jax.ShapeDtypeStruct((num_tokens, num_q_heads), jnp.float32)),
+                            vmap_method="sequential")
+    has_sinks = sinks is not None
+    sinks = sinks.astype(jnp.float32) if has_sinks else jnp.zeros((1,), jnp.float32)
+    bits = [int(inst.bits) for _, inst in groups] + [0]
+    i32 = lambda x: x.astype(jnp.int32)
+    out, lse = call(fmt.prepare_q(k_pages, q.astype(jnp.float32)), *leaves, jnp.asarray(codebooks), columns,
+                    i32(block_tables), i32(cu_q_lens), i32(kv_lens), sinks, sm_scale=np.float32(sm_scale),
+                    sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
+                    has_sinks=np.int64(has_sinks), groups=np.int64(len(groups)), bits0=np.int64(bits[0]),
+                    bits1=np.int64(bits[1]), sparse=np.int64(sparse))
+    return fmt.finish_out(v_pages, out), lse, k_pages, v_pages

@@ -36,7 +36,8 @@
 // weights, so the codes are read as they are (a quarter of float32's bytes); or NVFP4's packed
 // E2M1 codes [.., head_dim / 2] with an E4M3 scale per 16 [.., head_dim / 16] (no tensor
 // scale), decoded 16 at a time. The write quantizes each new row as quant.quantize_rows /
-// quant.nvfp4_quantize(x, 1.0) do, bit for bit.
+// quant.nvfp4_quantize(x, 1.0) do, bit for bit. A second handler (KvfoldDecodeAttentionTurbo)
+// reads TurboQuant pages, written beforehand through XLA, in their rotated basis (TurboPtr).
 
 #include <algorithm>
 #include <array>
@@ -124,9 +125,70 @@ struct Nvfp4Ptr {
   }
 };
 
-// What a page's elements are read through: a pointer to them, or an Nvfp4Ptr.
+// TurboQuant pages (mse mode, quant.TurboCodes; kv_format a TurboQuant, or a TurboQuantSplit
+// as kv_cache_dtype turboquant-3.5 / -2.5 keep them), read in the rotated basis the XLA path
+// reads them in (pallas_kernels/paged_attention/kv_formats.py): a row is one channel group
+// (a plain TurboQuant) or two (TurboQuantSplit's outlier and regular halves), each group g
+// of `size` channels holding bit-packed Lloyd-Max codes (quant.pack_bits: code i at stream
+// bits [i b, (i + 1) b)), a float32 scale and `sparse` channels kept aside (uint8 index,
+// bfloat16 value). In the group's rotated basis its part of the row is
+//   scale * c[code] + sum_j value_j * Pi[:, index_j],
+// so with the query rotated once outside (prepare_q) the scores are plain dot products with
+// these decoded rows, the values' weighted sum stays in that basis and is rotated back once
+// outside (finish_out): no row is ever de-rotated. Turbo names the format; TurboPtr stands
+// where a pointer to elements stands for the others (an element offset into the pages).
+struct Turbo {};
+struct TurboGroup {
+  const uint8_t* codes;   // [rows, bytes]
+  const float* scales;    // [rows]
+  const uint8_t* index;   // [rows, sparse] (null when sparse is 0)
+  const uint16_t* value;  // [rows, sparse] bfloat16 bits
+  const float* codebook;  // [16], the 2^bits centroids then zeros
+  const float* columns;   // [size, size]: row i is Pi[:, i] (Pi transposed)
+  int64_t bits, bytes;
+  // Code j of 16 starting at a multiple of 16 channels: stream bits from byte first[j] (and
+  // first[j] + 1 when it straddles), shifted down by shift[j].
+  int32_t first[16], second[16], shift[16];
+};
+struct TurboPages {
+  TurboGroup group[2];
+  int64_t D, size, sparse;  // size: channels per group (D, or D / 2 when split)
+  int64_t twos;             // D = 2^twos * an odd number, whose inverse mod 2^64 is `inverse`
+  uint64_t inverse;
+  // e / D for an offset e that is a multiple of D (a whole row), without a division.
+  int64_t row(int64_t e) const { return static_cast<int64_t>((static_cast<uint64_t>(e) >> twos) * inverse); }
+};
+struct TurboPtr {
+  const TurboPages* pages;
+  int64_t e;
+  TurboPtr operator+(int64_t offset) const { return {pages, e + offset}; }
+  float operator[](int64_t i) const {  // element e + i, decoded
+    const TurboPages& t = *pages;
+    const int64_t row = (e + i) / t.D, d = (e + i) % t.D, g = d / t.size, c = d % t.size;
+    const TurboGroup& f = t.group[g];
+    const uint8_t* bytes = f.codes + row * f.bytes;
+    const int64_t bit = c * f.bits, at = bit / 8, shift = bit % 8;
+    uint32_t word = bytes[at];
+    if (shift + f.bits > 8) word |= static_cast<uint32_t>(bytes[at + 1]) << 8;
+    float x = f.codebook[(word >> shift) & ((1u << f.bits) - 1)] * f.scales[row];
+    for (int64_t j = 0; j < t.sparse; ++j) {
+      const int64_t channel = f.index[row * t.sparse + j];
+      if (channel < t.size)  // an index past the group (only in bytes no write made) adds nothing
+        x += from_bits(static_cast<uint32_t>(f.value[row * t.sparse + j]) << 16) * f.columns[channel * t.size + c];
+    }
+    return x;
+  }
+};
+
+// Formats whose rows are decoded to float32 once per use (a tile of rows for the scores, a
+// row's vectors for the weighted sum) rather than read in place.
 template <typename E>
-using Ptr = std::conditional_t<std::is_same_v<E, Nvfp4>, Nvfp4Ptr, const E*>;
+constexpr bool kDecoded = std::is_same_v<E, Nvfp4> || std::is_same_v<E, Turbo>;
+
+// What a page's elements are read through: a pointer to them, an Nvfp4Ptr or a TurboPtr.
+template <typename E>
+using Ptr = std::conditional_t<std::is_same_v<E, Nvfp4>, Nvfp4Ptr,
+                               std::conditional_t<std::is_same_v<E, Turbo>, TurboPtr, const E*>>;
 
 // Pages whose codes carry one float32 scale per (position, KV head): x_hat = code * scale
 // (quant.kv_rows, kv_format "int8" / "fp8").
@@ -259,6 +321,94 @@ inline __m512 load16(const Nvfp4Ptr& x) {
                        _mm512_set1_ps(e4m3_value(x.scales[x.e / 16])));
 }
 
+// TurboQuant rows base + rows[r] (whole rows: offsets that are multiples of D), r < count,
+// decoded into dst [count, D]: per channel group (its constants read once for all the rows),
+// 16 codes at a time, their 2 b bytes spread over the lanes, each lane's code shifted out of
+// its byte (and the next one where codes straddle bytes, b = 3) and looked up in the codebook
+// times the row's scale, plus the sparse channels' columns of Pi. A row's index comes from
+// its offset by an exact division (a shift and a multiply: TurboPages::row).
+inline void decode_rows(const TurboPtr& base, const int64_t* rows, int64_t count, int64_t D, float* dst) {
+  const TurboPages& t = *base.pages;
+  constexpr int64_t kInLoop = 4;  // sparse channels added as the codes are decoded; others in a pass of their own
+  for (int64_t g = 0; g < D / t.size; ++g) {
+    const TurboGroup& f = t.group[g];
+    const bool straddles = 8 % f.bits != 0;
+    const __m512i first = _mm512_loadu_si512(f.first), second = _mm512_loadu_si512(f.second);
+    const __m512i shift = _mm512_loadu_si512(f.shift), mask = _mm512_set1_epi32((1 << f.bits) - 1);
+    const __m512 codebook = _mm512_loadu_ps(f.codebook);
+    const __mmask16 load = static_cast<__mmask16>((1u << (2 * f.bits)) - 1);
+    const int64_t size = t.size, sparse = t.sparse, bits = f.bits, bytes = f.bytes;
+    const float* columns = f.columns;
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t row = t.row(base.e + rows[r]);
+      const __m512 scaled = _mm512_mul_ps(codebook, _mm512_set1_ps(f.scales[row]));
+      const uint8_t* codes = f.codes + row * bytes;
+      // value_j times column index_j of Pi (an index past the group, only in bytes no write
+      // made, adds nothing)
+      const uint8_t* index = f.index + row * sparse;
+      const uint16_t* values = f.value + row * sparse;
+      __m512 value[kInLoop];
+      const float* column[kInLoop];
+      int64_t live = 0, j = 0;
+      for (; j < sparse && live < kInLoop; ++j)
+        if (index[j] < size) {
+          value[live] = _mm512_set1_ps(from_bits(static_cast<uint32_t>(values[j]) << 16));
+          column[live++] = columns + index[j] * size;
+        }
+      float* out = dst + r * D + g * size;
+      for (int64_t c = 0; c < size; c += 16) {
+        const uint8_t* at = codes + c * bits / 8;  // the 2 b bytes of codes c .. c + 15
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+        const __m128i packed = _mm_maskz_loadu_epi8(load, at);
+#else
+        alignas(16) uint8_t copy[16] = {};
+        std::memcpy(copy, at, 2 * bits);
+        const __m128i packed = _mm_load_si128(reinterpret_cast<const __m128i*>(copy));
+#endif
+        const __m512i wide = _mm512_cvtepu8_epi32(packed);
+        __m512i word = _mm512_permutexvar_epi32(first, wide);
+        if (straddles) word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_permutexvar_epi32(second, wide), 8));
+        __m512 x = _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srlv_epi32(word, shift), mask), scaled);
+        for (int64_t l = 0; l < live; ++l) x = _mm512_fmadd_ps(value[l], _mm512_loadu_ps(column[l] + c), x);
+        _mm512_storeu_ps(out + c, x);
+      }
+      for (; j < sparse; ++j) {
+        if (index[j] >= size) continue;
+        const __m512 v = _mm512_set1_ps(from_bits(static_cast<uint32_t>(values[j]) << 16));
+        for (int64_t c = 0; c < size; c += 16)
+          _mm512_storeu_ps(out + c, _mm512_fmadd_ps(v, _mm512_loadu_ps(columns + index[j] * size + c),
+                                                    _mm512_loadu_ps(out + c)));
+      }
+    }
+  }
+}
+
+// Asks the cache for TurboQuant rows base + rows[r], r < count, every leaf of every group:
+// the pages of a sequence lie anywhere in the pool, so the hardware cannot guess the next
+// page's lines in each of the eight leaves.
+inline void prefetch_rows(const TurboPtr& base, const int64_t* rows, int64_t count) {
+  const TurboPages& t = *base.pages;
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t row = t.row(base.e + rows[r]);
+    for (int64_t g = 0; g < t.D / t.size; ++g) {
+      const TurboGroup& f = t.group[g];
+      _mm_prefetch(reinterpret_cast<const char*>(f.codes + row * f.bytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(f.scales + row), _MM_HINT_T0);
+      if (t.sparse) {
+        _mm_prefetch(reinterpret_cast<const char*>(f.index + row * t.sparse), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(f.value + row * t.sparse), _MM_HINT_T0);
+      }
+    }
+  }
+}
+
+// NVFP4 rows base + rows[r], r < count, decoded into dst [count, D], 16 elements (a block) at
+// a time.
+inline void decode_rows(const Nvfp4Ptr& base, const int64_t* rows, int64_t count, int64_t D, float* dst) {
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + r * D + d, load16(base + rows[r] + d));
+}
+
 // exp_nonpositive on 16 lanes: the same steps (with fused multiply-adds, so within an ulp of
 // it), a NaN staying NaN.
 inline __m512 exp_nonpositive16(__m512 x) {
@@ -298,21 +448,21 @@ inline __m512 sum16(const __m512* a) {
 // (-inf from n to ns), 16 positions at a time: their rows stay in the L1 cache for all the
 // heads, and one tree sums the 16 dot products of a head. D a multiple of 16.
 // With row-scaled codes, kscale [Hkv, ns] holds each position's K scale, applied to the sum.
-// NVFP4 rows, the dearest to decode, are decoded once per KV head into tile [16, D] for its
-// G query heads.
+// NVFP4 and TurboQuant rows, the dearest to decode, are decoded once per KV head into tile
+// [16, D] for its G query heads.
 template <typename T>
 void scores16(const Problem<T>& p, const float* q, const int64_t* rows, int64_t n, int64_t ns, const float* kscale,
               float* tile, float* scores) {
-  constexpr bool decode_once = std::is_same_v<T, Nvfp4>;
+  constexpr bool decode_once = kDecoded<T>;
   const int64_t G = p.Hq / p.Hkv, D = p.D;
   const __m512 scale = _mm512_set1_ps(p.sm_scale);
   for (int64_t i0 = 0; i0 < ns; i0 += 16) {
     const int64_t live = std::min<int64_t>(16, n - i0);
     for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
       const Ptr<T> k = p.k + kvh * D;
-      if constexpr (decode_once)
-        for (int64_t j = 0; j < live; ++j)
-          for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(tile + j * D + d, load16(k + rows[i0 + j] + d));
+      if constexpr (std::is_same_v<T, Turbo>)  // the next 16 positions' rows, while these are scored
+        if (kvh == 0 && i0 + 16 < n) prefetch_rows(k, rows + i0 + 16, std::min<int64_t>(16, n - i0 - 16));
+      if constexpr (decode_once) decode_rows(k, rows + i0, live, D, tile);
       for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
         const float* qh = q + h * D;
         __m512 a[16];
@@ -380,7 +530,7 @@ struct Part {
 // holds every KV head, Hkv * D elements), the scores [Hq, n] and, for row-scaled codes, each
 // position's K and V scales [Hkv, n], and (NVFP4) a KV head's rows decoded for scores16 [16, D].
 struct Scratch {
-  std::vector<int64_t> rows;
+  std::vector<int64_t> rows, decoded_rows;
   std::vector<float> scores, kscale, vscale, tile;
 };
 
@@ -392,12 +542,16 @@ template <typename T, int V>
 void weigh_chunk(const float* w, Ptr<T> v, const int64_t* rows, int64_t n, int64_t i0, int64_t i1, int64_t D,
                  float* acc) {
   const int64_t per = D / 16;
+  int64_t weight[V], part[V];  // accumulator u: head u / per's weights, the row's elements 16 (u % per) on
+  for (int u = 0; u < V; ++u) {  // (divisions the loop below would otherwise redo for every position)
+    weight[u] = u / per * n;
+    part[u] = u % per * 16;
+  }
   __m512 a[V];
   for (int u = 0; u < V; ++u) a[u] = _mm512_loadu_ps(acc + 16 * u);
   for (int64_t i = i0; i < i1; ++i) {
     const Ptr<T> r = v + rows[i];
-    for (int u = 0; u < V; ++u)
-      a[u] = _mm512_fmadd_ps(_mm512_set1_ps(w[u / per * n + i]), load16(r + u % per * 16), a[u]);
+    for (int u = 0; u < V; ++u) a[u] = _mm512_fmadd_ps(_mm512_set1_ps(w[weight[u] + i]), load16(r + part[u]), a[u]);
   }
   for (int u = 0; u < V; ++u) _mm512_storeu_ps(acc + 16 * u, a[u]);
 }
@@ -418,13 +572,21 @@ constexpr auto kWeighChunk = weigh_chunks<T>(std::make_integer_sequence<int, 16>
 // plain loops the compiler vectorizes.
 template <typename T>
 void weigh(const float* w, Ptr<T> v, const int64_t* rows, int64_t n, int64_t i0, int64_t i1, int64_t G,
-           int64_t D, float* acc) {
+           int64_t D, float* acc, Scratch& s) {
 #if defined(__AVX512F__)
   if (D % 16 == 0 && D <= 256) {
     const int64_t per = D / 16, heads = 16 / per;
-    for (int64_t g = 0; g < G; g += heads) {
-      const int64_t count = std::min(heads, G - g);
-      kWeighChunk<T>[count * per](w + g * n, v, rows, n, i0, i1, D, acc + g * D);
+    if constexpr (kDecoded<T>) {  // the rows decoded once for all the heads, then weighed as float32 rows
+      s.tile.resize((i1 - i0) * D);
+      s.decoded_rows.resize(i1);
+      for (int64_t i = i0; i < i1; ++i) s.decoded_rows[i] = (i - i0) * D;
+      decode_rows(v, rows + i0, i1 - i0, D, s.tile.data());
+      for (int64_t g = 0; g < G; g += heads)
+        kWeighChunk<float>[std::min(heads, G - g) * per](w + g * n, s.tile.data(), s.decoded_rows.data(), n, i0, i1,
+                                                          D, acc + g * D);
+    } else {
+      for (int64_t g = 0; g < G; g += heads)
+        kWeighChunk<T>[std::min(heads, G - g) * per](w + g * n, v, rows, n, i0, i1, D, acc + g * D);
     }
     return;
   }
@@ -465,6 +627,10 @@ void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
     }
     position += slots;
   }
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, Turbo>)  // the first run's V rows, while the scores are computed
+    prefetch_rows(p.v, s.rows.data(), std::min(n, kRun));
+#endif
   const float* q = p.q + it.t * p.Hq * D;
   s.scores.resize(p.Hq * ns);
   float* scores = s.scores.data();
@@ -472,7 +638,7 @@ void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
   const float* vscale = kScaled<T> ? s.vscale.data() : nullptr;
 #if defined(__AVX512F__)
   if (D % 16 == 0) {
-    if constexpr (std::is_same_v<T, Nvfp4>) s.tile.resize(16 * D);
+    if constexpr (kDecoded<T>) s.tile.resize(16 * D);
     scores16(p, q, s.rows.data(), n, ns, kscale, s.tile.data(), scores);
   } else
 #endif
@@ -497,11 +663,16 @@ void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
     if constexpr (kScaled<T>)  // the weights of the codes: probability times the V scale
       for (int64_t i = 0; i < n; ++i) sh[i] *= vscale[h / G * ns + i];
   }
-  for (int64_t i0 = 0; i0 < n; i0 += kRun)
+  for (int64_t i0 = 0; i0 < n; i0 += kRun) {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, Turbo>)  // the next run's V rows, while this one is weighed
+      if (i0 + kRun < n) prefetch_rows(p.v, s.rows.data() + i0 + kRun, std::min(kRun, n - i0 - kRun));
+#endif
     for (int64_t h = 0; h < p.Hkv; ++h) {
       const int64_t i1 = std::min(n, i0 + kRun);
-      weigh<T>(scores + h * G * ns, p.v + h * D, s.rows.data(), ns, i0, i1, G, D, part.out.data() + h * G * D);
+      weigh<T>(scores + h * G * ns, p.v + h * D, s.rows.data(), ns, i0, i1, G, D, part.out.data() + h * G * D, s);
     }
+  }
 }
 
 // Token t's output and lse from its parts: out = sum_j e_j out_j / sum_j e_j with
@@ -542,6 +713,7 @@ struct Shared {
   std::vector<Item> items;
   std::vector<Part> parts;  // one per item
   std::vector<int32_t> seq, pos;  // per token (lay_out_and_write)
+  TurboPages turbo[2];  // TurboQuant pages' K and V, where their Ptrs point
   std::atomic<int64_t> next{0}, done{0};
   void work() {
     Scratch s;
@@ -620,9 +792,10 @@ void store_row(const float* x, int64_t D, void* pages, void* scales, int64_t slo
 // Token t's sequence and position from the step's layout, as ref.token_layout gives them:
 // seq[t] counts the query starts cu_q_lens[1 .. S] at or before t (S for the padding past
 // the last row, whose position is -1), and its position is kv_lens[s] - q_len[s] + t -
-// cu_q_lens[s]. Then its new K/V rows are stored at that position's page slot, as
-// ref.write_new_kv stores them: nothing for padding, a position past the table, or an entry
-// outside [0, P) (a bad entry never lands in another sequence's page).
+// cu_q_lens[s]. Then (k not null) its new K/V rows are stored at that position's page slot,
+// as ref.write_new_kv stores them: nothing for padding, a position past the table, or an
+// entry outside [0, P) (a bad entry never lands in another sequence's page). TurboQuant pages
+// come written (cpu.py writes them through XLA, as quant.TurboQuant quantizes).
 template <typename T>
 void lay_out_and_write(const int32_t* cu, const int32_t* kv_lens, const float* k, const float* v, int64_t S,
                        Problem<T>& p, std::vector<int32_t>& seq, std::vector<int32_t>& pos, void* k_pages,
@@ -636,41 +809,45 @@ void lay_out_and_write(const int32_t* cu, const int32_t* kv_lens, const float* k
     if (s >= S) continue;
     seq[t] = static_cast<int32_t>(s);
     pos[t] = kv_lens[s] - (cu[s + 1] - cu[s]) + static_cast<int32_t>(t) - cu[s];
-    if (pos[t] < 0 || pos[t] >= p.W * p.ps) continue;
+    if (!k || pos[t] < 0 || pos[t] >= p.W * p.ps) continue;
     const int64_t page = p.tables[s * p.W + pos[t] / p.ps];
     if (page < 0 || page >= p.P) continue;
     const int64_t slot = page * p.ps + pos[t] % p.ps;
-    for (int64_t h = 0; h < p.Hkv; ++h) {
-      store_row<T>(k + t * row + h * p.D, p.D, k_pages, k_scales, slot * p.Hkv + h);
-      store_row<T>(v + t * row + h * p.D, p.D, v_pages, v_scales, slot * p.Hkv + h);
-    }
+    if constexpr (!std::is_same_v<T, Turbo>)
+      for (int64_t h = 0; h < p.Hkv; ++h) {
+        store_row<T>(k + t * row + h * p.D, p.D, k_pages, k_scales, slot * p.Hkv + h);
+        store_row<T>(v + t * row + h * p.D, p.D, v_pages, v_scales, slot * p.Hkv + h);
+      }
   }
 }
 
-// One decode-attention step over pages of T: the new K/V written into the pages kp, vp (the
-// results, aliased to the operands), then every token's attention over them.
+// One decode-attention step over pages of T: the new K/V (k, v; null for TurboQuant pages,
+// which come written) written into the pages kp, vp (the results, aliased to the operands),
+// then every token's attention over them. turbo: TurboQuant pages' K and V views, else null.
 template <typename T>
-void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k,
-         const ffi::Buffer<ffi::F32>& v, void* kp, void* vp, void* ks, void* vs,
-         const ffi::Buffer<ffi::S32>& block_tables, const ffi::Buffer<ffi::S32>& cu_q_lens,
+void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const float* k, const float* v, void* kp, void* vp,
+         void* ks, void* vs, const ffi::Buffer<ffi::S32>& block_tables, const ffi::Buffer<ffi::S32>& cu_q_lens,
          const ffi::Buffer<ffi::S32>& kv_lens, const float* sinks, float* out, float* lse, int64_t P, int64_t ps,
-         int64_t Hkv, float sm_scale, int64_t sliding_window, float soft_cap) {
+         int64_t Hkv, float sm_scale, int64_t sliding_window, float soft_cap, const TurboPages* turbo = nullptr) {
   const auto qd = q.dimensions(), bd = block_tables.dimensions();
   const int64_t T_ = qd[0], Hq = qd[1], D = qd[2], S = kv_lens.element_count();
   auto shared = std::make_shared<Shared<T>>();
   Problem<T>& p = shared->p;
-  const auto view = [](void* pages, void* scales) -> Ptr<T> {
+  if (turbo) std::copy(turbo, turbo + 2, shared->turbo);  // where the views point, for the helpers' lifetime
+  const auto view = [&shared](void* pages, void* scales, int kv) -> Ptr<T> {
     if constexpr (std::is_same_v<T, Nvfp4>)
       return Nvfp4Ptr{static_cast<const uint8_t*>(pages), static_cast<const uint8_t*>(scales), 0};
+    else if constexpr (std::is_same_v<T, Turbo>)
+      return TurboPtr{&shared->turbo[kv], 0};
     else
       return static_cast<const T*>(pages);
   };
   constexpr bool scaled = kScaled<T>;
-  p = Problem<T>{q.typed_data(), view(kp, ks), view(vp, vs), sinks, block_tables.typed_data(), nullptr, nullptr, out,
-                 lse, T_, Hq, Hkv, D, P, ps, S, bd[1], sliding_window, sm_scale, soft_cap,
+  p = Problem<T>{q.typed_data(), view(kp, ks, 0), view(vp, vs, 1), sinks, block_tables.typed_data(), nullptr, nullptr,
+                 out, lse, T_, Hq, Hkv, D, P, ps, S, bd[1], sliding_window, sm_scale, soft_cap,
                  scaled ? static_cast<const float*>(ks) : nullptr, scaled ? static_cast<const float*>(vs) : nullptr};
-  lay_out_and_write(cu_q_lens.typed_data(), kv_lens.typed_data(), k.typed_data(), v.typed_data(), S, p, shared->seq,
-                    shared->pos, kp, vp, ks, vs);
+  lay_out_and_write(cu_q_lens.typed_data(), kv_lens.typed_data(), k, v, S, p, shared->seq, shared->pos, kp, vp, ks,
+                    vs);
   p.seq = shared->seq.data();
   p.pos = shared->pos.data();
   // Each live token's positions, in runs of kSplit.
@@ -760,8 +937,9 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   void *kp = aliased(k_pages, k_out), *vp = aliased(v_pages, v_out);
   void *ks = aliased(k_scales, ks_out), *vs = aliased(v_scales, vs_out);
   const auto go = [&](auto element) {
-    run<decltype(element)>(pool, q, k, v, kp, vp, ks, vs, block_tables, cu_q_lens, kv_lens, sink, out->typed_data(),
-                           lse->typed_data(), kd[0], kd[1], Hkv, sm_scale, sliding_window, soft_cap);
+    run<decltype(element)>(pool, q, k.typed_data(), v.typed_data(), kp, vp, ks, vs, block_tables, cu_q_lens, kv_lens,
+                           sink, out->typed_data(), lse->typed_data(), kd[0], kd[1], Hkv, sm_scale, sliding_window,
+                           soft_cap);
   };
   if (type == Type::F32)
     go(float{});
@@ -773,6 +951,99 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     go(Fp8{});
   else
     go(Nvfp4{});
+  return ffi::Error::Success();
+}
+
+// One pool's (K or V) TurboQuant pages as the kernel reads them: per channel group its codes
+// (uint8 [P, ps, Hkv, size * bits / 8]), scales (float32 [P, ps, Hkv]), sparse indices (uint8
+// [.., sparse]) and values (bfloat16 [.., sparse]), beside the groups' codebooks and
+// transposed rotations; an error names what does not fit.
+ffi::Error turbo_pages(const std::array<const ffi::AnyBuffer*, 8>& leaves, int64_t groups, const int64_t* bits,
+                       int64_t sparse, int64_t D, const ffi::Buffer<ffi::F32>& codebooks,
+                       const ffi::Buffer<ffi::F32>& columns, TurboPages& t, int64_t* lead) {
+  using Type = ffi::DataType;
+  t.D = D;
+  t.size = D / groups;
+  t.sparse = sparse;
+  t.twos = 0;
+  while (!((D >> t.twos) & 1)) ++t.twos;
+  const uint64_t odd = static_cast<uint64_t>(D >> t.twos);
+  t.inverse = odd;  // Newton's iteration x (2 - odd x) doubles the correct low bits: 3, 6, .., 96
+  for (int i = 0; i < 5; ++i) t.inverse *= 2 - odd * t.inverse;
+  for (int64_t g = 0; g < groups; ++g) {
+    const ffi::AnyBuffer &codes = *leaves[4 * g], &scales = *leaves[4 * g + 1];
+    const ffi::AnyBuffer &index = *leaves[4 * g + 2], &value = *leaves[4 * g + 3];
+    const auto cd = codes.dimensions();
+    if (bits[g] < 1 || bits[g] > 4 || cd.size() != 4 || codes.element_type() != Type::U8 ||
+        cd[3] != t.size * bits[g] / 8)
+      return ffi::Error::InvalidArgument("decode_attention_turbo_cpu: codes must be uint8 [num_pages, page_size, "
+                                         "num_kv_heads, group size * bits / 8] of 1 to 4 bits");
+    if (g == 0) std::copy(cd.begin(), cd.begin() + 3, lead);
+    const int64_t rows = lead[0] * lead[1] * lead[2];
+    if (!std::equal(cd.begin(), cd.begin() + 3, lead) || scales.element_type() != Type::F32 ||
+        scales.element_count() != rows)
+      return ffi::Error::InvalidArgument("decode_attention_turbo_cpu: every group's codes and float32 scales must "
+                                         "share [num_pages, page_size, num_kv_heads]");
+    if (sparse && (index.element_type() != Type::U8 || value.element_type() != Type::BF16 ||
+                   index.element_count() != rows * sparse || value.element_count() != rows * sparse))
+      return ffi::Error::InvalidArgument("decode_attention_turbo_cpu: sparse channels need uint8 indices and "
+                                         "bfloat16 values [num_pages, page_size, num_kv_heads, sparse]");
+    TurboGroup& f = t.group[g];
+    f = TurboGroup{static_cast<const uint8_t*>(codes.untyped_data()), static_cast<const float*>(scales.untyped_data()),
+                   sparse ? static_cast<const uint8_t*>(index.untyped_data()) : nullptr,
+                   sparse ? static_cast<const uint16_t*>(value.untyped_data()) : nullptr,
+                   codebooks.typed_data() + 16 * g, columns.typed_data() + g * t.size * t.size, bits[g], cd[3]};
+    for (int j = 0; j < 16; ++j) {
+      f.first[j] = static_cast<int32_t>(j * bits[g] / 8);
+      f.second[j] = f.first[j] + 1;
+      f.shift[j] = static_cast<int32_t>(j * bits[g] % 8);
+    }
+  }
+  if (groups == 1) t.group[1] = t.group[0];
+  return ffi::Error::Success();
+}
+
+// The checks of one call over TurboQuant pages and its run: q [T, Hq, D] in the groups'
+// rotated basis (prepare_q), out [T, Hq, D] in it too (finish_out turns it back), lse as for
+// the other pages. The pages come written; nothing is written here.
+ffi::Error DecodeAttentionTurbo(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kc0, ffi::AnyBuffer ks0,
+                                ffi::AnyBuffer ki0, ffi::AnyBuffer kv0, ffi::AnyBuffer kc1, ffi::AnyBuffer ks1,
+                                ffi::AnyBuffer ki1, ffi::AnyBuffer kv1, ffi::AnyBuffer vc0, ffi::AnyBuffer vs0,
+                                ffi::AnyBuffer vi0, ffi::AnyBuffer vv0, ffi::AnyBuffer vc1, ffi::AnyBuffer vs1,
+                                ffi::AnyBuffer vi1, ffi::AnyBuffer vv1, ffi::Buffer<ffi::F32> codebooks,
+                                ffi::Buffer<ffi::F32> columns, ffi::Buffer<ffi::S32> block_tables,
+                                ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                                ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
+                                ffi::ResultBuffer<ffi::F32> lse, float sm_scale, int64_t sliding_window, float soft_cap,
+                                int64_t has_sinks, int64_t groups, int64_t bits0, int64_t bits1, int64_t sparse) {
+  const auto qd = q.dimensions(), bd = block_tables.dimensions();
+  if (qd.size() != 3 || bd.size() != 2)
+    return ffi::Error::InvalidArgument("decode_attention_turbo_cpu: q must be 3-D, block_tables 2-D");
+  const int64_t Hq = qd[1], D = qd[2], S = kv_lens.element_count(), bits[2] = {bits0, bits1};
+  if ((groups != 1 && groups != 2) || D % (16 * groups) || sparse < 0 || (sparse && D / groups > 256))
+    return ffi::Error::InvalidArgument("decode_attention_turbo_cpu: one or two channel groups of a multiple of 16 "
+                                       "channels each (at most 256 with sparse channels)");
+  if (codebooks.element_count() != 16 * groups || columns.element_count() != D / groups * D)
+    return ffi::Error::InvalidArgument("decode_attention_turbo_cpu: codebooks must be [groups, 16], columns "
+                                       "[groups, size, size]");
+  TurboPages pages[2];
+  int64_t lead[3], v_lead[3];
+  for (auto [leaves, t, at] : {std::tuple{std::array<const ffi::AnyBuffer*, 8>{&kc0, &ks0, &ki0, &kv0, &kc1, &ks1, &ki1,
+                                                                               &kv1}, &pages[0], lead},
+                               std::tuple{std::array<const ffi::AnyBuffer*, 8>{&vc0, &vs0, &vi0, &vv0, &vc1, &vs1, &vi1,
+                                                                               &vv1}, &pages[1], v_lead}}) {
+    const ffi::Error checked = turbo_pages(leaves, groups, bits, sparse, D, codebooks, columns, *t, at);
+    if (checked.failure()) return checked;
+  }
+  if (!std::equal(lead, lead + 3, v_lead) || lead[2] <= 0 || Hq % lead[2])
+    return ffi::Error::InvalidArgument("decode_attention_turbo_cpu: K and V pages must match, with q's heads a "
+                                       "multiple of theirs");
+  if (bd[0] != S || cu_q_lens.element_count() != S + 1 || (has_sinks && sinks.element_count() != Hq))
+    return ffi::Error::InvalidArgument("decode_attention_turbo_cpu: block_tables / cu_q_lens / kv_lens / sinks "
+                                       "lengths do not match");
+  run<Turbo>(pool, q, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, block_tables, cu_q_lens, kv_lens,
+             has_sinks ? sinks.typed_data() : nullptr, out->typed_data(), lse->typed_data(), lead[0], lead[1], lead[2],
+             sm_scale, sliding_window, soft_cap, pages);
   return ffi::Error::Success();
 }
 
@@ -809,3 +1080,40 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldDecodeAttention, DecodeAttention,
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("has_sinks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldDecodeAttentionTurbo, DecodeAttentionTurbo,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hq, D], in the rotated basis
+                                  .Arg<ffi::AnyBuffer>()         // K group 0: codes [P, ps, Hkv, size * bits / 8]
+                                  .Arg<ffi::AnyBuffer>()         //   scales f32 [P, ps, Hkv]
+                                  .Arg<ffi::AnyBuffer>()         //   sparse indices u8 [.., sparse] (or any [1])
+                                  .Arg<ffi::AnyBuffer>()         //   sparse values bf16 [.., sparse] (or any [1])
+                                  .Arg<ffi::AnyBuffer>()         // K group 1 (group 0's again when one group)
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()         // V group 0
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()         // V group 1
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // codebooks [groups, 16], zero-padded
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // columns [groups, size, size]: Pi transposed
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, W]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks [Hq] (any [1] when absent)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, Hq, D], in the rotated basis
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse [T, Hq]
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("has_sinks")
+                                  .Attr<int64_t>("groups")
+                                  .Attr<int64_t>("bits0")
+                                  .Attr<int64_t>("bits1")
+                                  .Attr<int64_t>("sparse"));

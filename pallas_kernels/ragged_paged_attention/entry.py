@@ -73,8 +73,9 @@ def ragged_paged_attention(
         tree), the Triton ragged kernel (kernel_gpu.py) for other steps over float, int8
         or fp8 pages with power-of-two page_size and head_dim >= 16, and the XLA path
         otherwise; on CPU the C++ kernel (cpu.py) for decode-only steps of float32 q
-        over float32 or bfloat16 pages, int8 / fp8 ones or NVFP4 ones without a tensor
-        scale (kv_format), the XLA path (xla.py) for the rest.
+        over float32 or bfloat16 pages, int8 / fp8 ones, NVFP4 ones without a tensor
+        scale or TurboQuant ones of at most 4 bits a code (kv_format), the XLA path
+        (xla.py) for the rest.
 
     Returns:
       out [total_q_tokens, num_q_heads, head_dim] in q.dtype, lse f32 [total_q_tokens,

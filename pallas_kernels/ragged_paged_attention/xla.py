@@ -9,7 +9,7 @@ get tiles of one, so they cost what paged decode attention costs even in a step 
 prefill chunks; chunks get tiles of min(max_q_len, 16) tokens, at most
 ceil(tokens / 16) + max_chunks of them (a tile's work is paid even when it is spare, so
 the static bounds matter). Tested against ref.py. (On CPU the entry runs decode-only
-steps over float32, bfloat16, int8, fp8 and NVFP4 pages on the C++ kernel of cpu.py
+steps over float32, bfloat16, int8, fp8, NVFP4 and TurboQuant pages on the C++ kernel of cpu.py
 instead.)
 """
 

@@ -1,7 +1,8 @@
 """The CPU kernel of decode attention (pallas_kernels/ragged_paged_attention/cpu_kernel.cc,
 through the XLA FFI) against ref.write_new_kv's pages and a float64 oracle over them, and
 the entry's choice of it: decode-only steps of float32 q over float32 or bfloat16 pages,
-int8 / fp8 row-scaled ones or NVFP4 ones, nothing else."""
+int8 / fp8 row-scaled ones, NVFP4 ones or TurboQuant ones of at most 4 bits a code, nothing
+else."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from pallas_kernels import cpu_ffi, ragged_paged_attention
 from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.ref import token_layout, write_new_kv
+from model.kv_formats import turboquant
+from quant.turboquant import TurboQuant, TurboQuantSplit
 from tests.pallas_kernels.helpers import assert_close, dense_attention_f64
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernel runs on a CPU backend")
@@ -72,13 +75,19 @@ def _bytes(x):
     return np.asarray(x).view(np.uint8)
 
 
-def _check_kernel(args, sinks, sm_scale, window=None, cap=None, page_dtype=jnp.float32, target=cpu.TARGET):
+def _check_kernel(args, sinks, sm_scale, window=None, cap=None, page_dtype=jnp.float32, target=None):
     """The kernel against the reference's page writes (equal pages: bfloat16 pages round the
     new rows as XLA's convert does; page_dtype "int8" / "fp8" / "nvfp4": the pages quantized
-    by quant.quantize_rows / quant.nvfp4_quantize, codes and scales byte for byte) and the
-    oracle's attention over them."""
+    by quant.quantize_rows / quant.nvfp4_quantize, codes and scales byte for byte; a
+    TurboQuant or TurboQuantSplit: its own codes, written through XLA) and the oracle's
+    attention over them (TurboQuant pages dequantized by the quantizer: its rows in the
+    channel basis, where the kernel reads them in the rotated one). target: the FFI name of
+    the build to call (its TurboQuant handler's is target + "_turbo")."""
     q, k, v, k_pages, v_pages, table, cu, kv_lens = args
-    fmt = kv_formats.resolve(page_dtype) if isinstance(page_dtype, str) else None
+    turbo = isinstance(page_dtype, (TurboQuant, TurboQuantSplit))
+    fmt = kv_formats.resolve(page_dtype) if isinstance(page_dtype, str) or turbo else None
+    call = cpu.decode_attention_turbo_cpu if turbo else cpu.decode_attention_cpu
+    target = (cpu.TURBO_TARGET if turbo else cpu.TARGET) if target is None else target + ("_turbo" if turbo else "")
     if fmt is None:
         k_pages, v_pages = k_pages.astype(page_dtype), v_pages.astype(page_dtype)
     else:
@@ -86,13 +95,18 @@ def _check_kernel(args, sinks, sm_scale, window=None, cap=None, page_dtype=jnp.f
     args = (q, k, v, k_pages, v_pages, table, cu, kv_lens)
     seq, pos = token_layout(cu, kv_lens, q.shape[0])
     want_k, want_v = write_new_kv(k_pages, v_pages, k, v, table, seq, pos, fmt)
-    out, lse, got_k, got_v = cpu.decode_attention_cpu(*args, sinks, sm_scale=sm_scale, sliding_window=window,
-                                                      soft_cap=cap, kv_format=page_dtype if fmt else None,
-                                                      target=target)
+    out, lse, got_k, got_v = call(*args, sinks, sm_scale=sm_scale, sliding_window=window, soft_cap=cap,
+                                  kv_format=page_dtype if fmt else None, target=target)
     for got, want in zip(jax.tree.leaves((got_k, got_v)), jax.tree.leaves((want_k, want_v))):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(_bytes(got), _bytes(want))
-    if fmt is not None:
+    if fmt is not None:  # each live token's slot holds the quantizer's codes of its row, leaf by leaf
+        for new, pages in ((k, got_k), (v, got_v)):
+            for t, (s, p) in enumerate(zip(np.asarray(seq), np.asarray(pos))):
+                if s < table.shape[0] and p >= 0:
+                    page, slot = int(table[s, p // PAGE_SIZE]), p % PAGE_SIZE
+                    for got, want in zip(jax.tree.leaves(pages), jax.tree.leaves(fmt.quantize(new[t]))):
+                        np.testing.assert_array_equal(_bytes(got[page, slot]), _bytes(want))
         want_k, want_v = fmt.dequantize(want_k), fmt.dequantize(want_v)
     want_out, want_lse = _oracle(q, want_k.astype(jnp.float32), want_v.astype(jnp.float32), table, seq, pos,
                                  sm_scale, window, cap, sinks)
@@ -102,6 +116,10 @@ def _check_kernel(args, sinks, sm_scale, window=None, cap=None, page_dtype=jnp.f
 
 PAGES = [jnp.float32, jnp.bfloat16, "int8", "fp8", "nvfp4"]
 PAGE_IDS = ["f32", "bf16", "int8", "fp8", "nvfp4"]
+# TurboQuant pages for head_dim 64: the KV cache's turboquant-3.5 and -2.5 (outlier and
+# regular halves of 4 + 3 and 3 + 2 bits, one sparse channel each), and a plain 4-bit one.
+TURBO = [turboquant(64, 3.5), turboquant(64, 2.5), TurboQuant(64, 4)]
+TURBO_IDS = ["tq3.5", "tq2.5", "tq4"]
 
 
 PORTABLE = "kvfold_decode_attention_portable"
@@ -114,12 +132,15 @@ def portable():
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the portable build targets x86-64-v2")
     flags = tuple(f for f in cpu_ffi.FLAGS if f != "-march=native") + ("-march=x86-64-v2",)
-    cpu_ffi.register(cpu_ffi.build(cpu.SOURCE, "the portable CPU decode-attention kernel", flags=flags), PORTABLE,
-                     cpu.KERNEL.symbol)
+    library = cpu_ffi.register(cpu_ffi.build(cpu.SOURCE, "the portable CPU decode-attention kernel", flags=flags),
+                               PORTABLE, cpu.KERNEL.symbol)
+    (_, turbo_symbol), = cpu.KERNEL.others
+    cpu_ffi.register_handler(library, PORTABLE + "_turbo", turbo_symbol)
     return PORTABLE
 
 
-@pytest.mark.parametrize("page_dtype", PAGES, ids=PAGE_IDS)
+@pytest.mark.parametrize("page_dtype", PAGES + [turboquant(32, 3.5), TurboQuant(32, 2)],
+                         ids=PAGE_IDS + ["tq3.5", "tq2"])
 def test_portable_build_matches_the_float64_oracle(portable, page_dtype):
     """What a CPU without AVX-512 runs: every page format, a run split in two, sinks."""
     args, sinks = _decode_batch(13, [1, 9, 70], num_q_heads=6, num_kv_heads=2, head_dim=32)
@@ -133,20 +154,21 @@ def test_the_kernel_builds_here():
 
 
 @pytest.mark.parametrize("heads,head_dim,page_dtype", [
-    *(pytest.param((6, 2), 64, p, id=f"gqa-64-{i}") for p, i in zip(PAGES, PAGE_IDS)),
+    *(pytest.param((6, 2), 64, p, id=f"gqa-64-{i}") for p, i in zip(PAGES + TURBO, PAGE_IDS + TURBO_IDS)),
     *(pytest.param((3, 3), 40, p, id=f"mha-40-{i}") for p, i in zip(PAGES, PAGE_IDS) if p != "nvfp4")])
 @pytest.mark.parametrize("window,cap,with_sinks", [(None, None, False), (5, None, True), (None, 2.0, False)])
 def test_kernel_matches_the_float64_oracle(window, cap, with_sinks, heads, head_dim, page_dtype):
     """Contexts of one position, a partial page, whole pages and several pages; GQA groups
     of 3 and plain multi-head; a head_dim that is not a multiple of the kernel's 16 lanes;
     sliding window, soft cap, sinks; a padding token; float32 and bfloat16 pages, and int8
-    and fp8 codes with a scale per position and head, NVFP4 codes with a scale per 16 (whose
-    head_dim must be a multiple of 16, so it has no mha-40 case)."""
+    and fp8 codes with a scale per position and head, NVFP4 codes with a scale per 16, and
+    TurboQuant codes (whose head_dim must be a multiple of 16, so they have no mha-40
+    case)."""
     args, sinks = _decode_batch(1, [1, 6, 8, 13], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim)
     _check_kernel(args, sinks if with_sinks else None, head_dim ** -0.5, window, cap, page_dtype)
 
 
-@pytest.mark.parametrize("page_dtype", PAGES, ids=PAGE_IDS)
+@pytest.mark.parametrize("page_dtype", PAGES + TURBO[:1], ids=PAGE_IDS + TURBO_IDS[:1])
 def test_tokens_of_one_row_each_see_their_own_causal_prefix(page_dtype):
     """Rows of several query tokens (the kernel lays tokens out as ref.token_layout does):
     all of a step's rows are written before any token attends, and token i of a row of q
@@ -223,7 +245,7 @@ def test_a_long_row_split_into_runs_merges_its_parts(window, cap, with_sinks, he
     per KV head weigh the values in chunks of two heads, then one."""
     args, sinks = _decode_batch(6, [600], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
                                 padding=0)
-    for pages in PAGES:
+    for pages in PAGES + [turboquant(head_dim, 3.5)]:
         _check_kernel(args, sinks if with_sinks else None, head_dim ** -0.5, window, cap, pages)
 
 
@@ -260,17 +282,20 @@ def _lowered(args, **kw):
 
 def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
     """A decode-only step (max_q_len 1) of float32 q over float32 or bfloat16 pages, int8 /
-    fp8 row-scaled ones or NVFP4 ones, lowers to the kernel and gives the dense reference's
-    outputs, lse and pages; chunks, bfloat16 q, MXFP4 and TurboQuant pages and other variants
-    stay on the XLA path."""
+    fp8 row-scaled ones, NVFP4 ones or turboquant-3.5 ones lowers to the kernel and gives the
+    dense reference's outputs, lse and pages; chunks, bfloat16 q, MXFP4 pages, TurboQuant
+    codes wider than 4 bits and other variants stay on the XLA path."""
     args, sinks = _decode_batch(3, [5, 11, 2], width=40)
     kw = dict(sliding_window=6, sinks=sinks)
     half_pages = args[:3] + (args[3].astype(jnp.bfloat16), args[4].astype(jnp.bfloat16)) + args[5:]
     row_scaled = {name: args[:3] + (kv_formats.resolve(name).quantize(args[3]),
                                     kv_formats.resolve(name).quantize(args[4])) + args[5:]
                   for name in ("int8", "fp8", "nvfp4")}
-    for pages, fmt in [(args, None), (half_pages, None), *((p, name) for name, p in row_scaled.items())]:
-        assert cpu.TARGET in _lowered(pages, max_q_len=1, kv_format=fmt, **kw)
+    tq = turboquant(64, 3.5)
+    turbo = args[:3] + tuple(tq.quantize(p) for p in args[3:5]) + args[5:]
+    for pages, fmt in [(args, None), (half_pages, None), *((p, name) for name, p in row_scaled.items()),
+                       (turbo, tq)]:
+        assert (cpu.TURBO_TARGET if fmt is tq else cpu.TARGET) in _lowered(pages, max_q_len=1, kv_format=fmt, **kw)
         want = ragged_paged_attention(*pages, kv_format=fmt, **kw)  # the dense reference (no max_q_len)
         got = ragged_paged_attention(*pages, max_q_len=1, kv_format=fmt, **kw)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -278,6 +303,11 @@ def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
             assert_close(g.astype(jnp.float32), w.astype(jnp.float32))
     mxfp4 = args[:3] + tuple(kv_formats.resolve("mxfp4").quantize(p) for p in args[3:5]) + args[5:]
     assert cpu.TARGET not in _lowered(mxfp4, max_q_len=1, kv_format="mxfp4")
+    wide = TurboQuantSplit(64, 5.5, tq.outliers)  # 6-bit codes: past the kernel's 16-entry lookup
+    wide_pages = args[:3] + tuple(wide.quantize(p) for p in args[3:5]) + args[5:]
+    assert cpu.TURBO_TARGET not in _lowered(wide_pages, max_q_len=1, kv_format=wide)
+    with pytest.raises(ValueError, match="at most 4 bits"):
+        cpu.decode_attention_turbo_cpu(*wide_pages, sm_scale=0.1, kv_format=wide)
     assert cpu.TARGET not in _lowered(args, max_q_len=2, max_chunks=1)
     bf16 = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args)
     assert cpu.TARGET not in _lowered(bf16, max_q_len=1)
@@ -381,3 +411,35 @@ def test_low_bit_buffers_that_do_not_fit_are_refused_by_the_kernel():
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert_close(g.astype(jnp.float32), w.astype(jnp.float32))
 
+
+
+def test_turboquant_buffers_that_do_not_fit_are_refused_by_the_kernel():
+    """The TurboQuant handler checks what cpu.py's checks would stop first: codes of more
+    than 4 bits, codes whose width does not match the bits, scales of another count, and
+    sparse channels without their indices."""
+    args, _ = _decode_batch(4, [3, 6], head_dim=32)
+    q, _, _, k_pages, _, table, cu, kv_lens = args
+    codes = TurboQuant(32, 4, sparse=1).quantize(k_pages)
+    placeholder = (jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.bfloat16))
+
+    def call(group, bits=4, sparse=1, codebooks=jnp.zeros((1, 16), jnp.float32)):
+        leaves = list(group) * 4  # K and V, each one group given twice
+        return jax.ffi.ffi_call(cpu.TURBO_TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                                   jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)))(
+            q, *leaves, codebooks, jnp.zeros((1, 32, 32), jnp.float32), table, cu, kv_lens,
+            jnp.zeros((1,), jnp.float32), sm_scale=np.float32(0.1), sliding_window=np.int64(0),
+            soft_cap=np.float32(0), has_sinks=np.int64(0), groups=np.int64(1), bits0=np.int64(bits),
+            bits1=np.int64(0), sparse=np.int64(sparse))[0].block_until_ready()
+
+    good = (codes.idx, codes.norm, codes.sparse_idx, codes.sparse_val)
+    call(good)  # what fits runs
+    with pytest.raises(Exception, match="1 to 4 bits"):
+        call(good, bits=5)
+    with pytest.raises(Exception, match="1 to 4 bits"):
+        call(good, bits=2)  # 16 bytes of codes are 4-bit codes of 32 channels, not 2-bit ones
+    with pytest.raises(Exception, match="float32 scales"):
+        call((codes.idx, codes.norm[:1], codes.sparse_idx, codes.sparse_val))
+    with pytest.raises(Exception, match="sparse channels need"):
+        call((codes.idx, codes.norm, *placeholder))
+    with pytest.raises(Exception, match="codebooks must be"):
+        call(good, codebooks=jnp.zeros((2, 16), jnp.float32))

@@ -2,7 +2,8 @@
 and CUDA, checked by jax.export from this CPU host (no device needed): decode-only steps
 and mixed prefill + decode steps, float and low-bit pools. On CUDA decode-only float steps
 run the Triton paged decode kernel and other steps over float, int8, fp8, nvfp4 and mxfp4
-pools the Triton ragged kernel; TurboQuant pools lower to the XLA path there."""
+pools the Triton ragged kernel; TurboQuant pools lower to the XLA path there. On this CPU
+a decode step runs the C++ kernel in every layer (every pool but MXFP4's)."""
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,24 @@ def test_quantized_pool_decode_step_calls_the_kernels_in_every_layer(tiny, kv_ca
     assert kernel_calls(export_tpu(fn, *specs), "tpu_custom_call") == LAYERS
     on_gpu = kv_cache_dtype != "turboquant-3.5"  # TurboQuant pages take the XLA path on CUDA
     assert kernel_calls(export_cuda(fn, *specs), TRITON_CALL) == (LAYERS if on_gpu else 0)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8", "fp8", "nvfp4", "mxfp4", "turboquant-3.5",
+                                            "turboquant-2.5"])
+def test_decode_step_on_cpu_calls_the_cpu_kernel_in_every_layer(tiny, kv_cache_dtype):
+    """On this CPU a decode step's attention is the C++ kernel's (pallas_kernels/
+    ragged_paged_attention/cpu.py) in every layer, over every pool but MXFP4's, whose pages
+    take the XLA path; TurboQuant pools through the kernel's TurboQuant handler."""
+    from pallas_kernels.ragged_paged_attention import cpu
+
+    config, params = tiny
+    if key_centers.applies(config, kv_cache_dtype):
+        params = key_centers.set_key_centers(params, [jnp.ones(config.num_kv_heads * config.head_dim)] * LAYERS)
+    fn, specs = _step_specs(config, params, kv_cache_dtype)
+    text = jax.jit(fn).lower(*specs).as_text()
+    turbo = kv_cache_dtype.startswith("turboquant")
+    assert kernel_calls(text, f"@{cpu.TURBO_TARGET}(") == (LAYERS if turbo else 0)
+    assert kernel_calls(text, f"@{cpu.TARGET}(") == (0 if turbo or kv_cache_dtype == "mxfp4" else LAYERS)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
