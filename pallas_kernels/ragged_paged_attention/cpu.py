@@ -82,13 +82,14 @@ def _reads(kv_format, pages) -> bool:
     """Whether the kernel reads these low-bit pages (kv_format resolved): int8 / fp8 codes with
     a float32 scale per position and KV head (quant.kv_rows), NVFP4 without a tensor
     scale, as the KV pools keep it, or TurboQuant codes of at most TURBO_MAX_BITS whose
-    channel groups are multiples of 16 (the kernel decodes 16 codes of one group at once)."""
+    channel groups are multiples of 16 (the kernel decodes 16 codes of one group at once)
+    in rows of at most 256 (what its vector path weighs)."""
     if isinstance(kv_format, kv_formats.Rows):
         return isinstance(pages, RowQuantized)
     if isinstance(kv_format, (kv_formats.Turbo, kv_formats.TurboSplit)):
         kind = SplitCodes if isinstance(kv_format, kv_formats.TurboSplit) else TurboCodes
-        return isinstance(pages, kind) and all(inst.dim % 16 == 0 and inst.bits <= TURBO_MAX_BITS
-                                               for _, inst in _groups(kv_format, pages))
+        return (isinstance(pages, kind) and kv_format.tq.dim <= 256
+                and all(inst.dim % 16 == 0 and inst.bits <= TURBO_MAX_BITS for _, inst in _groups(kv_format, pages)))
     return (isinstance(kv_format, kv_formats.BlockFP4) and kv_format.label == "nvfp4"
             and isinstance(pages, NVFP4) and pages.tensor_scale is None)
 
@@ -139,10 +140,11 @@ def decode_attention_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_
                            "or KVFOLD_DECODE_ATTENTION_CPU=0)")
     fmt = None if kv_format is None else kv_formats.resolve(kv_format)
     for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
-        if fmt is not None and not _reads(fmt, pages):
+        if fmt is not None and (isinstance(fmt, (kv_formats.Turbo, kv_formats.TurboSplit)) or not _reads(fmt, pages)):
             raise ValueError(f"decode_attention_cpu reads float pages, quant.RowQuantized pages of kv_format "
                              f"'int8' / 'fp8', or quant.NVFP4 pages without a tensor scale (the XLA path takes "
-                             f"those with one), not {name} {type(pages).__name__} of kv_format {fmt.label!r}")
+                             f"those with one; decode_attention_turbo_cpu TurboQuant ones), not {name} "
+                             f"{type(pages).__name__} of kv_format {fmt.label!r}")
     none = jnp.zeros((1,), jnp.float32)  # the scales' placeholder beside float pages
     (kc, ks), (vc, vs) = (fmt.leaves(p)[:2] if fmt is not None else (p, none) for p in (k_pages, v_pages))
     num_tokens, num_q_heads, _ = q.shape
@@ -182,8 +184,9 @@ def decode_attention_turbo_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_len
     for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
         if not isinstance(fmt, (kv_formats.Turbo, kv_formats.TurboSplit)) or not _reads(fmt, pages):
             raise ValueError(f"decode_attention_turbo_cpu reads quant.TurboCodes / quant.SplitCodes pages of a "
-                             f"TurboQuant kv_format with at most {TURBO_MAX_BITS} bits a code and channel groups of "
-                             f"a multiple of 16, not {name} {type(pages).__name__} of kv_format {fmt.label!r}")
+                             f"TurboQuant kv_format with at most {TURBO_MAX_BITS} bits a code, channel groups of "
+                             f"a multiple of 16 and rows of at most 256, not {name} {type(pages).__name__} of "
+                             f"kv_format {fmt.label!r}")
     seq, pos = token_layout(cu_q_lens, kv_lens, q.shape[0])
     k_pages, v_pages = write_new_kv(k_pages, v_pages, k, v, block_tables, seq, pos, fmt)
     groups = _groups(fmt, k_pages)
@@ -198,7 +201,8 @@ def decode_attention_turbo_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_len
     codebooks = np.zeros((len(groups), 16), np.float32)
     for i, (_, inst) in enumerate(groups):
         codebooks[i, : 1 << int(inst.bits)] = sphere_codebook(inst.dim, int(inst.bits))
-    columns = jnp.stack([inst.rotation.T for _, inst in groups])  # row i: Pi[:, i]
+    columns = (jnp.stack([inst.rotation.T for _, inst in groups]) if sparse  # row i: Pi[:, i]
+               else jnp.zeros((len(groups), 1, 1), jnp.float32))
     num_tokens, num_q_heads, _ = q.shape
     call = jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                                      jax.ShapeDtypeStruct((num_tokens, num_q_heads), jnp.float32)),

@@ -232,12 +232,12 @@ inline void store(float y, Fp8& out) {
   out.bits = sign | static_cast<uint8_t>(((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120u << 3));
 }
 
-// Pages of float32 or bfloat16 elements E, row-scaled int8 / E4M3 codes with their scales, or
-// NVFP4 codes; q, the new rows and the results are float32.
+// Pages of float32 or bfloat16 elements E, row-scaled int8 / E4M3 codes with their scales,
+// NVFP4 codes or TurboQuant codes; q, the new rows and the results are float32.
 template <typename E>
 struct Problem {
   const float* q;      // [T, Hq, D]
-  Ptr<E> k, v;         // pages [P, ps, Hkv, D] (NVFP4: a view of the codes and block scales)
+  Ptr<E> k, v;         // pages [P, ps, Hkv, D] (NVFP4, TurboQuant: a view of their leaves)
   const float* sinks;  // [Hq] or null
   const int32_t *tables, *seq, *pos;  // [S, W], [T], [T]
   float *out, *lse;                   // [T, Hq, D], [T, Hq]
@@ -528,7 +528,9 @@ struct Part {
 
 // A thread's buffers: each position's row offset in the pages (the same in K and V; the row
 // holds every KV head, Hkv * D elements), the scores [Hq, n] and, for row-scaled codes, each
-// position's K and V scales [Hkv, n], and (NVFP4) a KV head's rows decoded for scores16 [16, D].
+// position's K and V scales [Hkv, n]; for NVFP4 and TurboQuant (kDecoded) rows decoded to
+// float32, a KV head's 16 for scores16 or a run's for weigh ([kRun, D]) in `tile`, and the
+// offsets weigh reads those at (decoded_rows).
 struct Scratch {
   std::vector<int64_t> rows, decoded_rows;
   std::vector<float> scores, kscale, vscale, tile;
@@ -1020,12 +1022,13 @@ ffi::Error DecodeAttentionTurbo(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   if (qd.size() != 3 || bd.size() != 2)
     return ffi::Error::InvalidArgument("decode_attention_turbo_cpu: q must be 3-D, block_tables 2-D");
   const int64_t Hq = qd[1], D = qd[2], S = kv_lens.element_count(), bits[2] = {bits0, bits1};
-  if ((groups != 1 && groups != 2) || D % (16 * groups) || sparse < 0 || (sparse && D / groups > 256))
+  if ((groups != 1 && groups != 2) || D <= 0 || Hq <= 0 || D % (16 * groups) || sparse < 0 ||
+      (sparse && D / groups > 256))
     return ffi::Error::InvalidArgument("decode_attention_turbo_cpu: one or two channel groups of a multiple of 16 "
                                        "channels each (at most 256 with sparse channels)");
-  if (codebooks.element_count() != 16 * groups || columns.element_count() != D / groups * D)
+  if (codebooks.element_count() != 16 * groups || columns.element_count() != (sparse ? D / groups * D : groups))
     return ffi::Error::InvalidArgument("decode_attention_turbo_cpu: codebooks must be [groups, 16], columns "
-                                       "[groups, size, size]");
+                                       "[groups, size, size] (with sparse channels, else [groups, 1, 1])");
   TurboPages pages[2];
   int64_t lead[3], v_lead[3];
   for (auto [leaves, t, at] : {std::tuple{std::array<const ffi::AnyBuffer*, 8>{&kc0, &ks0, &ki0, &kv0, &kc1, &ks1, &ki1,
@@ -1103,6 +1106,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldDecodeAttentionTurbo, DecodeAttentionTurbo,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // codebooks [groups, 16], zero-padded
                                   .Arg<ffi::Buffer<ffi::F32>>()  // columns [groups, size, size]: Pi transposed
+                                                                 // (no sparse channels: [groups, 1, 1])
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [S, W]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]

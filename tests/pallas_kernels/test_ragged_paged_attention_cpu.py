@@ -7,6 +7,7 @@ else."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import platform
 
 import jax
@@ -100,6 +101,7 @@ def _check_kernel(args, sinks, sm_scale, window=None, cap=None, page_dtype=jnp.f
     for got, want in zip(jax.tree.leaves((got_k, got_v)), jax.tree.leaves((want_k, want_v))):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(_bytes(got), _bytes(want))
+    # (for TurboQuant pages the step above compares write_new_kv with itself; this checks the writes)
     if fmt is not None:  # each live token's slot holds the quantizer's codes of its row, leaf by leaf
         for new, pages in ((k, got_k), (v, got_v)):
             for t, (s, p) in enumerate(zip(np.asarray(seq), np.asarray(pos))):
@@ -443,3 +445,27 @@ def test_turboquant_buffers_that_do_not_fit_are_refused_by_the_kernel():
         call((codes.idx, codes.norm, *placeholder))
     with pytest.raises(Exception, match="codebooks must be"):
         call(good, codebooks=jnp.zeros((2, 16), jnp.float32))
+
+
+def test_turboquant_codes_of_one_bit_and_many_sparse_channels_match_the_oracle():
+    """1-bit codes; six sparse channels a half (four added as the codes are decoded, the
+    others in a pass of their own); a sparse index past its half, which no write makes and
+    which adds nothing (as quant's dequantize and the XLA path read it); and
+    decode_attention_cpu, the handler for the other pages, refuses TurboQuant ones."""
+    args, sinks = _decode_batch(14, [1, 6, 40], num_q_heads=6, num_kv_heads=2, head_dim=64)
+    _check_kernel(args, sinks, 0.125, page_dtype=TurboQuant(64, 1))
+    many = TurboQuantSplit(64, 3.5, turboquant(64, 3.5).outliers, sparse=6, rescale=True)
+    _check_kernel(args, None, 0.125, page_dtype=many)
+    q, k, v, k_pages, v_pages, table, cu, kv_lens = args
+    tq = turboquant(64, 3.5)
+    pages = tq.quantize(k_pages)
+    past = pages.outlier.sparse_idx.at[int(table[2, 1]), 1, 0, 0].set(200)  # a live row of sequence 2
+    pages = dataclasses.replace(pages, outlier=dataclasses.replace(pages.outlier, sparse_idx=past))
+    seq, pos = token_layout(cu, kv_lens, q.shape[0])
+    out, lse, got_k, got_v = cpu.decode_attention_turbo_cpu(q, k, v, pages, tq.quantize(v_pages), table, cu, kv_lens,
+                                                            sm_scale=0.125, kv_format=tq)
+    want_out, want_lse = _oracle(q, tq.dequantize(got_k), tq.dequantize(got_v), table, seq, pos, 0.125)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="decode_attention_turbo_cpu TurboQuant ones"):
+        cpu.decode_attention_cpu(*args[:3], pages, pages, *args[5:], sm_scale=0.1, kv_format=tq)

@@ -60,6 +60,13 @@ def test_quantized_pool_decode_step_calls_the_kernels_in_every_layer(tiny, kv_ca
     assert kernel_calls(export_cuda(fn, *specs), TRITON_CALL) == (LAYERS if on_gpu else 0)
 
 
+def _cpu_kernel_available():
+    from pallas_kernels.ragged_paged_attention import cpu
+
+    return jax.default_backend() == "cpu" and cpu.available()
+
+
+@pytest.mark.skipif(not _cpu_kernel_available(), reason="the C++ kernel is a CPU backend's, when built")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8", "fp8", "nvfp4", "mxfp4", "turboquant-3.5",
                                             "turboquant-2.5"])
 def test_decode_step_on_cpu_calls_the_cpu_kernel_in_every_layer(tiny, kv_cache_dtype):
