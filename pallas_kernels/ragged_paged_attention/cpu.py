@@ -35,7 +35,6 @@ from pallas_kernels.variant import SOFTMAX, soft_cap_of
 from pallas_kernels.ragged_paged_attention.ref import token_layout, write_new_kv
 from quant.blockscaled import NVFP4
 from quant.kv_rows import RowQuantized
-from quant.lloyd_max import sphere_codebook
 from quant.turboquant import SplitCodes, TurboCodes
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
@@ -70,6 +69,11 @@ def _join_crew() -> None:
         use(ctypes.cast(matmul_cpu.KERNEL.library.KvfoldCrewRun, ctypes.c_void_p))
 
 
+def _turbo(kv_format) -> bool:
+    """Whether a resolved kv_format is TurboQuant's (its pages go to the TurboQuant handler)."""
+    return isinstance(kv_format, (kv_formats.Turbo, kv_formats.TurboSplit))
+
+
 def _groups(kv_format, pages):
     """TurboQuant pages' channel groups, [(codes, quantizer)]: one for a TurboQuant, the
     outlier and regular halves for a TurboQuantSplit."""
@@ -86,7 +90,7 @@ def _reads(kv_format, pages) -> bool:
     in rows of at most 256 (what its vector path weighs)."""
     if isinstance(kv_format, kv_formats.Rows):
         return isinstance(pages, RowQuantized)
-    if isinstance(kv_format, (kv_formats.Turbo, kv_formats.TurboSplit)):
+    if _turbo(kv_format):
         kind = SplitCodes if isinstance(kv_format, kv_formats.TurboSplit) else TurboCodes
         return (isinstance(pages, kind) and kv_format.tq.dim <= 256
                 and all(inst.dim % 16 == 0 and inst.bits <= TURBO_MAX_BITS for _, inst in _groups(kv_format, pages)))
@@ -112,8 +116,7 @@ def ragged_decode_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_len
     that writes the new K/V into the pages and attends (TurboQuant pages: written through
     XLA first). Same returns as the entry."""
     del tree  # None: `supports`
-    turbo = isinstance(kv_format, (kv_formats.Turbo, kv_formats.TurboSplit))
-    call = decode_attention_turbo_cpu if turbo else decode_attention_cpu
+    call = decode_attention_turbo_cpu if _turbo(kv_format) else decode_attention_cpu
     return call(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sinks, sm_scale=sm_scale,
                 sliding_window=sliding_window, soft_cap=soft_cap_of(variant), kv_format=kv_format)
 
@@ -140,7 +143,7 @@ def decode_attention_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_
                            "or KVFOLD_DECODE_ATTENTION_CPU=0)")
     fmt = None if kv_format is None else kv_formats.resolve(kv_format)
     for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
-        if fmt is not None and (isinstance(fmt, (kv_formats.Turbo, kv_formats.TurboSplit)) or not _reads(fmt, pages)):
+        if fmt is not None and (_turbo(fmt) or not _reads(fmt, pages)):
             raise ValueError(f"decode_attention_cpu reads float pages, quant.RowQuantized pages of kv_format "
                              f"'int8' / 'fp8', or quant.NVFP4 pages without a tensor scale (the XLA path takes "
                              f"those with one; decode_attention_turbo_cpu TurboQuant ones), not {name} "
@@ -182,7 +185,7 @@ def decode_attention_turbo_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_len
                            "or KVFOLD_DECODE_ATTENTION_CPU=0)")
     fmt = kv_formats.resolve(kv_format)
     for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
-        if not isinstance(fmt, (kv_formats.Turbo, kv_formats.TurboSplit)) or not _reads(fmt, pages):
+        if not _turbo(fmt) or not _reads(fmt, pages):
             raise ValueError(f"decode_attention_turbo_cpu reads quant.TurboCodes / quant.SplitCodes pages of a "
                              f"TurboQuant kv_format with at most {TURBO_MAX_BITS} bits a code, channel groups of "
                              f"a multiple of 16 and rows of at most 256, not {name} {type(pages).__name__} of "
@@ -198,9 +201,7 @@ def decode_attention_turbo_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_len
             these += [codes.idx, codes.norm, *((codes.sparse_idx, codes.sparse_val) if sparse else
                                                (jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.bfloat16)))]
         leaves += these if len(groups) == 2 else these * 2  # one group: its leaves again in group 1's places
-    codebooks = np.zeros((len(groups), 16), np.float32)
-    for i, (_, inst) in enumerate(groups):
-        codebooks[i, : 1 << int(inst.bits)] = sphere_codebook(inst.dim, int(inst.bits))
+    codebooks = jnp.stack([jnp.pad(c, (0, 16 - c.shape[0])) for c in fmt.extras()])  # zero-padded to 16
     columns = (jnp.stack([inst.rotation.T for _, inst in groups]) if sparse  # row i: Pi[:, i]
                else jnp.zeros((len(groups), 1, 1), jnp.float32))
     num_tokens, num_q_heads, _ = q.shape
@@ -211,7 +212,7 @@ def decode_attention_turbo_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_len
     sinks = sinks.astype(jnp.float32) if has_sinks else jnp.zeros((1,), jnp.float32)
     bits = [int(inst.bits) for _, inst in groups] + [0]
     i32 = lambda x: x.astype(jnp.int32)
-    out, lse = call(fmt.prepare_q(k_pages, q.astype(jnp.float32)), *leaves, jnp.asarray(codebooks), columns,
+    out, lse = call(fmt.prepare_q(k_pages, q.astype(jnp.float32)), *leaves, codebooks, columns,
                     i32(block_tables), i32(cu_q_lens), i32(kv_lens), sinks, sm_scale=np.float32(sm_scale),
                     sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
                     has_sinks=np.int64(has_sinks), groups=np.int64(len(groups)), bits0=np.int64(bits[0]),

@@ -148,7 +148,7 @@ struct TurboGroup {
   int64_t bits, bytes;
   // Code j of 16 starting at a multiple of 16 channels: stream bits from byte first[j] (and
   // first[j] + 1 when it straddles), shifted down by shift[j].
-  int32_t first[16], second[16], shift[16];
+  int32_t first[16], shift[16];
 };
 struct TurboPages {
   TurboGroup group[2];
@@ -333,7 +333,7 @@ inline void decode_rows(const TurboPtr& base, const int64_t* rows, int64_t count
   for (int64_t g = 0; g < D / t.size; ++g) {
     const TurboGroup& f = t.group[g];
     const bool straddles = 8 % f.bits != 0;
-    const __m512i first = _mm512_loadu_si512(f.first), second = _mm512_loadu_si512(f.second);
+    const __m512i first = _mm512_loadu_si512(f.first), second = _mm512_add_epi32(first, _mm512_set1_epi32(1));
     const __m512i shift = _mm512_loadu_si512(f.shift), mask = _mm512_set1_epi32((1 << f.bits) - 1);
     const __m512 codebook = _mm512_loadu_ps(f.codebook);
     const __mmask16 load = static_cast<__mmask16>((1u << (2 * f.bits)) - 1);
@@ -997,7 +997,6 @@ ffi::Error turbo_pages(const std::array<const ffi::AnyBuffer*, 8>& leaves, int64
                    codebooks.typed_data() + 16 * g, columns.typed_data() + g * t.size * t.size, bits[g], cd[3]};
     for (int j = 0; j < 16; ++j) {
       f.first[j] = static_cast<int32_t>(j * bits[g] / 8);
-      f.second[j] = f.first[j] + 1;
       f.shift[j] = static_cast<int32_t>(j * bits[g] % 8);
     }
   }
