@@ -1,4 +1,5 @@
-"""Key centering: quantized KV pages store each key minus its layer's mean key.
+"""Key centering and key bases: quantized KV pages store each key minus its layer's mean key,
+in a basis fitted to the keys and queries for TurboQuant's pages.
 
 A softmax does not change when every score of a query moves by one constant, and
 q . (k - c) = q . k - q . c moves all of a query's scores by q . c. So a layer may store and
@@ -18,6 +19,24 @@ float cache. Any centers are exact, stale ones included (after a weight update, 
 ones make the quantized pages more accurate, by as much as the mean dominates the keys.
 LLM centers the keys of the formats in CENTERED_FORMATS, where kv_eval measured the gain.
 
+Key bases (BASIS_FORMATS, TurboQuant's pages). The same identity holds for any invertible
+A per KV head: (B q) . (A k) = q . k when B = A^-T. TurboQuant rotates each half of a row at
+random, so its error is spread evenly over a half's directions with a size set by that
+half's energy; the score error of a half is then about D(b) ||k_half||^2 ||q_half||^2 / (d/2).
+`key_bases` takes the basis where keys (about their center) and queries both decorrelate
+and have equal variances (a Cholesky factor of the key covariance, then the eigenvectors of
+the queries' second moment in it, scaled by its eigenvalues^(1/4)), which minimizes
+E||A k||^2 E||B q||^2, and puts its d/2 directions of most variance in the channels
+TurboQuant stores at the higher rate (model/kv_formats.py rope_outlier_channels). The
+layer stores A (k - c) and attends with B q ("k_basis", "q_basis": [num_kv_heads, d, d],
+float32, applied at full precision). On the default model kv_eval measured turboquant-3.5
+at -0.11 / +0.48 perplexity over float32 at 512 / 2,048 tokens with bases, +0.58 / +0.58
+with centers alone; turboquant-2.5 at +2.63 (+4.15) at 512; int8 and nvfp4 did not move,
+so they keep the channel basis. The orthogonal basis of the keys' principal axes alone was
+worse at 2,048 tokens (+0.74): the channels the centered keys rarely use in calibration,
+the slow RoPE pairs, hold much of the queries' energy, and of the keys' at positions past
+the calibration text.
+
 Only where the identity holds: Llama-family attention layers without attention sinks (a
 sink's fixed logit does not move with the scores) and without a score soft-cap (tanh is not
 shift-invariant). `supports(config)` says which.
@@ -30,9 +49,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from model.config import ATTENTION, SLIDING_ATTENTION, ModelConfig
-from model.kv_formats import get_format
+from model.kv_formats import get_format, rope_outlier_channels
 from model.tokenizer import Tokenizer
 
 CENTER = "k_center"
@@ -41,6 +61,10 @@ CALIBRATION_TOKENS = 1024
 # 512 and 1,024 tokens (README's table). fp8 showed no clear change; mxfp4's perplexity cost
 # fell but it lost two of its three needles, so both store keys as they are.
 CENTERED_FORMATS = ("int8", "nvfp4", "turboquant-3.5", "turboquant-2.5")
+BASES = ("k_basis", "q_basis")
+# The formats whose pages also hold keys in a calibrated basis (module docstring): kv_eval
+# measured TurboQuant's two rates better with it, int8 and nvfp4 unchanged.
+BASIS_FORMATS = ("turboquant-3.5", "turboquant-2.5")
 
 
 def supports(config: ModelConfig) -> bool:
@@ -74,10 +98,20 @@ def calibration_ids(tokenizer: Tokenizer, num_tokens: int = CALIBRATION_TOKENS) 
 def key_centers(params: dict, config: ModelConfig, token_ids, mesh=None) -> list[jax.Array]:
     """Each layer's mean post-RoPE key over `token_ids` (one sequence), [num_kv_heads *
     head_dim] float32, from a forward pass of the model as `params` hold it (packed weights
-    too) into a float32 cache; ValueError when the model does not support centering
+    too; `key_moments`); ValueError when the model does not support centering
     (`supports`) or the ids are no 1-D sequence of the model's token ids.
 
     mesh: params are laid out over it (model/sharding.py), and so is the pass."""
+    return [mean for mean, _, _ in key_moments(params, config, token_ids, mesh)]
+
+
+def key_moments(params: dict, config: ModelConfig, token_ids, mesh=None) -> list[tuple]:
+    """Per layer, over `token_ids` as `key_centers` takes them: (the mean post-RoPE key
+    [num_kv_heads * head_dim], the keys' covariance about it and the second moment of the
+    queries of each KV head's group, both [num_kv_heads, head_dim, head_dim]), float32, from
+    q and k recomputed (`model.layers.project_qkv`) from each layer's input in one forward
+    pass into a float32 cache. Over a mesh the moments come back replicated, so every
+    process can read them. ValueError as `key_centers`."""
     if not supports(config):
         raise ValueError("key centers need Llama-family attention layers without attention sinks or "
                          "a score soft-cap (their softmax is not shift-invariant)")
@@ -88,30 +122,111 @@ def key_centers(params: dict, config: ModelConfig, token_ids, mesh=None) -> list
     if ids.size > config.max_position_embeddings or ids.min() < 0 or ids.max() >= config.vocab_size:
         raise ValueError(f"token_ids must be at most {config.max_position_embeddings} ids in "
                          f"[0, {config.vocab_size}), got {ids.size} in [{ids.min()}, {ids.max()}]")
-    bare = without_key_centers(params)
-    return list(_means(config, ids.size, mesh)(bare, jnp.asarray(ids[None], jnp.int32)))
+    return _moments(config, ids.size, mesh)(without_key_centers(params), jnp.asarray(ids[None], jnp.int32))
 
 
 @functools.cache
-def _means(config: ModelConfig, num_tokens: int, mesh):
+def _moments(config: ModelConfig, num_tokens: int, mesh):
+    from model.layers import project_qkv
+    from model.rope import rope_tables
     from model.transformer import forward_hidden, init_cache
 
+    kv, d = config.num_kv_heads, config.head_dim
+    group = config.num_heads // kv
+    highest = jax.lax.Precision.HIGHEST
+
     @jax.jit
-    def means(params, tokens):
+    def moments(params, tokens):
         cache = init_cache(config, 1, num_tokens, jnp.float32, kv_cache_dtype="float32", mesh=mesh)
         positions = jnp.arange(num_tokens, dtype=jnp.int32)[None]
-        _, cache, _ = forward_hidden(params, config, tokens, positions, cache, mesh=mesh)
-        # one sequence over contiguous pages: its slots are the pool's rows in order
-        return [layer.pages["k"].reshape(-1, config.num_kv_heads * config.head_dim)[:num_tokens].mean(0)
-                for layer in cache.layers]
-    return means
+        _, _, inputs = forward_hidden(params, config, tokens, positions, cache, tuple(range(config.num_layers)),
+                                      mesh=mesh)
+        out = []
+        for kind, layer, x in zip(config.layer_kinds, params["layers"], inputs):
+            rope = rope_tables(config, positions, local=kind == SLIDING_ATTENTION)
+            q, k, _ = project_qkv(layer, config, x, rope, (layer["attn_norm"], config.rms_norm_eps))
+            q, k = q[0].astype(jnp.float32).reshape(num_tokens, kv, group, d), k[0].astype(jnp.float32)
+            mean = k.mean(0)
+            rest = k - mean
+            key_cov = jnp.einsum("thd,the->hde", rest, rest, precision=highest) / num_tokens
+            query_moment = jnp.einsum("thgd,thge->hde", q, q, precision=highest) / (num_tokens * group)
+            if mesh is not None:  # on every process of a multihost mesh (key_transforms reads them)
+                replicated = NamedSharding(mesh, P())
+                key_cov, query_moment = (jax.lax.with_sharding_constraint(m, replicated)
+                                         for m in (key_cov, query_moment))
+            out.append((mean.reshape(kv * d), key_cov, query_moment))
+        return out
+    return moments
 
 
-def set_key_centers(params: dict, centers) -> dict:
-    """params with each layer's "k_center" set to centers[layer] (any old ones replaced)."""
+def key_bases(key_cov: np.ndarray, query_moment: np.ndarray, high: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The balanced bases of one layer (module docstring): (A, B), float32 [num_kv_heads, d, d]
+    with B^T A = I per head, so (B q) . (A k) = q . k. A's rows are directions where keys and
+    queries have equal variance; the d/2 of most variance go to the channels `high` (in
+    descending order), the rest to the other channels (ascending positions, descending
+    variance). key_cov, query_moment: float [num_kv_heads, d, d], as `key_moments` gives."""
+    heads, d, _ = key_cov.shape
+    if query_moment.shape != key_cov.shape or len(high) != d // 2 or len(set(high)) != d // 2:
+        raise ValueError(f"key_bases: covariances {key_cov.shape} / {query_moment.shape} and {len(high)} "
+                         f"distinct high channels do not fit (need d / 2 of them)")
+    low = [c for c in range(d) if c not in set(high)]
+    a, b = np.zeros((heads, d, d)), np.zeros((heads, d, d))
+    for h in range(heads):
+        ck, cq = np.asarray(key_cov[h], np.float64), np.asarray(query_moment[h], np.float64)
+        # a square root L L^T = C_k, its variances floored at a millionth of their mean (directions
+        # keys never took): in L^-1's basis keys are white. Any root gives the same rows below.
+        lam, vec = np.linalg.eigh((ck + ck.T) / 2)
+        lam = np.maximum(lam, 1e-6 * max(lam.mean(), 0.0) or 1.0)
+        root, inverse = vec * np.sqrt(lam), (vec / np.sqrt(lam)).T
+        s, u = np.linalg.eigh(root.T @ ((cq + cq.T) / 2) @ root)  # the queries' variances there, their axes
+        s = np.maximum(s, 1e-12 * s.max() if s.max() > 0 else 1.0)
+        # U^T L^-1 k has variances 1 and U^T L^T q variances s: scale both to s^(1/2)
+        rows_a = s[:, None] ** 0.25 * (u.T @ inverse)
+        rows_b = s[:, None] ** -0.25 * (u.T @ root.T)
+        sign = np.sign(rows_a[np.arange(d), np.abs(rows_a).argmax(1)])  # one per row: its largest entry > 0
+        rows_a, rows_b = rows_a * sign[:, None], rows_b * sign[:, None]
+        order = np.argsort(-s, kind="stable")
+        a[h, list(high)], a[h, low] = rows_a[order[:d // 2]], rows_a[order[d // 2:]]
+        b[h, list(high)], b[h, low] = rows_b[order[:d // 2]], rows_b[order[d // 2:]]
+    return a.astype(np.float32), b.astype(np.float32)
+
+
+def key_transforms(params: dict, config: ModelConfig, token_ids, kv_cache_dtype: str, mesh=None,
+                   model_kv_heads: int | None = None):
+    """(centers, bases) for `kv_cache_dtype` pages over `token_ids`: each layer's center
+    (`key_centers`) and, for BASIS_FORMATS, its (k_basis, q_basis) (`key_bases` with the
+    channels TurboQuant stores at its higher rate), else None.
+
+    model_kv_heads: the model's own KV heads when `config` has them repeated for tensor
+    parallelism (model/sharding.py): each repeat then serves part of its head's queries, so
+    their statistics are pooled and the bases repeated, as the model's own would be."""
+    get_format(kv_cache_dtype)  # ValueError naming the known ones
+    moments = key_moments(params, config, token_ids, mesh)
+    centers = [mean for mean, _, _ in moments]
+    if kv_cache_dtype not in BASIS_FORMATS:
+        return centers, None
+    heads = model_kv_heads or config.num_kv_heads
+    if config.num_kv_heads % heads:
+        raise ValueError(f"model_kv_heads {model_kv_heads} does not divide the {config.num_kv_heads} KV heads")
+    repeat, d = config.num_kv_heads // heads, config.head_dim
+
+    def pooled(moment):
+        return np.asarray(moment, np.float64).reshape(heads, repeat, d, d).mean(1)
+    high = rope_outlier_channels(d)
+    bases = [key_bases(pooled(key_cov), pooled(query_moment), high) for _, key_cov, query_moment in moments]
+    return centers, [tuple(np.repeat(m, repeat, axis=0) for m in pair) for pair in bases]
+
+
+def set_key_centers(params: dict, centers, bases=None) -> dict:
+    """params with each layer's "k_center" set to centers[layer] and, given bases, its
+    "k_basis", "q_basis" to bases[layer] (any old ones replaced, removed without bases)."""
     if len(centers) != len(params["layers"]):
         raise ValueError(f"{len(centers)} centers for {len(params['layers'])} layers")
-    return {**params, "layers": [{**layer, CENTER: c} for layer, c in zip(params["layers"], centers)]}
+    if bases is not None and len(bases) != len(centers):
+        raise ValueError(f"{len(bases)} bases for {len(centers)} layers")
+    layers = without_key_centers(params)["layers"]
+    extra = [{} for _ in layers] if bases is None else [dict(zip(BASES, map(jnp.asarray, pair))) for pair in bases]
+    return {**params, "layers": [{**layer, CENTER: c, **more} for layer, c, more in zip(layers, centers, extra)]}
 
 
 def with_key_centers(params: dict, config: ModelConfig, token_ids) -> dict:
@@ -138,16 +253,18 @@ def model_calibration_ids(tokenizer: Tokenizer, config: ModelConfig) -> list[int
 
 def for_kv_cache(params: dict, config: ModelConfig, tokenizer: Tokenizer, kv_cache_dtype: str) -> dict:
     """params as LLM runs them over `kv_cache_dtype` pages: centered on `model_calibration_ids`
-    where the format and model call for it (`applies`), else unchanged."""
+    where the format and model call for it (`applies`), and in key bases for BASIS_FORMATS
+    (`key_transforms`), else unchanged."""
     if not applies(config, kv_cache_dtype):
         return params
-    return with_key_centers(params, config, model_calibration_ids(tokenizer, config))
+    return set_key_centers(params, *key_transforms(params, config, model_calibration_ids(tokenizer, config),
+                                                   kv_cache_dtype))
 
 
 def without_key_centers(params: dict) -> dict:
-    """params without any "k_center" (a model that `supports` centers computes the same
-    either way); params of other layouts as they are."""
+    """params without any "k_center", "k_basis" or "q_basis" (a model that `supports`
+    them computes the same either way); params of other layouts as they are."""
     if not isinstance(params.get("layers"), (list, tuple)):
         return params
-    return {**params, "layers": [{k: v for k, v in layer.items() if k != CENTER} if isinstance(layer, dict)
-                                 else layer for layer in params["layers"]]}
+    return {**params, "layers": [{k: v for k, v in layer.items() if k not in (CENTER, *BASES)}
+                                 if isinstance(layer, dict) else layer for layer in params["layers"]]}

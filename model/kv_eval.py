@@ -19,7 +19,7 @@ One row per kv_cache_dtype (model/kv_formats.py), all from one batched prefill p
 
 The formats LLM centers (model/key_centers.py CENTERED_FORMATS) run here centered too:
 their pages hold keys minus each layer's mean key, taken over other topics of the same
-documentation.
+documentation, and TurboQuant's (BASIS_FORMATS) hold them in the key bases fitted there.
 
 --plot FILE.png also draws the table (matplotlib): dppl and B/token per kv_cache_dtype as bars.
 """
@@ -38,7 +38,7 @@ from model import compile_cache
 from model.config import SLIDING_ATTENTION, ModelConfig
 from model.context import ForwardContext
 from model.kv_cache import slot_mapping
-from model.key_centers import applies, documentation_text, for_kv_cache
+from model.key_centers import BASIS_FORMATS, applies, documentation_text, for_kv_cache
 from model.kv_formats import KV_CACHE_DTYPES, bytes_per_token, recent_bytes_per_seq
 from model.layers import attention_block, rms_norm
 from model.rope import rope_tables
@@ -148,13 +148,14 @@ def evaluate(config: ModelConfig, params, tokenizer: Tokenizer, formats=DEFAULT_
     tokens = jnp.asarray([documentation_ids(tokenizer, num_tokens)] + [p + a for p, a in examples],
                          jnp.int32)
     answers = np.asarray([a for _, a in examples])
-    base, centered = None, None
+    base, transformed = None, {}
     for name in (BASELINE,) + tuple(f for f in formats if f != BASELINE):
         start = time.perf_counter()
         run = params
-        if applies(config, name):  # as LLM runs them: centered keys (model/key_centers.py)
-            centered = centered or for_kv_cache(params, config, tokenizer, name)
-            run = centered
+        if applies(config, name):  # as LLM runs them: centered keys, some in a basis (model/key_centers.py)
+            in_basis = name in BASIS_FORMATS
+            transformed[in_basis] = transformed.get(in_basis) or for_kv_cache(params, config, tokenizer, name)
+            run = transformed[in_basis]
         nll, greedy, residuals = _score(run, config, tokens, name, answer_len)
         if base is None:
             base_residuals = residuals

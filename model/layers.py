@@ -146,6 +146,31 @@ def _split_heads(attention, mesh, k_pages, v_pages):
                              (heads, *pages))
 
 
+def project_qkv(params: dict, config: ModelConfig, x: jnp.ndarray, rope, norm=None):
+    """An attention layer's q [B, T, num_heads, head_dim] and k, v [B, T, num_kv_heads,
+    head_dim] for x [B, T, H]: projected, q/k heads normed where the model does (Qwen3),
+    q and k rotated by rope = (cos, sin). norm: as `attention_block`."""
+    b, t, _ = x.shape
+    hd = config.head_dim
+    q, k, v = linears(x, [params["wq"], params["wk"], params["wv"]], [params.get(n) for n in ("bq", "bk", "bv")],
+                      norm=norm)
+    q = q.reshape(b, t, config.num_heads, hd)
+    k, v = k.reshape(b, t, config.num_kv_heads, hd), v.reshape(b, t, config.num_kv_heads, hd)
+    if "q_norm" in params:  # Qwen3 (config.qk_norm); the EAGLE-3 draft layer has none
+        q = rms_norm(q, params["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, params["k_norm"], config.rms_norm_eps)
+    cos, sin = rope
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _in_basis(x: jnp.ndarray, basis: jnp.ndarray) -> jnp.ndarray:
+    """x [B, T, heads, ..., d] -> basis[h] @ x[:, :, h, ..., :] per KV head h, in float32 at
+    full precision (the bases come from calibration, not training: no TF32 or bf16 passes)."""
+    y = jnp.einsum("bth...d,hed->bth...e", x.astype(jnp.float32), basis.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+    return y.astype(x.dtype)
+
+
 def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KVPages,
                     ctx: ForwardContext, sliding_window: int | None, norm=None) -> tuple[jnp.ndarray, KVPages]:
     """Self-attention sublayer: project, (norm q/k heads), rotate, write K/V into the pages,
@@ -164,18 +189,13 @@ def attention_block(params: dict, config: ModelConfig, x: jnp.ndarray, cache: KV
     packed kernel), or None for x as it is.
     """
     b, t, _ = x.shape
-    hd = config.head_dim
-    q, k, v = linears(x, [params["wq"], params["wk"], params["wv"]], [params.get(n) for n in ("bq", "bk", "bv")],
-                      norm=norm)
-    q = q.reshape(b, t, config.num_heads, hd)
-    k, v = k.reshape(b, t, config.num_kv_heads, hd), v.reshape(b, t, config.num_kv_heads, hd)
-    if "q_norm" in params:  # Qwen3 (config.qk_norm); the EAGLE-3 draft layer has none
-        q = rms_norm(q, params["q_norm"], config.rms_norm_eps)
-        k = rms_norm(k, params["k_norm"], config.rms_norm_eps)
-    cos, sin = ctx.rope
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = project_qkv(params, config, x, ctx.rope, norm)
     if "k_center" in params:  # the same scores up to one shift per query (model/key_centers.py)
-        k = k - params["k_center"].reshape(config.num_kv_heads, hd).astype(k.dtype)
+        k = k - params["k_center"].reshape(config.num_kv_heads, config.head_dim).astype(k.dtype)
+    if "k_basis" in params:  # q' . k' = q . k in another basis per KV head (model/key_centers.py)
+        group = config.num_heads // config.num_kv_heads
+        k = _in_basis(k, params["k_basis"])
+        q = _in_basis(q.reshape(b, t, config.num_kv_heads, group, -1), params["q_basis"]).reshape(q.shape)
     pages = kernel_pages(cache)
     if pages is None:
         cache = write_kv(cache, k, v, ctx)

@@ -57,6 +57,7 @@ TENSOR = (EXPERT, MODEL)  # the axes a tensor-parallel split spans: tp = ep * (t
 _COLUMN = ("wq", "wk", "wv", "w_gate", "w_up", "shared_gate", "shared_up")
 _ROW = ("wo", "w_down", "shared_down")
 _HEAD_VECTOR = ("bq", "bk", "bv", "sinks", "k_center")
+_HEAD_MATRIX = ("k_basis", "q_basis")  # [num_kv_heads, head_dim, head_dim] (model/key_centers.py)
 
 
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None,
@@ -155,8 +156,12 @@ def expand_kv_heads(config: ModelConfig, params: dict, tp: int) -> tuple[ModelCo
         heads = x.reshape(*x.shape[:-1], config.num_kv_heads, hd)
         return jnp.repeat(heads, repeat, axis=-2).reshape(*x.shape[:-1], tp * hd)
 
-    layers = [{name: widen(w) if name in ("wk", "wv", "bk", "bv", "k_center") else w for name, w in layer.items()}
-              for layer in params["layers"]]
+    def widen_heads(name, w):
+        if name in ("wk", "wv", "bk", "bv", "k_center"):
+            return widen(w)
+        return jnp.repeat(w, repeat, axis=0) if name in _HEAD_MATRIX else w
+
+    layers = [{name: widen_heads(name, w) for name, w in layer.items()} for layer in params["layers"]]
     return dataclasses.replace(config, num_kv_heads=tp), {**params, "layers": layers}
 
 
@@ -195,7 +200,7 @@ def param_specs(params: dict, config: ModelConfig, tp: int) -> dict:
             return P()  # (shared experts split like a dense MLP, by the rules below)
         if name in _COLUMN or name in _HEAD_VECTOR:
             return _split(shape, len(shape) - 1, tp)
-        if name in _ROW:
+        if name in _ROW or name in _HEAD_MATRIX:
             return _split(shape, 0, tp)
         if name == "embed":  # [V, H] over the vocabulary
             return _split(shape, 0, tp)

@@ -336,8 +336,8 @@ class LLM:
         to the running dtype, so a bfloat16 trainer state fits a float32 engine), or a
         checkpoint path `model.load` reads, of the same model config. Nothing recompiles:
         the weights are arguments of the jitted step, never constants. The prefix cache is
-        flushed, since its pages hold K/V the old weights computed; the key centers of a pool
-        in key_centers.CENTERED_FORMATS are taken again over the new weights. Call it between
+        flushed, since its pages hold K/V the old weights computed; the key centers (and bases)
+        of a pool in key_centers.CENTERED_FORMATS are taken again over the new weights. Call it between
         `generate` calls: with requests in flight it raises ValueError, as it does for a
         pytree or checkpoint that does not match; the old weights stay on error."""
         with self._lock:
@@ -363,15 +363,17 @@ class LLM:
                 self.engine.kv.flush_prefix_cache()
 
     def _with_key_centers(self, config, step_config, tokenizer, rank_params: list, rank_meshes: list) -> list:
-        """Each rank's params with the key centers its quantized pages store (model/key_centers.py),
-        when the format and model call for them: taken over rank 0's copy as its devices hold it
+        """Each rank's params with the key centers (and for key_centers.BASIS_FORMATS the key
+        bases) its quantized pages store (model/key_centers.py), when the format and model
+        call for them: taken over rank 0's copy as its devices hold it
         (step_config: the config it runs under, KV heads repeated for tp) and placed like
         every weight."""
         if not key_centers.applies(config, self._kv_cache_dtype):
             return rank_params
         ids = key_centers.model_calibration_ids(tokenizer, config)
-        centers = key_centers.key_centers(rank_params[0], step_config, ids, rank_meshes[0])
-        placed = [key_centers.set_key_centers(params, centers) for params in rank_params]
+        transforms = key_centers.key_transforms(rank_params[0], step_config, ids, self._kv_cache_dtype,
+                                                rank_meshes[0], config.num_kv_heads)
+        placed = [key_centers.set_key_centers(params, *transforms) for params in rank_params]
         return [params if mesh is None else model.shard_params(params, step_config, mesh)[1]
                 for params, mesh in zip(placed, rank_meshes)]
 

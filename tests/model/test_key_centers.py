@@ -11,6 +11,8 @@ import pytest
 import model
 from model import key_centers, kv_eval, kv_formats
 from model.config import ModelConfig
+from model.layers import project_qkv
+from model.rope import rope_tables
 from tests.model.test_kv_formats import D, write_read
 
 T = 64
@@ -151,3 +153,111 @@ def test_key_centers_reject_bad_token_ids(biased, ids, match):
     config, params, _ = biased
     with pytest.raises(ValueError, match=match):
         key_centers.key_centers(params, config, ids)
+
+
+def random_moments(rng, heads, d):
+    """Key covariances and query second moments with spread-out spectra, float64."""
+    def spd():
+        g = rng.standard_normal((heads, d, d)) * np.logspace(0, -2, d)
+        return g @ np.swapaxes(g, -1, -2) / d
+    return spd(), spd()
+
+
+def test_key_bases_are_dual_and_balance_keys_and_queries():
+    """B^T A = I; in A's basis keys and queries are uncorrelated with equal variances, whose
+    squares are the eigenvalues of C_k C_q (numpy's, not the Cholesky route the bases take);
+    the d/2 largest sit in the high channels; and E||Ak||^2 E||Bq||^2 reaches its minimum
+    (sum sqrt(eig C_k C_q))^2, below the channel basis's tr C_k tr C_q."""
+    rng = np.random.default_rng(0)
+    d, heads = 32, 2
+    key_cov, query_moment = random_moments(rng, heads, d)
+    high = kv_formats.rope_outlier_channels(d)
+    a, b = key_centers.key_bases(key_cov, query_moment, high)
+    assert a.shape == b.shape == (heads, d, d) and a.dtype == np.float32
+    low = [c for c in range(d) if c not in high]
+    for h in range(heads):
+        ah, bh = a[h].astype(np.float64), b[h].astype(np.float64)
+        np.testing.assert_allclose(bh.T @ ah, np.eye(d), atol=2e-4)
+        keys, queries = ah @ key_cov[h] @ ah.T, bh @ query_moment[h] @ bh.T
+        scale = np.trace(keys) / d
+        np.testing.assert_allclose(keys, np.diag(np.diag(keys)), atol=1e-4 * scale)
+        np.testing.assert_allclose(queries, np.diag(np.diag(keys)), atol=1e-4 * scale)
+        eig = np.sort(np.linalg.eigvals(key_cov[h] @ query_moment[h]).real)
+        np.testing.assert_allclose(np.sort(np.diag(keys)) ** 2, eig, rtol=1e-3, atol=1e-6 * eig.max())
+        assert np.diag(keys)[list(high)].min() >= np.diag(keys)[low].max()
+        floor = np.sum(np.sqrt(np.maximum(eig, 0))) ** 2
+        np.testing.assert_allclose(np.trace(keys) * np.trace(queries), floor, rtol=1e-3)
+        assert floor < 0.9 * np.trace(key_cov[h]) * np.trace(query_moment[h])
+    with pytest.raises(ValueError, match="do not fit"):
+        key_centers.key_bases(key_cov, query_moment, high[:-1])
+
+
+def test_key_bases_keep_float_attention_exact(biased):
+    """A model with centers and bases computes the plain model's logits; the bases are no
+    identity; the engine's formats other than TurboQuant get centers only."""
+    config, params, tokens = biased
+    centers, bases = key_centers.key_transforms(params, config, tokens[0], "turboquant-3.5")
+    transformed = key_centers.set_key_centers(params, centers, bases)
+    for layer in transformed["layers"]:
+        assert layer["k_basis"].shape == (config.num_kv_heads, config.head_dim, config.head_dim)
+        assert np.abs(np.asarray(layer["k_basis"]) - np.eye(config.head_dim)).max() > 0.1
+    assert spread_error(logits(transformed, config, tokens), logits(params, config, tokens)) < 1e-4
+    assert key_centers.key_transforms(params, config, tokens[0], "nvfp4")[1] is None
+    assert key_centers.without_key_centers(transformed)["layers"][0].keys() == params["layers"][0].keys()
+    with pytest.raises(ValueError, match="1 bases for 2 layers"):
+        key_centers.set_key_centers(params, centers, bases[:1])
+
+
+def test_key_moments_match_the_stored_keys_and_the_queries(biased):
+    """The key covariance is the covariance of the keys the plain model stores (its float
+    pages); the query moment is the mean q q^T over the tokens and the query heads i that
+    read KV head i // (num_heads / num_kv_heads), q taken from each layer's own input."""
+    config, params, tokens = biased
+    cache = model.init_cache(config, 1, T, kv_cache_dtype="float32")
+    _, cache = model.forward(params, config, tokens, jnp.arange(T)[None], cache)
+    positions = jnp.arange(T)[None]
+    _, _, inputs = model.forward_hidden(params, config, tokens, positions, model.init_cache(config, 1, T),
+                                        (0, 1))
+    group = config.num_heads // config.num_kv_heads
+    moments = key_centers.key_moments(params, config, tokens[0])
+    for (mean, key_cov, query_moment), layer, kind, x, layer_cache in zip(
+            moments, params["layers"], config.layer_kinds, inputs, cache.layers):
+        keys = np.asarray(layer_cache.pages["k"], np.float64).reshape(-1, config.num_kv_heads, config.head_dim)[:T]
+        rope = rope_tables(config, positions, local=kind == "sliding_attention")
+        q, _, _ = project_qkv(layer, config, x, rope, (layer["attn_norm"], config.rms_norm_eps))
+        q = np.asarray(q[0], np.float64)
+        for h in range(config.num_kv_heads):
+            np.testing.assert_allclose(key_cov[h], np.cov(keys[:, h].T, bias=True), rtol=1e-4,
+                                       atol=1e-5 * np.trace(key_cov[h]))
+            heads = [i for i in range(config.num_heads) if i // group == h]
+            want = sum(q[:, i].T @ q[:, i] for i in heads) / (T * len(heads))
+            np.testing.assert_allclose(query_moment[h], want, rtol=1e-4, atol=1e-5 * np.trace(want))
+
+
+def test_key_bases_cut_turboquant_score_error():
+    """Centered keys and queries whose energy sits in different directions (neither in the
+    slow RoPE channels): through turboquant-3.5 and -2.5 pages, q . k_hat errs less when the
+    pages hold A (k - c) and the scores take B q, with the bases fitted on other samples."""
+    rng = np.random.default_rng(1)
+    h, d, n = 2, D, 96  # the rows write_read's pages hold
+    mix_k = rng.standard_normal((h, d, d)) * np.logspace(0, -1.5, d)
+    mix_q = rng.standard_normal((h, d, d)) * np.logspace(0, -1.5, d)[::-1]
+
+    def samples(seed, n):
+        r = np.random.default_rng(seed)
+        k = np.einsum("hde,nhe->nhd", mix_k, r.standard_normal((n, h, d)))
+        q = np.einsum("hde,nhe->nhd", mix_q, r.standard_normal((n, h, d)))
+        return k, q
+    k_fit, q_fit = samples(2, 512)
+    key_cov = np.einsum("nhd,nhe->hde", k_fit, k_fit) / 512
+    query_moment = np.einsum("nhd,nhe->hde", q_fit, q_fit) / 512
+    a, b = key_centers.key_bases(key_cov, query_moment, kv_formats.rope_outlier_channels(d))
+    k, q = samples(3, n)
+    want = np.einsum("qhd,khd->qkh", q[:64], k)
+    for fmt in ("turboquant-3.5", "turboquant-2.5"):
+        def score_error(keys, queries):
+            _, got, _ = write_read(fmt, jnp.asarray(keys[None], jnp.float32), jnp.zeros((1, n, h, d)), [n])
+            return np.sqrt(np.mean((np.einsum("qhd,khd->qkh", queries[:64], got[0]) - want) ** 2))
+        plain = score_error(k, q)
+        based = score_error(np.einsum("hed,nhd->nhe", a, k), np.einsum("hed,nhd->nhe", b, q))
+        assert based < 0.7 * plain, (fmt, based, plain)

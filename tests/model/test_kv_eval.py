@@ -97,3 +97,31 @@ def test_plot_rows_writes_a_png_and_leaves_pyplots_backend(tmp_path):
         assert matplotlib.get_backend() == "pdf"
     finally:
         matplotlib.use(before)
+
+
+def test_each_format_is_scored_with_the_keys_llm_stores(default_tokenizer, monkeypatch):
+    """Whatever the order of formats, each is scored over the params LLM would run it with:
+    centered for CENTERED_FORMATS, in key bases for BASIS_FORMATS only (the scoring itself
+    is stubbed: this checks which params reach it)."""
+    from model import key_centers
+
+    tok = default_tokenizer
+    config = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=48, num_heads=2,
+                         num_kv_heads=1, head_dim=32, layer_kinds=("attention",), max_position_embeddings=256)
+    params = model.init_params(config, jax.random.key(0))
+    seen = {}
+
+    def score(run, config, tokens, name, answer_len):
+        seen[name] = run
+        b, t = tokens.shape
+        return jnp.zeros(t - 1), jnp.zeros((b - 1, answer_len), jnp.int32), jnp.ones((1, t, 32))
+    monkeypatch.setattr(kv_eval, "_score", score)
+    monkeypatch.setattr(kv_eval, "attention_outputs", lambda run, config, residuals, name: residuals)
+    names = ("int8", "turboquant-3.5", "nvfp4", "turboquant-2.5", "fp8")
+    list(kv_eval.evaluate(config, params, tok, names, 96))
+    for name in names:
+        layer = seen[name]["layers"][0]
+        assert ("k_center" in layer) == (name in key_centers.CENTERED_FORMATS), name
+        assert ("k_basis" in layer) == (name in key_centers.BASIS_FORMATS), name
+    want = key_centers.for_kv_cache(params, config, tok, "turboquant-2.5")["layers"][0]["k_basis"]
+    np.testing.assert_array_equal(seen["turboquant-2.5"]["layers"][0]["k_basis"], want)

@@ -272,8 +272,8 @@ def test_llm_argument_validation(make_llm, kw, match):
         make_llm(**kw)
 
 
-# mxfp4 / turboquant: tests/model/test_kv_formats.py; bfloat16 pages under float32 activations
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "nvfp4", "bfloat16"])
+# mxfp4: tests/model/test_kv_formats.py; bfloat16 pages under float32 activations
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "nvfp4", "bfloat16", "turboquant-3.5"])
 def test_quantized_kv_cache_engine_matches_a_plain_greedy_loop(tiny_model, default_tokenizer, kv_cache_dtype):
     """The engine's paged, batched, chunked path reads the same stored codes as a
     one-sequence greedy loop over model.forward with the same kv_cache_dtype (on CPU its
@@ -286,7 +286,7 @@ def test_quantized_kv_cache_engine_matches_a_plain_greedy_loop(tiny_model, defau
     from model import key_centers
 
     config, params = tiny_model
-    if kv_cache_dtype == "nvfp4":  # rows of whole 16-element blocks
+    if kv_cache_dtype in ("nvfp4", "turboquant-3.5"):  # rows of whole 16-element blocks / halves of 8
         config = dataclasses.replace(config, head_dim=16)
         params = model.init_params(config, jax.random.key(0))
     # weights large enough that attention decides the greedy tokens (at std 0.02 they come
@@ -298,6 +298,8 @@ def test_quantized_kv_cache_engine_matches_a_plain_greedy_loop(tiny_model, defau
     got = ids(llm.generate(ps, GREEDY))
     centered = kv_cache_dtype in key_centers.CENTERED_FORMATS
     assert all(("k_center" in layer) == centered for layer in llm.runner.params["layers"])
+    assert all(("k_basis" in layer) == (kv_cache_dtype in key_centers.BASIS_FORMATS)
+               for layer in llm.runner.params["layers"])
     params = key_centers.for_kv_cache(params, config, default_tokenizer, kv_cache_dtype)
     for p, want_ids in zip(ps, got):
         toks = list(p["prompt_token_ids"])

@@ -33,12 +33,18 @@ assert after == [r.outputs[0].token_ids for r in one.generate(prompts, sampling)
 assert shard_shape(wide.runner.params["layers"][0]["wk"]) == (64, 16)
 say("8-head LLM tp=8 equals tp=1, before and after update_weights:", after)
 
-# a quantized pool's key centers repeat with the KV heads they shift
-centered = LLM.from_loaded(config, params, tok, max_model_len=128, tensor_parallel_size=8, kv_cache_dtype="int8")
-want = key_centers.for_kv_cache(params, config, tok, "int8")["layers"][0]["k_center"].reshape(2, 1, 16)
-got = np.asarray(centered.runner.params["layers"][0]["k_center"])
-np.testing.assert_allclose(got, np.broadcast_to(want, (2, 4, 16)).reshape(-1), rtol=1e-5, atol=1e-6)
-assert shard_shape(centered.runner.params["layers"][0]["k_center"]) == (16,)
+# a quantized pool's key centers and bases repeat with the KV heads they shift and turn
+centered = LLM.from_loaded(config, params, tok, max_model_len=128, tensor_parallel_size=8,
+                           kv_cache_dtype="turboquant-3.5")
+want = key_centers.for_kv_cache(params, config, tok, "turboquant-3.5")["layers"][0]
+got = centered.runner.params["layers"][0]
+np.testing.assert_allclose(np.asarray(got["k_center"]),
+                           np.broadcast_to(want["k_center"].reshape(2, 1, 16), (2, 4, 16)).reshape(-1),
+                           rtol=1e-5, atol=1e-6)
+for name in ("k_basis", "q_basis"):
+    np.testing.assert_allclose(np.asarray(got[name]), np.repeat(want[name], 4, axis=0), rtol=1e-3, atol=1e-4)
+    assert shard_shape(got[name]) == (1, 16, 16)
+assert shard_shape(got["k_center"]) == (16,)
 del centered
 
 # a pool split over devices keeps numpy host rows (a pinned row would gather every device's heads)
