@@ -24,18 +24,26 @@ A per KV head: (B q) . (A k) = q . k when B = A^-T. TurboQuant rotates each half
 random, so its error is spread evenly over a half's directions with a size set by that
 half's energy; the score error of a half is then about D(b) ||k_half||^2 ||q_half||^2 / (d/2).
 `key_bases` takes the basis where keys (about their center) and queries both decorrelate
-and have equal variances (a Cholesky factor of the key covariance, then the eigenvectors of
-the queries' second moment in it, scaled by its eigenvalues^(1/4)), which minimizes
+and have equal variances (a square root of the key covariance, then the eigenvectors of
+the queries' second moment in its basis, scaled by their eigenvalues^(1/4)), which minimizes
 E||A k||^2 E||B q||^2, and puts its d/2 directions of most variance in the channels
 TurboQuant stores at the higher rate (model/kv_formats.py rope_outlier_channels). The
 layer stores A (k - c) and attends with B q ("k_basis", "q_basis": [num_kv_heads, d, d],
-float32, applied at full precision). On the default model kv_eval measured turboquant-3.5
-at -0.11 / +0.48 perplexity over float32 at 512 / 2,048 tokens with bases, +0.58 / +0.58
-with centers alone; turboquant-2.5 at +2.63 (+4.15) at 512; int8 and nvfp4 did not move,
-so they keep the channel basis. The orthogonal basis of the keys' principal axes alone was
-worse at 2,048 tokens (+0.74): the channels the centered keys rarely use in calibration,
-the slow RoPE pairs, hold much of the queries' energy, and of the keys' at positions past
-the calibration text.
+float32, applied at full precision).
+
+Measured on the default model with `python -m model.kv_eval` (centers alone -> with bases):
+turboquant-3.5's mean relative attention-output error 0.141 -> 0.127 at 512 tokens and
+0.137 -> 0.133 at 2,048; turboquant-2.5's perplexity over float32 +4.15 -> +2.97 at 512
+tokens. turboquant-3.5's perplexity moves with TurboQuant's rotation seed about as much as
+with the bases, so take means: over seeds 0-3 at 512 tokens it was +0.58 / +1.56 / +1.18 /
++1.31 (mean +1.16) centered and +0.80 / +0.53 / +0.93 / +0.46 (mean +0.68) with bases, the
+attention error lower at every seed (0.141-0.146 -> 0.124-0.130). The gain shrinks past the
+1,024 calibration tokens (the slow RoPE pairs turn the keys into directions calibration saw
+little of); calibrating over 2,048 tokens gave 0.127 at 2,048 in a probe. int8 and nvfp4
+did not gain in a probe (nvfp4 +1.18 against +0.97 at 1,024 tokens), so they keep the
+channel basis. The keys' principal axes alone (an orthogonal basis) did worse at 2,048
+tokens (+0.74): the slow pairs, which the centered keys rarely use in calibration, hold
+much of the queries' energy.
 
 Only where the identity holds: Llama-family attention layers without attention sinks (a
 sink's fixed logit does not move with the scores) and without a score soft-cap (tanh is not
