@@ -39,11 +39,12 @@ with the bases, so take means: over seeds 0-3 at 512 tokens it was +0.58 / +1.56
 +1.31 (mean +1.16) centered and +0.80 / +0.53 / +0.93 / +0.46 (mean +0.68) with bases, the
 attention error lower at every seed (0.141-0.146 -> 0.124-0.130). The gain shrinks past the
 1,024 calibration tokens (the slow RoPE pairs turn the keys into directions calibration saw
-little of); calibrating over 2,048 tokens gave 0.127 at 2,048 in a probe. int8 and nvfp4
-did not gain in a probe (nvfp4 +1.18 against +0.97 at 1,024 tokens), so they keep the
-channel basis. The keys' principal axes alone (an orthogonal basis) did worse at 2,048
-tokens (+0.74): the slow pairs, which the centered keys rarely use in calibration, hold
-much of the queries' energy.
+little of). Calibrating over 2,048 tokens instead gave 0.127 at 2,048 tokens but 0.135 at 512
+(+0.59 perplexity) in a probe: the basis fits the positions it was taken over, so the
+calibration stays at 1,024 tokens. int8 and nvfp4 did not gain in a probe (nvfp4 +1.18
+against +0.97 at 1,024 tokens), so they keep the channel basis. The keys' principal axes
+alone (an orthogonal basis) did worse at 2,048 tokens (+0.74): the slow pairs, which the
+centered keys rarely use in calibration, hold much of the queries' energy.
 
 Only where the identity holds: Llama-family attention layers without attention sinks (a
 sink's fixed logit does not move with the scores) and without a score soft-cap (tanh is not
@@ -110,16 +111,17 @@ def key_centers(params: dict, config: ModelConfig, token_ids, mesh=None) -> list
     (`supports`) or the ids are no 1-D sequence of the model's token ids.
 
     mesh: params are laid out over it (model/sharding.py), and so is the pass."""
-    return [mean for mean, _, _ in key_moments(params, config, token_ids, mesh)]
+    return [mean for mean, _, _ in key_moments(params, config, token_ids, mesh, covariances=False)]
 
 
-def key_moments(params: dict, config: ModelConfig, token_ids, mesh=None) -> list[tuple]:
+def key_moments(params: dict, config: ModelConfig, token_ids, mesh=None, covariances: bool = True) -> list[tuple]:
     """Per layer, over `token_ids` as `key_centers` takes them: (the mean post-RoPE key
     [num_kv_heads * head_dim], the keys' covariance about it and the second moment of the
     queries of each KV head's group, both [num_kv_heads, head_dim, head_dim]), float32, from
     q and k recomputed (`model.layers.project_qkv`) from each layer's input in one forward
     pass into a float32 cache. Over a mesh the moments come back replicated, so every
-    process can read them. ValueError as `key_centers`."""
+    process can read them. covariances=False skips the two d x d moments (None in their
+    place): the centers need only the means. ValueError as `key_centers`."""
     if not supports(config):
         raise ValueError("key centers need Llama-family attention layers without attention sinks or "
                          "a score soft-cap (their softmax is not shift-invariant)")
@@ -130,11 +132,12 @@ def key_moments(params: dict, config: ModelConfig, token_ids, mesh=None) -> list
     if ids.size > config.max_position_embeddings or ids.min() < 0 or ids.max() >= config.vocab_size:
         raise ValueError(f"token_ids must be at most {config.max_position_embeddings} ids in "
                          f"[0, {config.vocab_size}), got {ids.size} in [{ids.min()}, {ids.max()}]")
-    return _moments(config, ids.size, mesh)(without_key_centers(params), jnp.asarray(ids[None], jnp.int32))
+    run = _moments(config, ids.size, mesh, bool(covariances))
+    return run(without_key_centers(params), jnp.asarray(ids[None], jnp.int32))
 
 
 @functools.cache
-def _moments(config: ModelConfig, num_tokens: int, mesh):
+def _moments(config: ModelConfig, num_tokens: int, mesh, covariances: bool):
     from model.layers import project_qkv
     from model.rope import rope_tables
     from model.transformer import forward_hidden, init_cache
@@ -155,6 +158,9 @@ def _moments(config: ModelConfig, num_tokens: int, mesh):
             q, k, _ = project_qkv(layer, config, x, rope, (layer["attn_norm"], config.rms_norm_eps))
             q, k = q[0].astype(jnp.float32).reshape(num_tokens, kv, group, d), k[0].astype(jnp.float32)
             mean = k.mean(0)
+            if not covariances:
+                out.append((mean.reshape(kv * d), None, None))
+                continue
             rest = k - mean
             key_cov = jnp.einsum("thd,the->hde", rest, rest, precision=highest) / num_tokens
             query_moment = jnp.einsum("thgd,thge->hde", q, q, precision=highest) / (num_tokens * group)
@@ -209,13 +215,15 @@ def key_transforms(params: dict, config: ModelConfig, token_ids, kv_cache_dtype:
     parallelism (model/sharding.py): each repeat then serves part of its head's queries, so
     their statistics are pooled and the bases repeated, as the model's own would be."""
     get_format(kv_cache_dtype)  # ValueError naming the known ones
-    moments = key_moments(params, config, token_ids, mesh)
+    heads = config.num_kv_heads if model_kv_heads is None else model_kv_heads
+    if (isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads < 1
+            or config.num_kv_heads % heads):
+        raise ValueError(f"model_kv_heads must be a positive int dividing the {config.num_kv_heads} KV heads, "
+                         f"got {model_kv_heads!r}")
+    moments = key_moments(params, config, token_ids, mesh, covariances=kv_cache_dtype in BASIS_FORMATS)
     centers = [mean for mean, _, _ in moments]
     if kv_cache_dtype not in BASIS_FORMATS:
         return centers, None
-    heads = model_kv_heads or config.num_kv_heads
-    if config.num_kv_heads % heads:
-        raise ValueError(f"model_kv_heads {model_kv_heads} does not divide the {config.num_kv_heads} KV heads")
     repeat, d = config.num_kv_heads // heads, config.head_dim
 
     def pooled(moment):

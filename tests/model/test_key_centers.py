@@ -206,6 +206,9 @@ def test_key_bases_keep_float_attention_exact(biased):
     assert key_centers.without_key_centers(transformed)["layers"][0].keys() == params["layers"][0].keys()
     with pytest.raises(ValueError, match="1 bases for 2 layers"):
         key_centers.set_key_centers(params, centers, bases[:1])
+    for heads in (0, -1, 3, True, 1.0):
+        with pytest.raises(ValueError, match="model_kv_heads must be a positive int dividing the 2"):
+            key_centers.key_transforms(params, config, tokens[0], "turboquant-3.5", model_kv_heads=heads)
 
 
 def test_key_moments_match_the_stored_keys_and_the_queries(biased):
@@ -220,6 +223,10 @@ def test_key_moments_match_the_stored_keys_and_the_queries(biased):
                                         (0, 1))
     group = config.num_heads // config.num_kv_heads
     moments = key_centers.key_moments(params, config, tokens[0])
+    means_only = key_centers.key_moments(params, config, tokens[0], covariances=False)
+    for (mean, _, _), (same, none, also_none) in zip(moments, means_only):
+        np.testing.assert_allclose(same, mean, rtol=1e-4, atol=1e-4)
+        assert none is None and also_none is None
     for (mean, key_cov, query_moment), layer, kind, x, layer_cache in zip(
             moments, params["layers"], config.layer_kinds, inputs, cache.layers):
         keys = np.asarray(layer_cache.pages["k"], np.float64).reshape(-1, config.num_kv_heads, config.head_dim)[:T]

@@ -1,7 +1,8 @@
 """Engines over 8 simulated CPU devices (a subprocess: tests/model/eight_devices.py): an
 8-head model at tp = 8 (KV heads repeated) equals one device through LLM, before and after
 update_weights (no recompilation), its host tier's rows in numpy; at dp = 2, each rank its own engine on its own device,
-requests routed to the rank holding their prefix, through LLM and the OpenAI server."""
+requests routed to the rank holding their prefix, through LLM and the OpenAI server, and an int8 pool's key centers
+on every rank."""
 
 from tests.model.eight_devices import run_on_8_devices
 
@@ -69,6 +70,15 @@ llm.generate([{"prompt_token_ids": long_a}, {"prompt_token_ids": long_b}], sampl
 assert llm.engine.route(long_b + [5, 6]) == 1 and llm.engine.route(long_a + [5, 6]) == 0
 again = llm.generate([{"prompt_token_ids": long_b + [5, 6]}], sampling)[0]
 assert again.num_cached_tokens == 16, again.num_cached_tokens  # long_b's first page, on rank 1
+
+# every data-parallel rank stores keys about the same centers, held on its own device
+quantized = LLM.from_loaded(config, other, tok, max_model_len=128, data_parallel_size=2, kv_cache_dtype="int8")
+want = key_centers.for_kv_cache(other, config, tok, "int8")["layers"]
+for rank, device in zip(quantized.engine.ranks, jax.devices()[:2]):
+    for got, layer in zip(rank.runner.params["layers"], want):
+        np.testing.assert_allclose(np.asarray(got["k_center"]), np.asarray(layer["k_center"]), rtol=1e-5, atol=1e-6)
+        assert got["k_center"].sharding.device_set == {device}
+del quantized
 
 # the OpenAI server over the two ranks: concurrent completions, greedy as one device, nothing leaked
 import asyncio, httpx, openai
