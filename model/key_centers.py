@@ -31,22 +31,43 @@ TurboQuant stores at the higher rate (model/kv_formats.py rope_outlier_channels)
 layer stores A (k - c) and attends with B q ("k_basis", "q_basis": [num_kv_heads, d, d],
 float32, applied at full precision).
 
-Measured on the default model with `python -m model.kv_eval` (centers alone -> with bases):
-turboquant-3.5's mean relative attention-output error 0.141 -> 0.127 at 512 tokens and
-0.137 -> 0.133 at 2,048; turboquant-2.5's perplexity over float32 +4.15 -> +2.97 at 512
-tokens. turboquant-3.5's perplexity moves with TurboQuant's rotation seed about as much as
-with the bases, so take means: over seeds 0-3 at 512 tokens it was +0.58 / +1.56 / +1.18 /
-+1.31 (mean +1.16) centered and +0.80 / +0.53 / +0.93 / +0.46 (mean +0.68) with bases, the
-attention error lower at every seed (0.141-0.146 -> 0.124-0.130). The gain shrinks past the
-1,024 calibration tokens (the slow RoPE pairs turn the keys into directions calibration saw
-little of). Calibrating over 2,048 tokens instead gave 0.127 at 2,048 tokens but 0.135 at 512
-(+0.59 perplexity) in a probe: the basis fits the positions it was taken over, so the
-calibration stays at 1,024 tokens. int8 and nvfp4 did not gain in a probe (nvfp4 +1.18
-against +0.97 at 1,024 tokens), so they keep the channel basis. The keys' principal axes
-alone (an orthogonal basis) did worse at 2,048 tokens (+0.74): the slow pairs, which the
-centered keys rarely use in calibration, hold much of the queries' energy.
+The sink token. Many heads put much of every query's attention on the first token (the
+attention sink of "Efficient Streaming Language Models with Attention Sinks", Xiao et al.,
+2024; a token, not the learned sink logit some models add, below): on the default model, a
+third of it on average over the layers, over half in layers 14, 18, 20 and 23-26 (512 tokens
+of the evaluation text). From layer 12 on, that token's key is the same whatever the token,
+to about 1% (its hidden state has seen only itself; "Massive Activations in Large Language
+Models", Sun et al., 2024). Centered, it is far from the mean (||k_0 - c|| about 16 against
+||k_0|| about 5), so TurboQuant coded it with a large error that every query then read. In a
+throwaway numpy probe (keys through turboquant-3.5 pages, float values, 512 tokens), the
+mean attention-output error over the layers was 0.107 with the bases and 0.072 with the
+first key kept exact, as IntactKV (Liu et al., 2024) keeps such pivot tokens. The bases
+reach that at no cost: `key_bases` reflects each head's A and B (a Householder reflection,
+so still B^T A = I) so that A (k_0 - c) for the calibration text's first key lies on one
+channel, and TurboQuant keeps each half's largest channel exact. The probe measured
+0.071-0.072 whichever channel took it; the code takes the one where it was largest, the
+smallest reflection.
 
-Only where the identity holds: Llama-family attention layers without attention sinks (a
+Measured on the default model with `python -m model.kv_eval`, centers alone -> with bases ->
+with the sink token on one channel: turboquant-3.5's perplexity over float32 +0.58 -> +0.80
+-> -0.04 at 512 tokens, +0.48 -> +0.39 -> +0.10 at 1,024 and +0.58 -> +0.57 -> +0.29 at
+2,048; its mean relative attention-output error 0.141 -> 0.127 -> 0.103 at 512 tokens and
+0.137 -> 0.133 -> 0.112 at 2,048; turboquant-2.5's perplexity +4.15 -> +2.97 -> +0.94 at 512
+tokens, +3.25 -> +2.17 -> +1.22 at 1,024. Perplexity moves with TurboQuant's rotation seed
+about as much as with each step, so take means: over seeds 0-3 at 512 tokens turboquant-3.5
+measured +0.58 / +1.56 / +1.18 / +1.31 (mean +1.16) centered, +0.80 / +0.53 / +0.93 / +0.46
+(mean +0.68) with bases and -0.04 / +0.53 / +0.39 / +0.59 (mean +0.37) with the sink token,
+the attention error lower at every seed and step (0.141-0.146 -> 0.124-0.130 ->
+0.102-0.103). The bases' gain (before the sink token) shrank past the 1,024 calibration
+tokens (the slow RoPE pairs turn the keys into directions calibration saw little of).
+Calibrating over 2,048 tokens instead gave 0.127 at 2,048 tokens but 0.135 at 512 (+0.59
+perplexity) in a probe: the basis fits the positions it was taken over, so the calibration
+stays at 1,024 tokens. int8 and nvfp4 did not gain in a probe (nvfp4 +1.18 against +0.97 at
+1,024 tokens), so they keep the channel basis. The keys' principal axes alone (an orthogonal
+basis) did worse at 2,048 tokens (+0.74): the slow pairs, which the centered keys rarely use
+in calibration, hold much of the queries' energy.
+
+Only where the identity holds: Llama-family attention layers without learned sink logits (a
 sink's fixed logit does not move with the scores) and without a score soft-cap (tanh is not
 shift-invariant). `supports(config)` says which.
 """
@@ -54,6 +75,7 @@ shift-invariant). `supports(config)` says which.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +96,14 @@ BASES = ("k_basis", "q_basis")
 # The formats whose pages also hold keys in a calibrated basis (module docstring): kv_eval
 # measured TurboQuant's two rates better with it, int8 and nvfp4 unchanged.
 BASIS_FORMATS = ("turboquant-3.5", "turboquant-2.5")
+
+
+class Moments(NamedTuple):
+    """One layer's calibration statistics (`key_moments`), float32."""
+    mean: jax.Array  # [num_kv_heads * head_dim]: the mean post-RoPE key, the layer's center
+    key_cov: jax.Array | None  # [num_kv_heads, head_dim, head_dim]: the keys' covariance about it
+    query_moment: jax.Array | None  # [num_kv_heads, head_dim, head_dim]: E[q q^T] over each KV head's group
+    first_key: jax.Array | None  # [num_kv_heads, head_dim]: the key at position 0, the attention sink
 
 
 def supports(config: ModelConfig) -> bool:
@@ -111,17 +141,16 @@ def key_centers(params: dict, config: ModelConfig, token_ids, mesh=None) -> list
     (`supports`) or the ids are no 1-D sequence of the model's token ids.
 
     mesh: params are laid out over it (model/sharding.py), and so is the pass."""
-    return [mean for mean, _, _ in key_moments(params, config, token_ids, mesh, covariances=False)]
+    return [m.mean for m in key_moments(params, config, token_ids, mesh, covariances=False)]
 
 
-def key_moments(params: dict, config: ModelConfig, token_ids, mesh=None, covariances: bool = True) -> list[tuple]:
-    """Per layer, over `token_ids` as `key_centers` takes them: (the mean post-RoPE key
-    [num_kv_heads * head_dim], the keys' covariance about it and the second moment of the
-    queries of each KV head's group, both [num_kv_heads, head_dim, head_dim]), float32, from
-    q and k recomputed (`model.layers.project_qkv`) from each layer's input in one forward
-    pass into a float32 cache. Over a mesh the moments come back replicated, so every
-    process can read them. covariances=False skips the two d x d moments (None in their
-    place): the centers need only the means. ValueError as `key_centers`."""
+def key_moments(params: dict, config: ModelConfig, token_ids, mesh=None, covariances: bool = True
+                ) -> list[Moments]:
+    """Each layer's `Moments` over `token_ids` as `key_centers` takes them, from q and k
+    recomputed (`model.layers.project_qkv`) from each layer's input in one forward pass into
+    a float32 cache. Over a mesh they come back replicated, so every process can read them.
+    covariances=False gives the means alone (None in the other fields): the centers need
+    only them. ValueError as `key_centers`."""
     if not supports(config):
         raise ValueError("key centers need Llama-family attention layers without attention sinks or "
                          "a score soft-cap (their softmax is not shift-invariant)")
@@ -159,30 +188,40 @@ def _moments(config: ModelConfig, num_tokens: int, mesh, covariances: bool):
             q, k = q[0].astype(jnp.float32).reshape(num_tokens, kv, group, d), k[0].astype(jnp.float32)
             mean = k.mean(0)
             if not covariances:
-                out.append((mean.reshape(kv * d), None, None))
+                out.append(Moments(mean.reshape(kv * d), None, None, None))
                 continue
             rest = k - mean
             key_cov = jnp.einsum("thd,the->hde", rest, rest, precision=highest) / num_tokens
             query_moment = jnp.einsum("thgd,thge->hde", q, q, precision=highest) / (num_tokens * group)
+            first_key = k[0]
             if mesh is not None:  # on every process of a multihost mesh (key_transforms reads them)
                 replicated = NamedSharding(mesh, P())
-                key_cov, query_moment = (jax.lax.with_sharding_constraint(m, replicated)
-                                         for m in (key_cov, query_moment))
-            out.append((mean.reshape(kv * d), key_cov, query_moment))
+                key_cov, query_moment, first_key = (jax.lax.with_sharding_constraint(m, replicated)
+                                                    for m in (key_cov, query_moment, first_key))
+            out.append(Moments(mean.reshape(kv * d), key_cov, query_moment, first_key))
         return out
     return moments
 
 
-def key_bases(key_cov: np.ndarray, query_moment: np.ndarray, high: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+def key_bases(key_cov: np.ndarray, query_moment: np.ndarray, high: tuple[int, ...], sink=None
+              ) -> tuple[np.ndarray, np.ndarray]:
     """The balanced bases of one layer (module docstring): (A, B), float32 [num_kv_heads, d, d]
     with B^T A = I per head, so (B q) . (A k) = q . k. A's rows are directions where keys and
     queries have equal variance; the d/2 of most variance go to the channels `high` (in
     descending order), the rest to the other channels (ascending positions, descending
-    variance). key_cov, query_moment: float [num_kv_heads, d, d], as `key_moments` gives."""
+    variance). key_cov, query_moment: float [num_kv_heads, d, d], as `key_moments` gives.
+
+    sink: [num_kv_heads, d], the centered key of the attention sink (the first token's),
+    or None. Given, each head's A and B are then reflected (one Householder reflection, so
+    still B^T A = I) to put A sink on a single channel, the one where it was largest:
+    TurboQuant keeps each half's largest channel exact, so the sink's key is then stored
+    almost exactly."""
     heads, d, _ = key_cov.shape
     if query_moment.shape != key_cov.shape or len(high) != d // 2 or len(set(high)) != d // 2:
         raise ValueError(f"key_bases: covariances {key_cov.shape} / {query_moment.shape} and {len(high)} "
                          f"distinct high channels do not fit (need d / 2 of them)")
+    if sink is not None and np.shape(sink) != (heads, d):
+        raise ValueError(f"key_bases: sink of shape {np.shape(sink)}, need {(heads, d)}")
     low = [c for c in range(d) if c not in set(high)]
     a, b = np.zeros((heads, d, d)), np.zeros((heads, d, d))
     for h in range(heads):
@@ -202,7 +241,25 @@ def key_bases(key_cov: np.ndarray, query_moment: np.ndarray, high: tuple[int, ..
         order = np.argsort(-s, kind="stable")
         a[h, list(high)], a[h, low] = rows_a[order[:d // 2]], rows_a[order[d // 2:]]
         b[h, list(high)], b[h, low] = rows_b[order[:d // 2]], rows_b[order[d // 2:]]
+        if sink is not None:
+            a[h], b[h] = _onto_one_channel(a[h] @ np.asarray(sink[h], np.float64), a[h], b[h])
     return a.astype(np.float32), b.astype(np.float32)
+
+
+def _onto_one_channel(u: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(H a, H b) for the reflection H = I - 2 w w^T (orthogonal: (H b)^T H a = b^T a) that
+    maps the direction of u onto the channel of u's largest entry, sign kept."""
+    norm = np.linalg.norm(u)
+    if norm == 0:
+        return a, b
+    x = u / norm
+    j = int(np.abs(x).argmax())
+    w = x.copy()
+    w[j] -= 1.0 if x[j] >= 0 else -1.0
+    if np.linalg.norm(w) < 1e-12:  # already on one channel
+        return a, b
+    w /= np.linalg.norm(w)
+    return a - 2 * np.outer(w, w @ a), b - 2 * np.outer(w, w @ b)
 
 
 def key_transforms(params: dict, config: ModelConfig, token_ids, kv_cache_dtype: str, mesh=None,
@@ -221,15 +278,18 @@ def key_transforms(params: dict, config: ModelConfig, token_ids, kv_cache_dtype:
         raise ValueError(f"model_kv_heads must be a positive int dividing the {config.num_kv_heads} KV heads, "
                          f"got {model_kv_heads!r}")
     moments = key_moments(params, config, token_ids, mesh, covariances=kv_cache_dtype in BASIS_FORMATS)
-    centers = [mean for mean, _, _ in moments]
+    centers = [m.mean for m in moments]
     if kv_cache_dtype not in BASIS_FORMATS:
         return centers, None
     repeat, d = config.num_kv_heads // heads, config.head_dim
 
     def pooled(moment):
-        return np.asarray(moment, np.float64).reshape(heads, repeat, d, d).mean(1)
+        moment = np.asarray(moment, np.float64)
+        return moment.reshape(heads, repeat, *moment.shape[1:]).mean(1)
     high = rope_outlier_channels(d)
-    bases = [key_bases(pooled(key_cov), pooled(query_moment), high) for _, key_cov, query_moment in moments]
+    bases = [key_bases(pooled(m.key_cov), pooled(m.query_moment), high,
+                       sink=pooled(m.first_key) - pooled(np.asarray(m.mean).reshape(-1, d)))
+             for m in moments]
     return centers, [tuple(np.repeat(m, repeat, axis=0) for m in pair) for pair in bases]
 
 

@@ -63,7 +63,8 @@ text +2.2; calibrated sets for both (88% of key, 64% of value energy in the outl
 +1.9. Calibrated sets would need per-layer state that the page pools cannot hold (every
 leaf of a pool is indexed by page), so they are not used. The model can do the converse:
 LLM's TurboQuant pools store keys in a per-layer basis (model/key_centers.py, key bases)
-that puts the directions where keys and queries vary most into these channels.
+that puts the directions where keys and queries vary most into these channels, and the
+attention sink's key (the first token's) on one channel, which the sparse channel keeps.
 
 Why the sparse channel and the rescale. On the same text, the single largest channel of
 a key holds 36% of ||k||^2 on average (the top 2: 44%), and the error is all in the keys:

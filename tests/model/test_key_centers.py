@@ -224,15 +224,16 @@ def test_key_moments_match_the_stored_keys_and_the_queries(biased):
     group = config.num_heads // config.num_kv_heads
     moments = key_centers.key_moments(params, config, tokens[0])
     means_only = key_centers.key_moments(params, config, tokens[0], covariances=False)
-    for (mean, _, _), (same, none, also_none) in zip(moments, means_only):
-        np.testing.assert_allclose(same, mean, rtol=1e-4, atol=1e-4)
-        assert none is None and also_none is None
-    for (mean, key_cov, query_moment), layer, kind, x, layer_cache in zip(
+    for full, means in zip(moments, means_only):
+        np.testing.assert_allclose(means.mean, full.mean, rtol=1e-4, atol=1e-4)
+        assert means.key_cov is None and means.query_moment is None and means.first_key is None
+    for (mean, key_cov, query_moment, first_key), layer, kind, x, layer_cache in zip(
             moments, params["layers"], config.layer_kinds, inputs, cache.layers):
         keys = np.asarray(layer_cache.pages["k"], np.float64).reshape(-1, config.num_kv_heads, config.head_dim)[:T]
         rope = rope_tables(config, positions, local=kind == "sliding_attention")
         q, _, _ = project_qkv(layer, config, x, rope, (layer["attn_norm"], config.rms_norm_eps))
         q = np.asarray(q[0], np.float64)
+        np.testing.assert_allclose(first_key, keys[0], rtol=1e-5, atol=1e-5 * np.abs(keys[0]).max())
         for h in range(config.num_kv_heads):
             np.testing.assert_allclose(key_cov[h], np.cov(keys[:, h].T, bias=True), rtol=1e-4,
                                        atol=1e-5 * np.trace(key_cov[h]))
@@ -268,3 +269,35 @@ def test_key_bases_cut_turboquant_score_error():
         plain = score_error(k, q)
         based = score_error(np.einsum("hed,nhd->nhe", a, k), np.einsum("hed,nhd->nhe", b, q))
         assert based < 0.7 * plain, (fmt, based, plain)
+
+
+def test_the_sink_key_lands_on_one_channel_and_is_stored_almost_exactly():
+    """With the attention sink's centered key given, A sink has one non-zero channel (the one
+    where it was largest without it), B^T A = I still, keys and queries keep equal second
+    moments; through turboquant-3.5 pages the sink's key comes back to about 1e-2 of its
+    norm (TurboQuant keeps each half's largest channel exact), against several percent
+    without the reflection."""
+    rng = np.random.default_rng(4)
+    heads, d = 2, D
+    key_cov, query_moment = random_moments(rng, heads, d)
+    high = kv_formats.rope_outlier_channels(d)
+    sink = 5 * rng.standard_normal((heads, d)) @ np.linalg.cholesky(key_cov[0]).T
+    plain_a, _ = key_centers.key_bases(key_cov, query_moment, high)
+    a, b = key_centers.key_bases(key_cov, query_moment, high, sink=sink)
+    for h in range(heads):
+        ah, bh = a[h].astype(np.float64), b[h].astype(np.float64)
+        np.testing.assert_allclose(bh.T @ ah, np.eye(d), atol=2e-4)
+        on = ah @ sink[h]
+        j = int(np.abs(plain_a[h] @ sink[h]).argmax())
+        assert np.abs(np.delete(on, j)).max() < 1e-5 * abs(on[j])
+        np.testing.assert_allclose(ah @ key_cov[h] @ ah.T, bh @ query_moment[h] @ bh.T,
+                                   atol=1e-4 * np.trace(key_cov[h]))
+
+    def stored_error(basis):
+        rows = np.einsum("hed,hd->he", basis, sink)[None].repeat(16, 0)  # a page of sink keys
+        _, got, _ = write_read("turboquant-3.5", jnp.asarray(rows[None], jnp.float32), jnp.zeros((1, 16, heads, d)),
+                               [16])
+        return np.linalg.norm(got[0, 0] - rows[0]) / np.linalg.norm(rows[0])
+    assert stored_error(a) < 1e-2 < 3e-2 < stored_error(plain_a), (stored_error(a), stored_error(plain_a))
+    with pytest.raises(ValueError, match="sink of shape"):
+        key_centers.key_bases(key_cov, query_moment, high, sink=sink[:1])
