@@ -19,7 +19,7 @@ float cache. Any centers are exact, stale ones included (after a weight update, 
 ones make the quantized pages more accurate, by as much as the mean dominates the keys.
 LLM centers the keys of the formats in CENTERED_FORMATS, where kv_eval measured the gain.
 
-Key bases (BASIS_FORMATS, TurboQuant's pages). The same identity holds for any invertible
+Key bases (BALANCED_FORMATS, TurboQuant's pages). The same identity holds for any invertible
 A per KV head: (B q) . (A k) = q . k when B = A^-T. TurboQuant rotates each half of a row at
 random, so its error is spread evenly over a half's directions with a size set by that
 half's energy; the score error of a half is then about D(b) ||k_half||^2 ||q_half||^2 / (d/2).
@@ -46,7 +46,11 @@ reach that at no cost: `key_bases` reflects each head's A and B (a Householder r
 so still B^T A = I) so that A (k_0 - c) for the calibration text's first key lies on one
 channel, and TurboQuant keeps each half's largest channel exact. The probe measured
 0.071-0.072 whichever channel took it; the code takes the one where it was largest, the
-smallest reflection.
+smallest reflection. nvfp4 pages (the "sink" kind of `basis_kind`) keep the channel basis
+(the balanced one measured worse for them) but take the same reflection, scaled so that the
+sink's channel is 6 x 2^n (`sink_bases`): E2M1's largest code under a power-of-two block
+scale, which the format stores exactly. The probe, with nvfp4 pages: 0.182 centered, 0.116
+with the first key exact, 0.132 reflected, 0.119 reflected and scaled.
 
 Measured on the default model with `python -m model.kv_eval`, centers alone -> with bases ->
 with the sink token on one channel: turboquant-3.5's perplexity over float32 +0.58 -> +0.80
@@ -85,6 +89,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from model.config import ATTENTION, SLIDING_ATTENTION, ModelConfig
 from model.kv_formats import get_format, rope_outlier_channels
 from model.tokenizer import Tokenizer
+from quant.formats import E2M1_MAX
 
 CENTER = "k_center"
 CALIBRATION_TOKENS = 1024
@@ -93,9 +98,12 @@ CALIBRATION_TOKENS = 1024
 # fell but it lost two of its three needles, so both store keys as they are.
 CENTERED_FORMATS = ("int8", "nvfp4", "turboquant-3.5", "turboquant-2.5")
 BASES = ("k_basis", "q_basis")
-# The formats whose pages also hold keys in a calibrated basis (module docstring): kv_eval
-# measured TurboQuant's two rates better with it, int8 and nvfp4 unchanged.
-BASIS_FORMATS = ("turboquant-3.5", "turboquant-2.5")
+# The formats whose pages also hold keys in a calibrated basis (module docstring): TurboQuant's
+# two rates in the balanced basis, with the sink token's key on one channel (kv_eval measured
+# both steps better); nvfp4 in the channel basis with only the sink token's key moved (the
+# balanced basis measured worse for it). int8 keeps its channels: its cost was already near zero.
+BALANCED_FORMATS = ("turboquant-3.5", "turboquant-2.5")
+BASIS_FORMATS = BALANCED_FORMATS + ("nvfp4",)
 
 
 class Moments(NamedTuple):
@@ -103,7 +111,7 @@ class Moments(NamedTuple):
     mean: jax.Array  # [num_kv_heads * head_dim]: the mean post-RoPE key, the layer's center
     key_cov: jax.Array | None  # [num_kv_heads, head_dim, head_dim]: the keys' covariance about it
     query_moment: jax.Array | None  # [num_kv_heads, head_dim, head_dim]: E[q q^T] over each KV head's group
-    first_key: jax.Array | None  # [num_kv_heads, head_dim]: the key at position 0, the attention sink
+    sink: jax.Array  # [num_kv_heads, head_dim]: the key at position 0 (the sink token's) minus the mean
 
 
 def supports(config: ModelConfig) -> bool:
@@ -149,10 +157,10 @@ def key_moments(params: dict, config: ModelConfig, token_ids, mesh=None, covaria
     """Each layer's `Moments` over `token_ids` as `key_centers` takes them, from q and k
     recomputed (`model.layers.project_qkv`) from each layer's input in one forward pass into
     a float32 cache. Over a mesh they come back replicated, so every process can read them.
-    covariances=False gives the means alone (None in the other fields): the centers need
-    only them. ValueError as `key_centers`."""
+    covariances=False leaves out the two d x d moments (None in their place), which only
+    the balanced bases need. ValueError as `key_centers`."""
     if not supports(config):
-        raise ValueError("key centers need Llama-family attention layers without attention sinks or "
+        raise ValueError("key centers need Llama-family attention layers without learned sink logits or "
                          "a score soft-cap (their softmax is not shift-invariant)")
     ids = np.asarray(token_ids)
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
@@ -187,18 +195,15 @@ def _moments(config: ModelConfig, num_tokens: int, mesh, covariances: bool):
             q, k, _ = project_qkv(layer, config, x, rope, (layer["attn_norm"], config.rms_norm_eps))
             q, k = q[0].astype(jnp.float32).reshape(num_tokens, kv, group, d), k[0].astype(jnp.float32)
             mean = k.mean(0)
-            if not covariances:
-                out.append(Moments(mean.reshape(kv * d), None, None, None))
-                continue
             rest = k - mean
-            key_cov = jnp.einsum("thd,the->hde", rest, rest, precision=highest) / num_tokens
-            query_moment = jnp.einsum("thgd,thge->hde", q, q, precision=highest) / (num_tokens * group)
-            first_key = k[0]
-            if mesh is not None:  # on every process of a multihost mesh (key_transforms reads them)
-                replicated = NamedSharding(mesh, P())
-                key_cov, query_moment, first_key = (jax.lax.with_sharding_constraint(m, replicated)
-                                                    for m in (key_cov, query_moment, first_key))
-            out.append(Moments(mean.reshape(kv * d), key_cov, query_moment, first_key))
+            host = [rest[0]]  # what key_transforms reads on the host: the sink, the d x d moments
+            if covariances:
+                host.append(jnp.einsum("thd,the->hde", rest, rest, precision=highest) / num_tokens)
+                host.append(jnp.einsum("thgd,thge->hde", q, q, precision=highest) / (num_tokens * group))
+            if mesh is not None:  # on every process of a multihost mesh
+                host = [jax.lax.with_sharding_constraint(m, NamedSharding(mesh, P())) for m in host]
+            sink, key_cov, query_moment = host + [None] * (3 - len(host))
+            out.append(Moments(mean.reshape(kv * d), key_cov, query_moment, sink))
         return out
     return moments
 
@@ -206,16 +211,17 @@ def _moments(config: ModelConfig, num_tokens: int, mesh, covariances: bool):
 def key_bases(key_cov: np.ndarray, query_moment: np.ndarray, high: tuple[int, ...], sink=None
               ) -> tuple[np.ndarray, np.ndarray]:
     """The balanced bases of one layer (module docstring): (A, B), float32 [num_kv_heads, d, d]
-    with B^T A = I per head, so (B q) . (A k) = q . k. A's rows are directions where keys and
-    queries have equal variance; the d/2 of most variance go to the channels `high` (in
-    descending order), the rest to the other channels (ascending positions, descending
-    variance). key_cov, query_moment: float [num_kv_heads, d, d], as `key_moments` gives.
+    with B^T A = I per head, so (B q) . (A k) = q . k. Before the sink's reflection, A's rows
+    are directions where keys and queries have equal variance; the d/2 of most variance go to
+    the channels `high` (in descending order), the rest to the other channels (ascending
+    positions, descending variance). key_cov, query_moment: float [num_kv_heads, d, d], as
+    `key_moments` gives.
 
-    sink: [num_kv_heads, d], the centered key of the attention sink (the first token's),
-    or None. Given, each head's A and B are then reflected (one Householder reflection, so
-    still B^T A = I) to put A sink on a single channel, the one where it was largest:
-    TurboQuant keeps each half's largest channel exact, so the sink's key is then stored
-    almost exactly."""
+    sink: [num_kv_heads, d], the sink token's centered key (`Moments.sink`), or None. Given,
+    each head's A and B are then reflected (one Householder reflection, so still B^T A = I,
+    and keys and queries keep equal second moments) to put A sink on a single channel, the
+    one where it was largest: TurboQuant keeps each half's largest channel exact, so the
+    sink's key is then stored almost exactly."""
     heads, d, _ = key_cov.shape
     if query_moment.shape != key_cov.shape or len(high) != d // 2 or len(set(high)) != d // 2:
         raise ValueError(f"key_bases: covariances {key_cov.shape} / {query_moment.shape} and {len(high)} "
@@ -246,6 +252,36 @@ def key_bases(key_cov: np.ndarray, query_moment: np.ndarray, high: tuple[int, ..
     return a.astype(np.float32), b.astype(np.float32)
 
 
+def sink_bases(sink, code: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(A, B) per head, float32 [num_kv_heads, d, d], from the channel basis: the reflection H
+    that puts the sink token's centered key sink [num_kv_heads, d] on one channel
+    (`key_bases`; H is symmetric and orthogonal), as A = a H and B = H / a, so B^T A = I.
+
+    code: a format's largest code under power-of-two block scales (nvfp4: 6, E2M1's, whose
+    block scale 2^n E4M3 holds exactly). Then a in [2^-1/2, 2^1/2] makes the sink's channel
+    code x 2^n, which the format stores exactly; else a = 1."""
+    sink = np.asarray(sink, np.float64)
+    if sink.ndim != 2:
+        raise ValueError(f"sink_bases: sink must be [num_kv_heads, head_dim], got shape {sink.shape}")
+    eye = np.eye(sink.shape[-1])
+    a, b = [], []
+    for row in sink:
+        h, _ = _onto_one_channel(row, eye, eye)
+        norm = np.linalg.norm(row)
+        scale = code * 2.0 ** np.round(np.log2(norm / code)) / norm if code and norm > 0 else 1.0
+        a.append(scale * h)
+        b.append(h / scale)
+    return np.stack(a).astype(np.float32), np.stack(b).astype(np.float32)
+
+
+def basis_kind(kv_cache_dtype: str) -> str | None:
+    """The key basis `key_transforms` gives pages of this format: "balanced" (`key_bases`),
+    "sink" (`sink_bases`) or None (the channel basis)."""
+    get_format(kv_cache_dtype)  # ValueError naming the known ones
+    return ("balanced" if kv_cache_dtype in BALANCED_FORMATS else "sink" if kv_cache_dtype in BASIS_FORMATS
+            else None)
+
+
 def _onto_one_channel(u: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(H a, H b) for the reflection H = I - 2 w w^T (orthogonal: (H b)^T H a = b^T a) that
     maps the direction of u onto the channel of u's largest entry, sign kept."""
@@ -265,21 +301,22 @@ def _onto_one_channel(u: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[np.n
 def key_transforms(params: dict, config: ModelConfig, token_ids, kv_cache_dtype: str, mesh=None,
                    model_kv_heads: int | None = None):
     """(centers, bases) for `kv_cache_dtype` pages over `token_ids`: each layer's center
-    (`key_centers`) and, for BASIS_FORMATS, its (k_basis, q_basis) (`key_bases` with the
-    channels TurboQuant stores at its higher rate), else None.
+    (`key_centers`) and, for BASIS_FORMATS, its (k_basis, q_basis) (`basis_kind`:
+    `key_bases` with the channels TurboQuant stores at its higher rate, or `sink_bases`),
+    else None.
 
     model_kv_heads: the model's own KV heads when `config` has them repeated for tensor
     parallelism (model/sharding.py): each repeat then serves part of its head's queries, so
     their statistics are pooled and the bases repeated, as the model's own would be."""
-    get_format(kv_cache_dtype)  # ValueError naming the known ones
+    kind = basis_kind(kv_cache_dtype)
     heads = config.num_kv_heads if model_kv_heads is None else model_kv_heads
     if (isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads < 1
             or config.num_kv_heads % heads):
         raise ValueError(f"model_kv_heads must be a positive int dividing the {config.num_kv_heads} KV heads, "
                          f"got {model_kv_heads!r}")
-    moments = key_moments(params, config, token_ids, mesh, covariances=kv_cache_dtype in BASIS_FORMATS)
+    moments = key_moments(params, config, token_ids, mesh, covariances=kind == "balanced")
     centers = [m.mean for m in moments]
-    if kv_cache_dtype not in BASIS_FORMATS:
+    if kind is None:
         return centers, None
     repeat, d = config.num_kv_heads // heads, config.head_dim
 
@@ -287,9 +324,11 @@ def key_transforms(params: dict, config: ModelConfig, token_ids, kv_cache_dtype:
         moment = np.asarray(moment, np.float64)
         return moment.reshape(heads, repeat, *moment.shape[1:]).mean(1)
     high = rope_outlier_channels(d)
-    bases = [key_bases(pooled(m.key_cov), pooled(m.query_moment), high,
-                       sink=pooled(m.first_key) - pooled(np.asarray(m.mean).reshape(-1, d)))
-             for m in moments]
+    bases = []
+    for m in moments:
+        sink = pooled(m.sink)
+        bases.append(key_bases(pooled(m.key_cov), pooled(m.query_moment), high, sink=sink) if kind == "balanced"
+                     else sink_bases(sink, code=E2M1_MAX))  # nvfp4, the one format of this kind
     return centers, [tuple(np.repeat(m, repeat, axis=0) for m in pair) for pair in bases]
 
 

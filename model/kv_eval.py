@@ -19,7 +19,8 @@ One row per kv_cache_dtype (model/kv_formats.py), all from one batched prefill p
 
 The formats LLM centers (model/key_centers.py CENTERED_FORMATS) run here centered too:
 their pages hold keys minus each layer's mean key, taken over other topics of the same
-documentation, and TurboQuant's (BASIS_FORMATS) hold them in the key bases fitted there.
+documentation, and those in BASIS_FORMATS hold them in the key bases fitted there
+(TurboQuant's balanced, nvfp4's with the sink token's key alone moved).
 
 --plot FILE.png also draws the table (matplotlib): dppl and B/token per kv_cache_dtype as bars.
 """
@@ -38,7 +39,7 @@ from model import compile_cache
 from model.config import SLIDING_ATTENTION, ModelConfig
 from model.context import ForwardContext
 from model.kv_cache import slot_mapping
-from model.key_centers import BASIS_FORMATS, applies, documentation_text, for_kv_cache
+from model.key_centers import applies, basis_kind, documentation_text, for_kv_cache
 from model.kv_formats import KV_CACHE_DTYPES, bytes_per_token, recent_bytes_per_seq
 from model.layers import attention_block, rms_norm
 from model.rope import rope_tables
@@ -153,9 +154,9 @@ def evaluate(config: ModelConfig, params, tokenizer: Tokenizer, formats=DEFAULT_
         start = time.perf_counter()
         run = params
         if applies(config, name):  # as LLM runs them: centered keys, some in a basis (model/key_centers.py)
-            in_basis = name in BASIS_FORMATS
-            transformed[in_basis] = transformed.get(in_basis) or for_kv_cache(params, config, tokenizer, name)
-            run = transformed[in_basis]
+            kind = basis_kind(name)
+            transformed[kind] = transformed.get(kind) or for_kv_cache(params, config, tokenizer, name)
+            run = transformed[kind]
         nll, greedy, residuals = _score(run, config, tokens, name, answer_len)
         if base is None:
             base_residuals = residuals

@@ -194,7 +194,8 @@ def test_key_bases_are_dual_and_balance_keys_and_queries():
 
 def test_key_bases_keep_float_attention_exact(biased):
     """A model with centers and bases computes the plain model's logits; the bases are no
-    identity; the engine's formats other than TurboQuant get centers only."""
+    identity; nvfp4 pages' sink reflection is exact too, and in both the first token's stored
+    key lies on one channel; int8 pages get centers only."""
     config, params, tokens = biased
     centers, bases = key_centers.key_transforms(params, config, tokens[0], "turboquant-3.5")
     transformed = key_centers.set_key_centers(params, centers, bases)
@@ -202,7 +203,16 @@ def test_key_bases_keep_float_attention_exact(biased):
         assert layer["k_basis"].shape == (config.num_kv_heads, config.head_dim, config.head_dim)
         assert np.abs(np.asarray(layer["k_basis"]) - np.eye(config.head_dim)).max() > 0.1
     assert spread_error(logits(transformed, config, tokens), logits(params, config, tokens)) < 1e-4
-    assert key_centers.key_transforms(params, config, tokens[0], "nvfp4")[1] is None
+    assert key_centers.key_transforms(params, config, tokens[0], "int8")[1] is None
+    reflected = key_centers.set_key_centers(params, *key_centers.key_transforms(params, config, tokens[0], "nvfp4"))
+    assert spread_error(logits(reflected, config, tokens), logits(params, config, tokens)) < 1e-4
+    for run in (transformed, reflected):  # the first token's stored key, A (k_0 - c), sits on one channel
+        cache = model.init_cache(config, 1, T)
+        _, cache = model.forward(run, config, tokens, jnp.arange(T)[None], cache)
+        for layer in cache.layers:
+            rows = np.asarray(layer.pages["k"], np.float64).reshape(-1, config.num_kv_heads, config.head_dim)
+            first = np.abs(rows[0])
+            assert (np.sort(first, -1)[:, -2] < 1e-4 * first.max(-1)).all(), first
     assert key_centers.without_key_centers(transformed)["layers"][0].keys() == params["layers"][0].keys()
     with pytest.raises(ValueError, match="1 bases for 2 layers"):
         key_centers.set_key_centers(params, centers, bases[:1])
@@ -226,14 +236,16 @@ def test_key_moments_match_the_stored_keys_and_the_queries(biased):
     means_only = key_centers.key_moments(params, config, tokens[0], covariances=False)
     for full, means in zip(moments, means_only):
         np.testing.assert_allclose(means.mean, full.mean, rtol=1e-4, atol=1e-4)
-        assert means.key_cov is None and means.query_moment is None and means.first_key is None
-    for (mean, key_cov, query_moment, first_key), layer, kind, x, layer_cache in zip(
+        assert means.key_cov is None and means.query_moment is None
+        np.testing.assert_allclose(means.sink, full.sink, rtol=1e-4, atol=1e-4)
+    for (mean, key_cov, query_moment, sink), layer, kind, x, layer_cache in zip(
             moments, params["layers"], config.layer_kinds, inputs, cache.layers):
         keys = np.asarray(layer_cache.pages["k"], np.float64).reshape(-1, config.num_kv_heads, config.head_dim)[:T]
         rope = rope_tables(config, positions, local=kind == "sliding_attention")
         q, _, _ = project_qkv(layer, config, x, rope, (layer["attn_norm"], config.rms_norm_eps))
         q = np.asarray(q[0], np.float64)
-        np.testing.assert_allclose(first_key, keys[0], rtol=1e-5, atol=1e-5 * np.abs(keys[0]).max())
+        first = keys[0] - keys.mean(0)
+        np.testing.assert_allclose(sink, first, rtol=1e-4, atol=1e-4 * np.abs(first).max())
         for h in range(config.num_kv_heads):
             np.testing.assert_allclose(key_cov[h], np.cov(keys[:, h].T, bias=True), rtol=1e-4,
                                        atol=1e-5 * np.trace(key_cov[h]))
@@ -272,11 +284,12 @@ def test_key_bases_cut_turboquant_score_error():
 
 
 def test_the_sink_key_lands_on_one_channel_and_is_stored_almost_exactly():
-    """With the attention sink's centered key given, A sink has one non-zero channel (the one
+    """With the sink token's centered key given, A sink has one non-zero channel (the one
     where it was largest without it), B^T A = I still, keys and queries keep equal second
     moments; through turboquant-3.5 pages the sink's key comes back to about 1e-2 of its
     norm (TurboQuant keeps each half's largest channel exact), against several percent
-    without the reflection."""
+    without the reflection. `sink_bases` does the same from the channel basis: nvfp4 pages
+    store the sink's key with less than half the error, and exactly once it is scaled to 6 x 2^n."""
     rng = np.random.default_rng(4)
     heads, d = 2, D
     key_cov, query_moment = random_moments(rng, heads, d)
@@ -293,11 +306,28 @@ def test_the_sink_key_lands_on_one_channel_and_is_stored_almost_exactly():
         np.testing.assert_allclose(ah @ key_cov[h] @ ah.T, bh @ query_moment[h] @ bh.T,
                                    atol=1e-4 * np.trace(key_cov[h]))
 
-    def stored_error(basis):
+    def stored_error(fmt, basis):
         rows = np.einsum("hed,hd->he", basis, sink)[None].repeat(16, 0)  # a page of sink keys
-        _, got, _ = write_read("turboquant-3.5", jnp.asarray(rows[None], jnp.float32), jnp.zeros((1, 16, heads, d)),
-                               [16])
+        _, got, _ = write_read(fmt, jnp.asarray(rows[None], jnp.float32), jnp.zeros((1, 16, heads, d)), [16])
         return np.linalg.norm(got[0, 0] - rows[0]) / np.linalg.norm(rows[0])
-    assert stored_error(a) < 1e-2 < 3e-2 < stored_error(plain_a), (stored_error(a), stored_error(plain_a))
+    errors = stored_error("turboquant-3.5", a), stored_error("turboquant-3.5", plain_a)
+    assert errors[0] < 1e-2 and errors[1] > 3e-2, errors
+
+    # nvfp4 pages: the channel basis with the sink reflected alone (H symmetric, orthogonal),
+    # scaled so that the sink's channel is 6 x 2^n, which nvfp4 stores exactly
+    plain_h, _ = key_centers.sink_bases(sink)
+    h_a, h_b = key_centers.sink_bases(sink, code=6.0)
+    for h in range(heads):
+        np.testing.assert_allclose(plain_h[h], plain_h[h].T, atol=1e-6)
+        np.testing.assert_allclose(plain_h[h] @ plain_h[h], np.eye(d), atol=1e-5)
+        np.testing.assert_allclose(h_b[h].T.astype(np.float64) @ h_a[h], np.eye(d), atol=1e-5)
+        on = h_a[h].astype(np.float64) @ sink[h]
+        j = int(np.abs(sink[h]).argmax())
+        assert np.abs(np.delete(on, j)).max() < 1e-5 * abs(on[j])
+        power = np.log2(abs(on[j]) / 6)
+        assert abs(power - round(power)) < 1e-5, on[j]
+    eye = np.stack([np.eye(d)] * heads)
+    errors = stored_error("nvfp4", h_a), stored_error("nvfp4", plain_h), stored_error("nvfp4", eye)
+    assert errors[0] < 1e-4 and errors[1] < 0.5 * errors[2], errors
     with pytest.raises(ValueError, match="sink of shape"):
         key_centers.key_bases(key_cov, query_moment, high, sink=sink[:1])

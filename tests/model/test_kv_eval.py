@@ -101,8 +101,8 @@ def test_plot_rows_writes_a_png_and_leaves_pyplots_backend(tmp_path):
 
 def test_each_format_is_scored_with_the_keys_llm_stores(default_tokenizer, monkeypatch):
     """Whatever the order of formats, each is scored over the params LLM would run it with:
-    centered for CENTERED_FORMATS, in key bases for BASIS_FORMATS only (the scoring itself
-    is stubbed: this checks which params reach it)."""
+    centered for CENTERED_FORMATS, in key bases for BASIS_FORMATS only, each of its kind (the
+    scoring itself is stubbed: this checks which params reach it)."""
     from model import key_centers
 
     tok = default_tokenizer
@@ -123,5 +123,6 @@ def test_each_format_is_scored_with_the_keys_llm_stores(default_tokenizer, monke
         layer = seen[name]["layers"][0]
         assert ("k_center" in layer) == (name in key_centers.CENTERED_FORMATS), name
         assert ("k_basis" in layer) == (name in key_centers.BASIS_FORMATS), name
-    want = key_centers.for_kv_cache(params, config, tok, "turboquant-2.5")["layers"][0]["k_basis"]
-    np.testing.assert_array_equal(seen["turboquant-2.5"]["layers"][0]["k_basis"], want)
+    for name in ("turboquant-2.5", "nvfp4"):  # a balanced basis, a sink reflection: not one for both
+        want = key_centers.for_kv_cache(params, config, tok, name)["layers"][0]["k_basis"]
+        np.testing.assert_array_equal(seen[name]["layers"][0]["k_basis"], want)

@@ -1,7 +1,8 @@
 """Serving across hosts (serving/multihost.py): two processes of two CPU devices each, joined
 by jax.distributed with gloo collectives on 127.0.0.1, serve one model tensor-parallel over
 all four devices; process 0 schedules and broadcasts each step. Greedy output equals one
-process on one device."""
+process on one device, and a TurboQuant pool's key bases, taken over both processes, equal one
+process's."""
 
 import json
 import os
@@ -10,9 +11,11 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 import model
+from model import key_centers
 from serving import LLM, SamplingParams
 from serving.multihost import BroadcastRunner
 
@@ -35,10 +38,15 @@ if jax.process_index() == 0:
     out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10))
     multihost.shutdown(llm)
     pool = llm.runner.pool["target"][0]["k"]
-    print(json.dumps({"tokens": [o.outputs[0].token_ids for o in out], "devices": len(pool.sharding.device_set),
-                      "addressable": pool.is_fully_addressable}))
 else:
     multihost.serve_worker(llm)
+# a TurboQuant pool: its key centers and bases are taken over the mesh that spans both processes
+turbo = LLM.from_loaded(config, params, tok, max_model_len=128, tensor_parallel_size=4,
+                        kv_cache_dtype="turboquant-3.5")
+if jax.process_index() == 0:
+    shards = sorted(turbo.runner.params["layers"][0]["k_basis"].addressable_shards, key=lambda s: s.device.id)
+    print(json.dumps({"tokens": [o.outputs[0].token_ids for o in out], "devices": len(pool.sharding.device_set),
+                      "addressable": pool.is_fully_addressable, "k_basis": [s.data.tolist() for s in shards]}))
 """
 
 
@@ -67,6 +75,10 @@ def test_two_processes_serve_like_one():
     want = LLM.from_loaded(config, params, tok, max_model_len=128).generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=10))
     assert got["tokens"] == [o.outputs[0].token_ids for o in want]
+    # process 0's devices hold KV heads 0 and 1 of 4, both the model's KV head 0 repeated
+    basis = key_centers.for_kv_cache(params, config, tok, "turboquant-3.5")["layers"][0]["k_basis"]
+    np.testing.assert_allclose(np.asarray(got["k_basis"]), np.repeat(basis[:1], 2, axis=0)[:, None],
+                               rtol=1e-3, atol=1e-4)
 
 
 def test_process_zero_refuses_what_it_cannot_broadcast():
