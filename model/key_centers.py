@@ -1,5 +1,6 @@
 """Key centering and key bases: quantized KV pages store each key minus its layer's mean key,
-in a basis fitted to the keys and queries for TurboQuant's pages.
+for TurboQuant's pages in a basis fitted to the keys and queries, for TurboQuant's and
+nvfp4's with the sink token's key on one channel.
 
 A softmax does not change when every score of a query moves by one constant, and
 q . (k - c) = q . k - q . c moves all of a query's scores by q . c. So a layer may store and
@@ -66,8 +67,10 @@ the attention error lower at every seed and step (0.141-0.146 -> 0.124-0.130 ->
 tokens (the slow RoPE pairs turn the keys into directions calibration saw little of).
 Calibrating over 2,048 tokens instead gave 0.127 at 2,048 tokens but 0.135 at 512 (+0.59
 perplexity) in a probe: the basis fits the positions it was taken over, so the calibration
-stays at 1,024 tokens. int8 and nvfp4 did not gain in a probe (nvfp4 +1.18 against +0.97 at
-1,024 tokens), so they keep the channel basis. The keys' principal axes alone (an orthogonal
+stays at 1,024 tokens. The balanced basis did not help int8 or nvfp4 in a probe (nvfp4 +1.18
+against +0.97 at 1,024 tokens), so they keep the channel basis; nvfp4's sink reflection took
+it from +1.08 / +0.97 / +1.03 centered to +0.84 / +0.53 / +0.80 at 512 / 1,024 / 2,048 tokens
+(attention error 0.127 / 0.125 / 0.138). The keys' principal axes alone (an orthogonal
 basis) did worse at 2,048 tokens (+0.74): the slow pairs, which the centered keys rarely use
 in calibration, hold much of the queries' energy.
 
@@ -156,7 +159,8 @@ def key_moments(params: dict, config: ModelConfig, token_ids, mesh=None, covaria
                 ) -> list[Moments]:
     """Each layer's `Moments` over `token_ids` as `key_centers` takes them, from q and k
     recomputed (`model.layers.project_qkv`) from each layer's input in one forward pass into
-    a float32 cache. Over a mesh they come back replicated, so every process can read them.
+    a float32 cache. Over a mesh, what `key_transforms` reads on the host (the sink and the
+    d x d moments) comes back replicated, so every process can read it.
     covariances=False leaves out the two d x d moments (None in their place), which only
     the balanced bases need. ValueError as `key_centers`."""
     if not supports(config):
@@ -252,14 +256,20 @@ def key_bases(key_cov: np.ndarray, query_moment: np.ndarray, high: tuple[int, ..
     return a.astype(np.float32), b.astype(np.float32)
 
 
+_E4M3_POWERS = (-9, 8)  # the powers of two E4M3 holds: 2^-9 (its least subnormal) to 2^8 (448 is its largest)
+
+
 def sink_bases(sink, code: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(A, B) per head, float32 [num_kv_heads, d, d], from the channel basis: the reflection H
     that puts the sink token's centered key sink [num_kv_heads, d] on one channel
     (`key_bases`; H is symmetric and orthogonal), as A = a H and B = H / a, so B^T A = I.
 
-    code: a format's largest code under power-of-two block scales (nvfp4: 6, E2M1's, whose
-    block scale 2^n E4M3 holds exactly). Then a in [2^-1/2, 2^1/2] makes the sink's channel
-    code x 2^n, which the format stores exactly; else a = 1."""
+    code: a format's largest code under power-of-two block scales (nvfp4 pages, tensor scale
+    1: 6, E2M1's, under a block scale 2^n, which E4M3 holds exactly for n in [-9, 8]). Then
+    a (in [2^-1/2, 2^1/2] but for n clipped to that range) makes the sink's channel code x
+    2^n, which the format stores exactly: the calibration text's sink, and a served first
+    token's whose key is within about -3% / +6% of it (its block scale rounds to the same
+    2^n); else a = 1."""
     sink = np.asarray(sink, np.float64)
     if sink.ndim != 2:
         raise ValueError(f"sink_bases: sink must be [num_kv_heads, head_dim], got shape {sink.shape}")
@@ -268,7 +278,8 @@ def sink_bases(sink, code: float | None = None) -> tuple[np.ndarray, np.ndarray]
     for row in sink:
         h, _ = _onto_one_channel(row, eye, eye)
         norm = np.linalg.norm(row)
-        scale = code * 2.0 ** np.round(np.log2(norm / code)) / norm if code and norm > 0 else 1.0
+        power = np.clip(np.round(np.log2(norm / code)), *_E4M3_POWERS) if code and norm > 0 else None
+        scale = 1.0 if power is None else code * 2.0 ** power / norm
         a.append(scale * h)
         b.append(h / scale)
     return np.stack(a).astype(np.float32), np.stack(b).astype(np.float32)

@@ -213,6 +213,9 @@ def test_key_bases_keep_float_attention_exact(biased):
             rows = np.asarray(layer.pages["k"], np.float64).reshape(-1, config.num_kv_heads, config.head_dim)
             first = np.abs(rows[0])
             assert (np.sort(first, -1)[:, -2] < 1e-4 * first.max(-1)).all(), first
+            if run is reflected:  # scaled to 6 x 2^n, which nvfp4 stores exactly
+                power = np.log2(first.max(-1) / 6)
+                np.testing.assert_allclose(power, np.round(power), atol=1e-4)
     assert key_centers.without_key_centers(transformed)["layers"][0].keys() == params["layers"][0].keys()
     with pytest.raises(ValueError, match="1 bases for 2 layers"):
         key_centers.set_key_centers(params, centers, bases[:1])
@@ -329,5 +332,9 @@ def test_the_sink_key_lands_on_one_channel_and_is_stored_almost_exactly():
     eye = np.stack([np.eye(d)] * heads)
     errors = stored_error("nvfp4", h_a), stored_error("nvfp4", plain_h), stored_error("nvfp4", eye)
     assert errors[0] < 1e-4 and errors[1] < 0.5 * errors[2], errors
+    for size, power in ((1e4, 8), (1e-4, -9)):  # past E4M3's powers of two: the nearest it holds
+        tiny_a, _ = key_centers.sink_bases(sink * size / np.linalg.norm(sink[:1]), code=6.0)
+        on = np.abs(tiny_a[0].astype(np.float64) @ (sink[0] * size / np.linalg.norm(sink[0])))
+        np.testing.assert_allclose(on.max(), 6 * 2.0 ** power, rtol=1e-5)
     with pytest.raises(ValueError, match="sink of shape"):
         key_centers.key_bases(key_cov, query_moment, high, sink=sink[:1])
