@@ -1,6 +1,6 @@
-"""Key centering and key bases: quantized KV pages store each key minus its layer's mean key,
-for TurboQuant's pages in a basis fitted to the keys and queries, for TurboQuant's and
-nvfp4's with the sink token's key on one channel.
+"""Key centering and key bases: quantized KV pages store each key minus its layer's mean key;
+TurboQuant's store it in a basis fitted to the keys and queries, and TurboQuant's and
+nvfp4's put the sink token's key on one channel of theirs.
 
 A softmax does not change when every score of a query moves by one constant, and
 q . (k - c) = q . k - q . c moves all of a query's scores by q . c. So a layer may store and
