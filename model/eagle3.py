@@ -34,8 +34,9 @@ import numpy as np
 from model.config import ATTENTION, ModelConfig, RopeScaling
 from model.context import RaggedLayout, TokenTree
 from model.kv_cache import KVCache
+from model import layers
 from model.layers import attention_block, mlp, rms_norm
-from model.rope import apply_rope, rope_tables
+from model.rope import rope_tables
 from model.transformer import forward_context, head_weight, init_cache, packed_context
 from quant.packed import PackedWeight
 from quant import linear
@@ -167,14 +168,10 @@ def layer_input(params: dict, config: Eagle3Config, hidden: jnp.ndarray,
 
 
 def project_qkv(params: dict, config: Eagle3Config, x: jnp.ndarray, positions: jnp.ndarray):
-    """Rotated q [B, T, Hq, D], k and v [B, T, Hkv, D] from the layer input x [B, T, 2H]."""
-    t, layer = config.target, params["layer"]
-    b, n, _ = x.shape
-    q = linear(x, layer["wq"]).reshape(b, n, t.num_heads, t.head_dim)
-    k = linear(x, layer["wk"]).reshape(b, n, t.num_kv_heads, t.head_dim)
-    v = linear(x, layer["wv"]).reshape(b, n, t.num_kv_heads, t.head_dim)
-    cos, sin = rope_tables(t, positions)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    """Rotated q [B, T, Hq, D], k and v [B, T, Hkv, D] from the layer input x [B, T, 2H]: the
+    target's projection (model.layers.project_qkv) on the draft layer's weights, which have
+    no biases or q/k norms."""
+    return layers.project_qkv(params["layer"], config.target, x, rope_tables(config.target, positions))
 
 
 def layer_output(params: dict, config: Eagle3Config, hidden: jnp.ndarray,
