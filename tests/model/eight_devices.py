@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from tests.conftest import suite_xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PRELUDE = r"""
@@ -43,7 +45,7 @@ def check_forward(config, params, tokens, tp, what, ep=1):
 
 def run_on_8_devices(script: str) -> None:
     """Run PRELUDE + script in a fresh Python with 8 CPU devices; fails with its stderr."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": ROOT}
+    env = {**os.environ, "XLA_FLAGS": suite_xla_flags("--xla_force_host_platform_device_count=8"), "PYTHONPATH": ROOT}
     done = subprocess.run([sys.executable, "-c", PRELUDE + script], env=env, capture_output=True, text=True,
                           timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -18,6 +18,7 @@ import model
 from model import key_centers
 from serving import LLM, SamplingParams
 from serving.multihost import BroadcastRunner
+from tests.conftest import suite_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ["The capital of France is", "Write a haiku about the sea."]
@@ -63,7 +64,7 @@ def test_two_processes_serve_like_one():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": suite_xla_flags()}
     procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(i), port], env=env, cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in (1, 0)]
     outs = [p.communicate(timeout=600) for p in procs]
