@@ -1,4 +1,4 @@
-"""Session fixtures and the two switches `python -m pallas_kernels.gpu_check` sets:
+"""Session fixtures, the suite's XLA flags and the two switches `python -m pallas_kernels.gpu_check` sets:
 
 KVFOLD_KERNELS=compiled       the tests under tests/pallas_kernels run the kernels compiled
                               on the device instead of interpreted (tests/pallas_kernels/helpers.py).
@@ -23,23 +23,32 @@ os.environ["KVFOLD_COMPILE_CACHE"] = "off"
 
 KERNELS_ENV = "KVFOLD_KERNELS"
 KERNEL_MODES = ("interpret", "compiled")
+TOKENIZER_ENV = "KVFOLD_TEST_TOKENIZER"
+TOKENIZER_MODES = ("default", "synthetic")
+DEFAULT_VOCAB_SIZE = 49152  # SmolLM2's vocabulary; the tiny test models share it
 
-# The suite compiles far more than it runs (tiny models, every step shape of many engines),
-# so on CPU XLA generates its code without LLVM's optimisations: the clean-clone suite took
-# 22m57s so, against 31m22s and 35m23s in the two runs before, with the same results.
-# `suite_xla_flags` gives the tests' subprocesses the same flags. Not for
-# KVFOLD_KERNELS=compiled: the GPU check runs the device as users do.
-SUITE_XLA_FLAGS = "" if os.environ.get(KERNELS_ENV) == "compiled" else "--xla_backend_optimization_level=0"
-if SUITE_XLA_FLAGS and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+
+def _suite_xla_flags() -> str:
+    """The suite compiles far more than it runs (tiny models, every step shape of many
+    engines), so on CPU XLA generates its code without LLVM's optimisations: the clean-clone
+    suite took 22m57s with it, against 31m22s and 35m23s without, with the same results. A
+    level the user set stays; the GPU check's switches get none (its device runs as users'
+    does)."""
+    chosen = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_backend_optimization_level")]
+    if chosen:
+        return chosen[-1]
+    gpu_check = os.environ.get(KERNELS_ENV) == "compiled" or os.environ.get(TOKENIZER_ENV) == "synthetic"
+    return "" if gpu_check else "--xla_backend_optimization_level=0"
+
+
+SUITE_XLA_FLAGS = _suite_xla_flags()
+if SUITE_XLA_FLAGS and SUITE_XLA_FLAGS not in os.environ.get("XLA_FLAGS", "").split():
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SUITE_XLA_FLAGS}".strip()
 
 
 def suite_xla_flags(*extra: str) -> str:
     """XLA_FLAGS for a test's subprocess: the suite's (SUITE_XLA_FLAGS), then `extra`."""
     return " ".join(filter(None, (SUITE_XLA_FLAGS, *extra)))
-TOKENIZER_ENV = "KVFOLD_TEST_TOKENIZER"
-TOKENIZER_MODES = ("default", "synthetic")
-DEFAULT_VOCAB_SIZE = 49152  # SmolLM2's vocabulary; the tiny test models share it
 
 
 def _require_default_model() -> None:
