@@ -40,8 +40,11 @@ def ttt_mask(seq_len: int, step: int) -> np.ndarray:
 
 
 def ttt_attention(q: jnp.ndarray, k0: jnp.ndarray, v0: jnp.ndarray, k_steps: jnp.ndarray,
-                  v_steps: jnp.ndarray, step: jnp.ndarray, sm_scale: float) -> jnp.ndarray:
+                  v_steps: jnp.ndarray, step: jnp.ndarray, sm_scale: float,
+                  soft_cap: float | None = None) -> jnp.ndarray:
     """GQA attention of TTT step `step`'s queries under `ttt_mask`, without materialising it.
+    Scores as model.layers.attend takes them: scaled by sm_scale, then cap * tanh(s / cap)
+    under a soft_cap (Gemma 2).
 
     q [B, T, Hq, D]; k0, v0 [B, T, Hkv, D]: step 0's keys and values (seen causally);
     k_steps, v_steps [S, B, T, Hkv, D]: slot j holds step j's (slot 0 unused), of which
@@ -51,8 +54,10 @@ def ttt_attention(q: jnp.ndarray, k0: jnp.ndarray, v0: jnp.ndarray, k_steps: jnp
     hkv = k0.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
     causal = jnp.einsum("btkgd,bskd->bkgts", qg, k0, preferred_element_type=jnp.float32) * sm_scale
-    causal = jnp.where(jnp.tril(jnp.ones((t, t), bool)), causal, -jnp.inf)
     same = jnp.einsum("btkgd,sbtkd->bkgts", qg, k_steps, preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        causal, same = (soft_cap * jnp.tanh(s / soft_cap) for s in (causal, same))
+    causal = jnp.where(jnp.tril(jnp.ones((t, t), bool)), causal, -jnp.inf)
     slots = jnp.arange(k_steps.shape[0])
     same = jnp.where((slots >= 1) & (slots <= step), same, -jnp.inf)
     probs = jax.nn.softmax(jnp.concatenate([causal, same], axis=-1), axis=-1).astype(v0.dtype)
@@ -88,7 +93,8 @@ def ttt_unroll(params: dict, config: Eagle3Config, batch: dict, num_steps: int =
         q, k, v = project_qkv(params, config, x, positions + i)
         k0, v0 = jnp.where(i == 0, k, k0), jnp.where(i == 0, v, v0)
         k_steps, v_steps = k_steps.at[i].set(k), v_steps.at[i].set(v)
-        attn = ttt_attention(q, k0, v0, k_steps, v_steps, i, config.target.head_dim ** -0.5)
+        attn = ttt_attention(q, k0, v0, k_steps, v_steps, i, config.target.sm_scale,
+                             config.target.attn_logit_softcap)
         hidden = layer_output(params, config, hidden,
                               linear(attn.reshape(b, t, -1), params["layer"]["wo"]))
         logits = draft_logits(params, config, hidden)

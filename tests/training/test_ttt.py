@@ -1,5 +1,7 @@
 """Training-time test: the mask, the step alignment, and agreement with chained inference."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,10 +50,15 @@ def test_ttt_attention_equals_dense_masked_attention():
     k_steps, v_steps = jax.random.normal(ks[2], (2, s, b, t, hkv, d))
     for step in range(s):
         got = ttt.ttt_attention(q, k0, v0, k_steps, v_steps, step, d ** -0.5)
+        capped = ttt.ttt_attention(q, k0, v0, k_steps, v_steps, step, 0.9, 2.0)
         keys = jnp.concatenate([k0] + [k_steps[j] for j in range(1, step + 1)], axis=1)
         values = jnp.concatenate([v0] + [v_steps[j] for j in range(1, step + 1)], axis=1)
         keys, values = jnp.repeat(keys, hq // hkv, 2), jnp.repeat(values, hq // hkv, 2)
-        scores = jnp.einsum("bthd,bshd->bhts", q, keys) * d ** -0.5
+        scores = jnp.einsum("bthd,bshd->bhts", q, keys)
+        want_capped = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(
+            jnp.where(ttt.ttt_mask(t, step), 2.0 * jnp.tanh(0.9 * scores / 2.0), -jnp.inf), -1), values)
+        np.testing.assert_allclose(capped, want_capped, atol=1e-5)
+        scores = scores * d ** -0.5
         scores = jnp.where(ttt.ttt_mask(t, step), scores, -jnp.inf)
         want = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, -1), values)
         np.testing.assert_allclose(got, want, atol=1e-5)
@@ -73,10 +80,15 @@ def test_step0_alignment_feature_t_token_t1_predicts_t2(setup):
                                out["logits"][0][:, :6], atol=1e-5)
 
 
-def test_ttt_steps_equal_chained_draft_inference(setup):
+@pytest.mark.parametrize("scores", ["plain", "scaled_and_capped"])
+def test_ttt_steps_equal_chained_draft_inference(setup, scores):
     """TTT step i at index p is draft step i after position p at inference: the draft
-    cache holds step-0 K/V of positions <= p, then one entry per earlier draft step."""
+    cache holds step-0 K/V of positions <= p, then one entry per earlier draft step. Also
+    for a target whose scores take another scale and a soft-cap (Gemma 2's)."""
     config, params, batch = setup
+    if scores == "scaled_and_capped":
+        target = dataclasses.replace(config.target, attention_scale=0.6, attn_logit_softcap=3.0)
+        config = dataclasses.replace(config, target=target)
     steps, p = 4, 6
     logits = ttt.ttt_unroll(params, config, batch, steps)["logits"]
     hidden = eagle3.fuse_features(params, batch["features"])
