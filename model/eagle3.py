@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model import layers
 from model.config import ATTENTION, ModelConfig, RopeScaling
 from model.context import RaggedLayout, TokenTree
 from model.kv_cache import KVCache
-from model import layers
 from model.layers import attention_block, mlp, rms_norm
 from model.rope import rope_tables
 from model.transformer import forward_context, head_weight, init_cache, packed_context
