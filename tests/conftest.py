@@ -28,6 +28,12 @@ TOKENIZER_MODES = ("default", "synthetic")
 DEFAULT_VOCAB_SIZE = 49152  # SmolLM2's vocabulary; the tiny test models share it
 
 
+def _under_gpu_check() -> bool:
+    """Whether one of the GPU check's switches is on (read straight from the environment:
+    pytest_configure rejects values outside their modes)."""
+    return os.environ.get(KERNELS_ENV) == "compiled" or os.environ.get(TOKENIZER_ENV) == "synthetic"
+
+
 def _suite_xla_flags() -> str:
     """The suite compiles far more than it runs (tiny models, every step shape of many
     engines), so on CPU XLA generates its code without LLVM's optimisations: the clean-clone
@@ -37,8 +43,7 @@ def _suite_xla_flags() -> str:
     chosen = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_backend_optimization_level")]
     if chosen:
         return chosen[-1]
-    gpu_check = os.environ.get(KERNELS_ENV) == "compiled" or os.environ.get(TOKENIZER_ENV) == "synthetic"
-    return "" if gpu_check else "--xla_backend_optimization_level=0"
+    return "" if _under_gpu_check() else "--xla_backend_optimization_level=0"
 
 
 SUITE_XLA_FLAGS = _suite_xla_flags()
@@ -58,8 +63,7 @@ def _require_default_model() -> None:
     if missing:
         reason = (f"the embedded default model needs {' and '.join(missing)} (make setup installs "
                   f"them); {TOKENIZER_ENV}=synthetic serves tests that only need a tokenizer")
-        gpu_check = kernel_mode() == "compiled" or _mode(TOKENIZER_ENV, TOKENIZER_MODES) == "synthetic"
-        (pytest.skip if gpu_check else pytest.fail)(reason)
+        (pytest.skip if _under_gpu_check() else pytest.fail)(reason)
 
 
 def _synthetic_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
