@@ -321,6 +321,66 @@ inline __m512 load16(const Nvfp4Ptr& x) {
                        _mm512_set1_ps(e4m3_value(x.scales[x.e / 16])));
 }
 
+// The 2 b bytes holding 16 codes from code 16 c of a group, spread over the lanes and each
+// lane's code shifted out (with the next byte where codes straddle), looked up in `scaled`.
+struct TurboLanes {
+  __m512i first, second, shift, mask;
+  __m512 codebook;
+  __mmask16 load;
+  bool straddles;
+  int64_t bits;
+  explicit TurboLanes(const TurboGroup& f)
+      : first(_mm512_loadu_si512(f.first)),
+        second(_mm512_add_epi32(first, _mm512_set1_epi32(1))),
+        shift(_mm512_loadu_si512(f.shift)),
+        mask(_mm512_set1_epi32((1 << f.bits) - 1)),
+        codebook(_mm512_loadu_ps(f.codebook)),
+        load(static_cast<__mmask16>((1u << (2 * f.bits)) - 1)),
+        straddles(8 % f.bits != 0),
+        bits(f.bits) {}
+  __m512 decode(const uint8_t* codes, int64_t c, __m512 scaled) const {
+    const uint8_t* at = codes + c * 2 * bits;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m128i packed = _mm_maskz_loadu_epi8(load, at);
+#else
+    alignas(16) uint8_t copy[16] = {};
+    std::memcpy(copy, at, 2 * bits);
+    const __m128i packed = _mm_load_si128(reinterpret_cast<const __m128i*>(copy));
+#endif
+    const __m512i wide = _mm512_cvtepu8_epi32(packed);
+    __m512i word = _mm512_permutexvar_epi32(first, wide);
+    if (straddles) word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_permutexvar_epi32(second, wide), 8));
+    return _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srlv_epi32(word, shift), mask), scaled);
+  }
+};
+
+// decode_rows for the engine's TurboQuant pages (kv_cache_dtype turboquant-3.5 / -2.5: two
+// groups of kChunks * 16 channels, one sparse channel each): a row at a time, both groups'
+// constants in registers, the chunks unrolled and the sparse channel added without a branch
+// (an index past the group, only in bytes no write made, adds 0 times column 0).
+template <int kChunks>
+void decode_split_rows(const TurboPtr& base, const int64_t* rows, int64_t count, float* dst) {
+  constexpr int64_t size = 16 * kChunks, D = 2 * size;
+  const TurboPages& t = *base.pages;
+  const TurboLanes lanes[2] = {TurboLanes(t.group[0]), TurboLanes(t.group[1])};
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t row = t.row(base.e + rows[r]);
+    for (int64_t g = 0; g < 2; ++g) {
+      const TurboGroup& f = t.group[g];
+      const __m512 scaled = _mm512_mul_ps(lanes[g].codebook, _mm512_set1_ps(f.scales[row]));
+      const uint8_t* codes = f.codes + row * f.bytes;
+      const int64_t index = f.index[row];
+      const bool inside = index < size;
+      const __m512 value = _mm512_set1_ps(inside ? from_bits(static_cast<uint32_t>(f.value[row]) << 16) : 0.0f);
+      const float* column = f.columns + (inside ? index : 0) * size;
+      float* out = dst + r * D + g * size;
+      for (int64_t c = 0; c < kChunks; ++c)
+        _mm512_storeu_ps(out + 16 * c, _mm512_fmadd_ps(value, _mm512_loadu_ps(column + 16 * c),
+                                                       lanes[g].decode(codes, c, scaled)));
+    }
+  }
+}
+
 // TurboQuant rows base + rows[r] (whole rows: offsets that are multiples of D), r < count,
 // decoded into dst [count, D]: per channel group (its constants read once for all the rows),
 // 16 codes at a time, their 2 b bytes spread over the lanes, each lane's code shifted out of
@@ -329,19 +389,17 @@ inline __m512 load16(const Nvfp4Ptr& x) {
 // its offset by an exact division (a shift and a multiply: TurboPages::row).
 inline void decode_rows(const TurboPtr& base, const int64_t* rows, int64_t count, int64_t D, float* dst) {
   const TurboPages& t = *base.pages;
+  if (t.sparse == 1 && D == 2 * t.size && t.size == 32) return decode_split_rows<2>(base, rows, count, dst);
+  if (t.sparse == 1 && D == 2 * t.size && t.size == 64) return decode_split_rows<4>(base, rows, count, dst);
   constexpr int64_t kInLoop = 4;  // sparse channels added as the codes are decoded; others in a pass of their own
   for (int64_t g = 0; g < D / t.size; ++g) {
     const TurboGroup& f = t.group[g];
-    const bool straddles = 8 % f.bits != 0;
-    const __m512i first = _mm512_loadu_si512(f.first), second = _mm512_add_epi32(first, _mm512_set1_epi32(1));
-    const __m512i shift = _mm512_loadu_si512(f.shift), mask = _mm512_set1_epi32((1 << f.bits) - 1);
-    const __m512 codebook = _mm512_loadu_ps(f.codebook);
-    const __mmask16 load = static_cast<__mmask16>((1u << (2 * f.bits)) - 1);
-    const int64_t size = t.size, sparse = t.sparse, bits = f.bits, bytes = f.bytes;
+    const TurboLanes lanes(f);
+    const int64_t size = t.size, sparse = t.sparse, bytes = f.bytes;
     const float* columns = f.columns;
     for (int64_t r = 0; r < count; ++r) {
       const int64_t row = t.row(base.e + rows[r]);
-      const __m512 scaled = _mm512_mul_ps(codebook, _mm512_set1_ps(f.scales[row]));
+      const __m512 scaled = _mm512_mul_ps(lanes.codebook, _mm512_set1_ps(f.scales[row]));
       const uint8_t* codes = f.codes + row * bytes;
       // value_j times column index_j of Pi (an index past the group, only in bytes no write
       // made, adds nothing)
@@ -357,18 +415,7 @@ inline void decode_rows(const TurboPtr& base, const int64_t* rows, int64_t count
         }
       float* out = dst + r * D + g * size;
       for (int64_t c = 0; c < size; c += 16) {
-        const uint8_t* at = codes + c * bits / 8;  // the 2 b bytes of codes c .. c + 15
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-        const __m128i packed = _mm_maskz_loadu_epi8(load, at);
-#else
-        alignas(16) uint8_t copy[16] = {};
-        std::memcpy(copy, at, 2 * bits);
-        const __m128i packed = _mm_load_si128(reinterpret_cast<const __m128i*>(copy));
-#endif
-        const __m512i wide = _mm512_cvtepu8_epi32(packed);
-        __m512i word = _mm512_permutexvar_epi32(first, wide);
-        if (straddles) word = _mm512_or_si512(word, _mm512_slli_epi32(_mm512_permutexvar_epi32(second, wide), 8));
-        __m512 x = _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srlv_epi32(word, shift), mask), scaled);
+        __m512 x = lanes.decode(codes, c / 16, scaled);
         for (int64_t l = 0; l < live; ++l) x = _mm512_fmadd_ps(value[l], _mm512_loadu_ps(column[l] + c), x);
         _mm512_storeu_ps(out + c, x);
       }

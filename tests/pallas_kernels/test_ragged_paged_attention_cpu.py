@@ -447,6 +447,15 @@ def test_turboquant_buffers_that_do_not_fit_are_refused_by_the_kernel():
         call(good, codebooks=jnp.zeros((2, 16), jnp.float32))
 
 
+@pytest.mark.parametrize("bits", [3.5, 2.5])
+def test_turboquant_pages_of_head_dim_128_match_the_oracle(bits):
+    """The KV cache's TurboQuant formats at head_dim 128 (halves of 64 channels, which the
+    kernel decodes on its own unrolled path, as it does head_dim 64's halves of 32; other
+    shapes take its general path, as do TurboQuant(64, 4) and the cases below)."""
+    args, sinks = _decode_batch(15, [1, 21, 40], num_q_heads=4, num_kv_heads=2, head_dim=128)
+    _check_kernel(args, sinks, 128 ** -0.5, page_dtype=turboquant(128, bits))
+
+
 def test_turboquant_codes_of_one_bit_and_many_sparse_channels_match_the_oracle():
     """1-bit codes; six sparse channels a half (four added as the codes are decoded, the
     others in a pass of their own); a sparse index past its half, which no write makes and
