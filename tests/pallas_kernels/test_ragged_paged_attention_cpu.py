@@ -241,9 +241,9 @@ def test_long_contexts_spread_over_threads_match_the_oracle():
 @pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((7, 1), 128)], ids=["gqa3-64", "gqa7-128"])
 @pytest.mark.parametrize("window,cap,with_sinks", [(None, None, True), (520, 2.0, True), (None, None, False)])
 def test_a_long_row_split_into_runs_merges_its_parts(window, cap, with_sinks, heads, head_dim):
-    """One decode row over 600 positions is split into runs of about 32 (eighteen here; a
-    window of 520 leaves sixteen) whose softmax parts are merged; the merge
-    keeps the sinks, the soft cap and the window the oracle has. Seven query heads of 128
+    """One decode row over 600 positions is split into the kernel's most runs, eight (of 75
+    positions; 65 in a window of 520), whose softmax parts are merged; the merge keeps the
+    sinks, the soft cap and the window the oracle has. Seven query heads of 128
     per KV head weigh the values in chunks of two heads, then one."""
     args, sinks = _decode_batch(6, [600], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
                                 padding=0)
