@@ -185,6 +185,12 @@ struct TurboPtr {
 template <typename E>
 constexpr bool kDecoded = std::is_same_v<E, Nvfp4> || std::is_same_v<E, Turbo>;
 
+// Formats whose key rows scores16 decodes once per KV head into a tile for its G query heads:
+// the decoded ones, and E4M3 codes, whose decode costs more than a tile's store and reloads
+// (their value rows are still read in place, once for all the heads).
+template <typename E>
+constexpr bool kTiledKeys = kDecoded<E> || std::is_same_v<E, Fp8>;
+
 // What a page's elements are read through: a pointer to them, an Nvfp4Ptr or a TurboPtr.
 template <typename E>
 using Ptr = std::conditional_t<std::is_same_v<E, Nvfp4>, Nvfp4Ptr,
@@ -456,6 +462,13 @@ inline void decode_rows(const Nvfp4Ptr& base, const int64_t* rows, int64_t count
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + r * D + d, load16(base + rows[r] + d));
 }
 
+// E4M3 rows base + rows[r], r < count, decoded into dst [count, D] (in load16's unit, 2^-8
+// times their values: the caller's scales carry kScaleUnit).
+inline void decode_rows(const Fp8* base, const int64_t* rows, int64_t count, int64_t D, float* dst) {
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + r * D + d, load16(base + rows[r] + d));
+}
+
 // exp_nonpositive on 16 lanes: the same steps (with fused multiply-adds, so within an ulp of
 // it), a NaN staying NaN.
 inline __m512 exp_nonpositive16(__m512 x) {
@@ -495,12 +508,12 @@ inline __m512 sum16(const __m512* a) {
 // (-inf from n to ns), 16 positions at a time: their rows stay in the L1 cache for all the
 // heads, and one tree sums the 16 dot products of a head. D a multiple of 16.
 // With row-scaled codes, kscale [Hkv, ns] holds each position's K scale, applied to the sum.
-// NVFP4 and TurboQuant rows, the dearest to decode, are decoded once per KV head into tile
-// [16, D] for its G query heads.
+// NVFP4, TurboQuant and E4M3 rows, the dearest to decode (kTiledKeys), are decoded once per
+// KV head into tile [16, D] for its G query heads.
 template <typename T>
 void scores16(const Problem<T>& p, const float* q, const int64_t* rows, int64_t n, int64_t ns, const float* kscale,
               float* tile, float* scores) {
-  constexpr bool decode_once = kDecoded<T>;
+  constexpr bool decode_once = kTiledKeys<T>;
   const int64_t G = p.Hq / p.Hkv, D = p.D;
   const __m512 scale = _mm512_set1_ps(p.sm_scale);
   for (int64_t i0 = 0; i0 < ns; i0 += 16) {
@@ -575,9 +588,9 @@ struct Part {
 
 // A thread's buffers: each position's row offset in the pages (the same in K and V; the row
 // holds every KV head, Hkv * D elements), the scores [Hq, n] and, for row-scaled codes, each
-// position's K and V scales [Hkv, n]; for NVFP4 and TurboQuant (kDecoded) rows decoded to
-// float32, a KV head's 16 for scores16 or a run's for weigh ([kRun, D]) in `tile`, and the
-// offsets weigh reads those at (decoded_rows).
+// position's K and V scales [Hkv, n]; rows decoded to float32 in `tile`, a KV head's 16 for
+// scores16 (kTiledKeys) or a run's for weigh ([kRun, D], kDecoded), and the offsets weigh
+// reads those at (decoded_rows).
 struct Scratch {
   std::vector<int64_t> rows, decoded_rows;
   std::vector<float> scores, kscale, vscale, tile;
@@ -687,7 +700,7 @@ void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
   const float* vscale = kScaled<T> ? s.vscale.data() : nullptr;
 #if defined(__AVX512F__)
   if (D % 16 == 0) {
-    if constexpr (kDecoded<T>) s.tile.resize(16 * D);
+    if constexpr (kTiledKeys<T>) s.tile.resize(16 * D);
     scores16(p, q, s.rows.data(), n, ns, kscale, s.tile.data(), scores);
   } else
 #endif
