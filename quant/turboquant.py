@@ -27,8 +27,8 @@ Two options of the mse mode, for vectors whose energy is not spread like a rando
 model/kv_formats.py):
 
 - sparse=n keeps the n largest-magnitude channels of each vector outside the rotation
-  (their index uint8 and value bfloat16: dense-and-sparse quantization as in KVQuant,
-  Hooper et al., 2024). The rest, with those channels zeroed, is rotated and quantized, so
+  (their index uint8 and value bfloat16, stored as its bits in a uint16: dense-and-sparse
+  quantization as in KVQuant, Hooper et al., 2024). The rest, with those channels zeroed, is rotated and quantized, so
   its error scales with the rest's norm instead of the outliers'.
 - rescale=True stores the scale n / ||c[idx]|| in place of n = ||x|| (of the rest, with
   sparse channels), so the rotated part's reconstruction keeps that norm (x_hat as a whole
@@ -76,7 +76,9 @@ class TurboCodes:
     qjl: uint8 [..., d/8], packed sign bits of S r (bit 1 = +1), prod mode only, else None;
     rnorm: float32 [...], ||r|| of the unit vector's residual, prod mode only, else None;
     sparse_idx: uint8 [..., n], the channels kept outside the rotation (sparse=n), else None;
-    sparse_val: bfloat16 [..., n], their values, else None.
+    sparse_val: uint16 [..., n], their values' bfloat16 bits (`sparse_values` reads them),
+      else None: XLA:CPU scatters a float narrower than 32 bits by converting the whole
+      operand, so KV pages would copy a pool of them at every write (or convert it).
     With sparse channels, norm is that of the rest (or its rescaled scale).
     """
 
@@ -310,19 +312,25 @@ def _qjl_scale(p: _Params) -> float:
     return math.sqrt(math.pi / 2) / p.rotation.shape[0]
 
 
+def sparse_values(bits: jax.Array) -> jax.Array:
+    """TurboCodes.sparse_val (bfloat16 bits, uint16) -> their values, float32 (exact). In
+    32-bit integer operations, which every backend's kernels lower."""
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32) << 16, jnp.float32)
+
+
 def _sparse_split(p: _Params, x: jax.Array):
     """x [..., d] -> (the rest: x with its p.sparse largest-magnitude channels zeroed,
-    their indices uint8 [..., n], their values bfloat16 [..., n])."""
+    their indices uint8 [..., n], their values' bfloat16 bits uint16 [..., n])."""
     _, idx = jax.lax.top_k(jnp.abs(x), p.sparse)
     picked = jnp.any(idx[..., :, None] == jnp.arange(x.shape[-1]), axis=-2)
-    val = jnp.take_along_axis(x, idx, axis=-1)
-    return jnp.where(picked, 0.0, x), idx.astype(jnp.uint8), val.astype(jnp.bfloat16)
+    val = jax.lax.bitcast_convert_type(jnp.take_along_axis(x, idx, axis=-1).astype(jnp.bfloat16), jnp.uint16)
+    return jnp.where(picked, 0.0, x), idx.astype(jnp.uint8), val
 
 
 def _sparse_dense(p: _Params, codes: TurboCodes) -> jax.Array:
     """The sparse channels as a dense f32 [..., d] (zeros elsewhere)."""
     onehot = codes.sparse_idx[..., :, None].astype(jnp.int32) == jnp.arange(p.rotation.shape[0])
-    return jnp.sum(jnp.where(onehot, codes.sparse_val[..., None].astype(jnp.float32), 0.0), axis=-2)
+    return jnp.sum(jnp.where(onehot, sparse_values(codes.sparse_val)[..., None], 0.0), axis=-2)
 
 
 @jax.jit

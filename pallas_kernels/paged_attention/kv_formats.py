@@ -29,7 +29,8 @@ so no dequantized cache is ever materialised. The XLA paths use the same object:
 | "mxfp4"     | quant.MXFP4               | packed uint8 [.., D/2], scales ue8m0 [.., D/32]  |
 | TurboQuant  | quant.TurboCodes          | idx uint8 [.., D*b/8], norm f32 [P, ps, H]       |
 | TQ split    | quant.SplitCodes          | outlier / regular: TurboCodes of D/2 channels    |
-|             |   (sparse=n)              |   + sparse_idx uint8, sparse_val bf16 [.., n]    |
+|             |   (sparse=n)              |   + sparse_idx uint8, sparse_val [.., n] uint16  |
+|             |                           |     (bfloat16 bits)                              |
 
 NVFP4's tensor scale. NVIDIA's recipe scales a whole tensor by amax / (448 * 6), but KV
 rows arrive a few at a time and no tensor amax exists, so pages are quantized with the
@@ -110,7 +111,7 @@ from quant.blockscaled import MXFP4, NVFP4, mxfp4_quantize, nvfp4_quantize
 from quant.formats import e2m1_decode_arith, e4m3_decode_arith
 from quant.kv_rows import RowQuantized, quantize_rows
 from quant.lloyd_max import sphere_codebook
-from quant.turboquant import SplitCodes, TurboCodes, TurboQuant, TurboQuantSplit
+from quant.turboquant import SplitCodes, TurboCodes, TurboQuant, TurboQuantSplit, sparse_values
 
 # get(i) -> leaf i of one KV head of the current page: [page_size, n] for 4-D leaves,
 # [page_size, 1] for 3-D (per-token) leaves.
@@ -534,7 +535,7 @@ class TurboSplit(_Format):
             _check_leaf(f"{name}.{half}.norm", codes.norm, 3, None, lead, jnp.float32)
             if n:
                 _check_leaf(f"{name}.{half}.sparse_idx", codes.sparse_idx, 4, n, lead, jnp.uint8)
-                _check_leaf(f"{name}.{half}.sparse_val", codes.sparse_val, 4, n, lead, jnp.bfloat16)
+                _check_leaf(f"{name}.{half}.sparse_val", codes.sparse_val, 4, n, lead, jnp.uint16)
 
     def leaves(self, pages):
         out = []
@@ -556,7 +557,7 @@ class TurboSplit(_Format):
             half = _lookup(codes, extras[i], 1 << bits) * get(first + 1)
             if self.tq.sparse:
                 rot = np.asarray(inst.rotation)[part :: self.parts].tolist()  # [d/2/parts][d/2] floats
-                idx, val = get(first + 2).astype(jnp.int32), get(first + 3).astype(jnp.float32)
+                idx, val = get(first + 2).astype(jnp.int32), sparse_values(get(first + 3))
                 for j in range(self.tq.sparse):
                     column = jnp.concatenate([_lookup(idx[:, j : j + 1], row, len(row)) for row in rot], axis=1)
                     half = half + val[:, j : j + 1] * column
@@ -583,7 +584,7 @@ class TurboSplit(_Format):
                 # An index past the half (only in bytes no write made) adds nothing, as in tile().
                 columns = inst.rotation[part :: self.parts].T.at[codes.sparse_idx.astype(jnp.int32)].get(
                     mode="fill", fill_value=0.0)
-                half = half + jnp.sum(codes.sparse_val.astype(jnp.float32)[..., None] * columns, axis=-2)
+                half = half + jnp.sum(sparse_values(codes.sparse_val)[..., None] * columns, axis=-2)
             halves.append(half)
         return jnp.concatenate(halves, axis=-1)
 

@@ -199,7 +199,7 @@ def decode_attention_turbo_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_len
         these = []
         for codes, _ in _groups(fmt, pages):
             these += [codes.idx, codes.norm, *((codes.sparse_idx, codes.sparse_val) if sparse else
-                                               (jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.bfloat16)))]
+                                               (jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.uint16)))]
         leaves += these if len(groups) == 2 else these * 2  # one group: its leaves again in group 1's places
     codebooks = jnp.stack([jnp.pad(c, (0, 16 - c.shape[0])) for c in fmt.extras()])  # zero-padded to 16
     columns = (jnp.stack([inst.rotation.T for _, inst in groups]) if sparse  # row i: Pi[:, i]

@@ -131,7 +131,7 @@ struct Nvfp4Ptr {
 // (a plain TurboQuant) or two (TurboQuantSplit's outlier and regular halves), each group g
 // of `size` channels holding bit-packed Lloyd-Max codes (quant.pack_bits: code i at stream
 // bits [i b, (i + 1) b)), a float32 scale and `sparse` channels kept aside (uint8 index,
-// bfloat16 value). In the group's rotated basis its part of the row is
+// bfloat16 value stored as its bits). In the group's rotated basis its part of the row is
 //   scale * c[code] + sum_j value_j * Pi[:, index_j],
 // so with the query rotated once outside (prepare_q) the scores are plain dot products with
 // these decoded rows, the values' weighted sum stays in that basis and is rotated back once
@@ -1021,8 +1021,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 
 // One pool's (K or V) TurboQuant pages as the kernel reads them: per channel group its codes
 // (uint8 [P, ps, Hkv, size * bits / 8]), scales (float32 [P, ps, Hkv]), sparse indices (uint8
-// [.., sparse]) and values (bfloat16 [.., sparse]), beside the groups' codebooks and
-// transposed rotations; an error names what does not fit.
+// [.., sparse]) and values (their bfloat16 bits, uint16 [.., sparse]), beside the groups'
+// codebooks and transposed rotations; an error names what does not fit.
 ffi::Error turbo_pages(const std::array<const ffi::AnyBuffer*, 8>& leaves, int64_t groups, const int64_t* bits,
                        int64_t sparse, int64_t D, const ffi::Buffer<ffi::F32>& codebooks,
                        const ffi::Buffer<ffi::F32>& columns, TurboPages& t, int64_t* lead) {
@@ -1049,10 +1049,11 @@ ffi::Error turbo_pages(const std::array<const ffi::AnyBuffer*, 8>& leaves, int64
         scales.element_count() != rows)
       return ffi::Error::InvalidArgument("decode_attention_turbo_cpu: every group's codes and float32 scales must "
                                          "share [num_pages, page_size, num_kv_heads]");
-    if (sparse && (index.element_type() != Type::U8 || value.element_type() != Type::BF16 ||
+    if (sparse && (index.element_type() != Type::U8 || value.element_type() != Type::U16 ||
                    index.element_count() != rows * sparse || value.element_count() != rows * sparse))
       return ffi::Error::InvalidArgument("decode_attention_turbo_cpu: sparse channels need uint8 indices and "
-                                         "bfloat16 values [num_pages, page_size, num_kv_heads, sparse]");
+                                         "values' bfloat16 bits (uint16) [num_pages, page_size, num_kv_heads, "
+                                         "sparse]");
     TurboGroup& f = t.group[g];
     f = TurboGroup{static_cast<const uint8_t*>(codes.untyped_data()), static_cast<const float*>(scales.untyped_data()),
                    sparse ? static_cast<const uint8_t*>(index.untyped_data()) : nullptr,
@@ -1153,7 +1154,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldDecodeAttentionTurbo, DecodeAttentionTurbo,
                                   .Arg<ffi::AnyBuffer>()         // K group 0: codes [P, ps, Hkv, size * bits / 8]
                                   .Arg<ffi::AnyBuffer>()         //   scales f32 [P, ps, Hkv]
                                   .Arg<ffi::AnyBuffer>()         //   sparse indices u8 [.., sparse] (or any [1])
-                                  .Arg<ffi::AnyBuffer>()         //   sparse values bf16 [.., sparse] (or any [1])
+                                  .Arg<ffi::AnyBuffer>()         //   sparse values, bf16 bits u16 (or any [1])
                                   .Arg<ffi::AnyBuffer>()         // K group 1 (group 0's again when one group)
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
