@@ -28,8 +28,9 @@ model/kv_formats.py):
 
 - sparse=n keeps the n largest-magnitude channels of each vector outside the rotation
   (their index uint8 and value bfloat16, stored as its bits in a uint16: dense-and-sparse
-  quantization as in KVQuant, Hooper et al., 2024). The rest, with those channels zeroed, is rotated and quantized, so
-  its error scales with the rest's norm instead of the outliers'.
+  quantization as in KVQuant, Hooper et al., 2024). The rest, with those channels zeroed,
+  is rotated and quantized, so its error scales with the rest's norm instead of the
+  outliers'.
 - rescale=True stores the scale n / ||c[idx]|| in place of n = ||x|| (of the rest, with
   sparse channels), so the rotated part's reconstruction keeps that norm (x_hat as a whole
   only nearly: the rest's reconstruction also has some error on the sparse channels). The
@@ -206,6 +207,8 @@ class TurboQuant:
         if (not isinstance(codes, TurboCodes) or (codes.qjl is None) != (self.mode == "mse")
                 or (codes.sparse_idx is None) != (self.sparse == 0)):
             raise ValueError(f"codes were not made by this {self.mode}-mode TurboQuant: {self!r}")
+        if codes.sparse_val is not None and codes.sparse_val.dtype != jnp.uint16:
+            raise ValueError(f"TurboCodes.sparse_val must hold bfloat16 bits as uint16, got {codes.sparse_val.dtype}")
         return codes
 
     def quantize(self, x: jax.Array) -> TurboCodes:
@@ -315,6 +318,8 @@ def _qjl_scale(p: _Params) -> float:
 def sparse_values(bits: jax.Array) -> jax.Array:
     """TurboCodes.sparse_val (bfloat16 bits, uint16) -> their values, float32 (exact). In
     32-bit integer operations, which every backend's kernels lower."""
+    if bits.dtype != jnp.uint16:  # a float's values would be cast, not reinterpreted
+        raise ValueError(f"sparse values are stored as their bfloat16 bits (uint16), got {bits.dtype}")
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32) << 16, jnp.float32)
 
 

@@ -392,7 +392,8 @@ void decode_split_rows(const TurboPtr& base, const int64_t* rows, int64_t count,
 // 16 codes at a time, their 2 b bytes spread over the lanes, each lane's code shifted out of
 // its byte (and the next one where codes straddle bytes, b = 3) and looked up in the codebook
 // times the row's scale, plus the sparse channels' columns of Pi. A row's index comes from
-// its offset by an exact division (a shift and a multiply: TurboPages::row).
+// its offset by an exact division (a shift and a multiply: TurboPages::row). The engine's
+// formats (two groups of 32 or 64 channels, one sparse channel each) go to decode_split_rows.
 inline void decode_rows(const TurboPtr& base, const int64_t* rows, int64_t count, int64_t D, float* dst) {
   const TurboPages& t = *base.pages;
   if (t.sparse == 1 && D == 2 * t.size && t.size == 32) return decode_split_rows<2>(base, rows, count, dst);
@@ -789,13 +790,14 @@ struct Shared {
   }
 };
 
-// Positions per item: a context of n positions is split into min(n / kSplit, kMaxSplits)
-// near-equal runs (at least kSplit positions each), whatever the batch and the machine, so a
-// row's result depends on its context alone; the runs of one row can then go to several
-// threads. kSplit is short enough that a decode row from 64 positions on is two items or
-// more, one per core of a small machine; kMaxSplits keeps a batch's items few enough that
-// their own costs (a part's buffers, its softmax, the merge) stay small: a SmolLM2 layer's
-// call at batch 16 and 2,048 positions took 4.3 ms over float32 pages and 3.3 ms over
+// Positions per item: a context of n positions is split into min(n / kSplit, most) near-equal
+// runs (at least kSplit positions each), most = max(kMaxSplits, the pool's threads), whatever
+// the batch, so a row's result depends on its context (and the machine) alone; the runs of
+// one row can then go to several threads. kSplit is short enough that a decode row from 64
+// positions on is two items or more, one per core of a small machine; the cap keeps a batch's
+// items few enough that their own costs (a part's buffers, its softmax, the merge) stay
+// small, while one long row still spreads over every thread: a SmolLM2 layer's call at batch
+// 16 and 2,048 positions on 2 cores took 4.3 ms over float32 pages and 3.3 ms over
 // turboquant-3.5 ones in 64 runs a row, 2.2 and 2.5 ms in 8.
 constexpr int64_t kSplit = 32, kMaxSplits = 8;
 
@@ -924,7 +926,7 @@ void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const float* k, c
     const int64_t s = p.seq[t], hi = std::min<int64_t>(p.pos[t], p.W * p.ps - 1);
     if (s < 0 || s >= p.S || p.pos[t] < 0) continue;  // padding
     const int64_t lo = p.window > 0 ? std::max<int64_t>(0, hi - p.window + 1) : 0, n = hi - lo + 1;
-    const int64_t splits = std::clamp<int64_t>(n / kSplit, 1, kMaxSplits);
+    const int64_t splits = std::clamp<int64_t>(n / kSplit, 1, std::max(kMaxSplits, threads));
     for (int64_t j = 0; j < splits; ++j)
       shared->items.push_back(Item{t, lo + n * j / splits, lo + n * (j + 1) / splits - 1});
     first[t + 1] += splits;

@@ -243,9 +243,9 @@ def test_long_contexts_spread_over_threads_match_the_oracle():
 @pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((7, 1), 128)], ids=["gqa3-64", "gqa7-128"])
 @pytest.mark.parametrize("window,cap,with_sinks", [(None, None, True), (520, 2.0, True), (None, None, False)])
 def test_a_long_row_split_into_runs_merges_its_parts(window, cap, with_sinks, heads, head_dim):
-    """One decode row over 600 positions is split into the kernel's most runs, eight (of 75
-    positions; 65 in a window of 520), whose softmax parts are merged; the merge keeps the
-    sinks, the soft cap and the window the oracle has. Seven query heads of 128
+    """One decode row over 600 positions is split into the kernel's most runs (eight, of 75
+    positions, 65 in a window of 520, on a machine of up to eight threads), whose softmax
+    parts are merged; the merge keeps the sinks, the soft cap and the window the oracle has. Seven query heads of 128
     per KV head weigh the values in chunks of two heads, then one."""
     args, sinks = _decode_batch(6, [600], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
                                 padding=0)
@@ -392,6 +392,7 @@ def test_low_bit_buffers_that_do_not_fit_are_refused_by_the_kernel():
     scales of the wrong count beside int8 codes; NVFP4 pages with a tensor scale (or int8
     codes without their RowQuantized) are a ValueError before the kernel, and the entry
     keeps them on the XLA path."""
+    assert cpu.available()  # the handlers registered: this calls them by their FFI names
     args, _ = _decode_batch(4, [3, 6], head_dim=32)
     q, k, v, k_pages, v_pages, table, cu, kv_lens = args
     nvfp4 = kv_formats.resolve("nvfp4").quantize(k_pages)
@@ -420,11 +421,12 @@ def test_low_bit_buffers_that_do_not_fit_are_refused_by_the_kernel():
 def test_turboquant_buffers_that_do_not_fit_are_refused_by_the_kernel():
     """The TurboQuant handler checks what cpu.py's checks would stop first: codes of more
     than 4 bits, codes whose width does not match the bits, scales of another count, and
-    sparse channels without their indices."""
+    sparse channels without their indices or with bfloat16 values (not their bits)."""
+    assert cpu.available()  # the handlers registered: this calls them by their FFI names
     args, _ = _decode_batch(4, [3, 6], head_dim=32)
     q, _, _, k_pages, _, table, cu, kv_lens = args
     codes = TurboQuant(32, 4, sparse=1).quantize(k_pages)
-    placeholder = (jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.bfloat16))
+    placeholder = (jnp.zeros((1,), jnp.uint8), jnp.zeros((1,), jnp.uint16))
 
     def call(group, bits=4, sparse=1, codebooks=jnp.zeros((1, 16), jnp.float32)):
         leaves = list(group) * 4  # K and V, each one group given twice
@@ -445,6 +447,8 @@ def test_turboquant_buffers_that_do_not_fit_are_refused_by_the_kernel():
         call((codes.idx, codes.norm[:1], codes.sparse_idx, codes.sparse_val))
     with pytest.raises(Exception, match="sparse channels need"):
         call((codes.idx, codes.norm, *placeholder))
+    with pytest.raises(Exception, match="sparse channels need"):
+        call((codes.idx, codes.norm, codes.sparse_idx, jax.lax.bitcast_convert_type(codes.sparse_val, jnp.bfloat16)))
     with pytest.raises(Exception, match="codebooks must be"):
         call(good, codebooks=jnp.zeros((2, 16), jnp.float32))
 
@@ -463,27 +467,61 @@ def test_a_turboquant_step_over_donated_pages_copies_no_pool():
     step = jax.jit(lambda kp, vp: cpu.decode_attention_turbo_cpu(q, k, v, kp, vp, table, cu, kv_lens,
                                                                  sm_scale=0.125, kv_format=tq), donate_argnums=(0, 1))
     text = step.lower(tq.quantize(k_pages), tq.quantize(v_pages)).compile().as_text()
-    entry = text[text.index("\nENTRY"):]
-    pool_rows = num_pages * PAGE_SIZE * k_pages.shape[2]  # a leaf's elements, at least
-    big = []
-    for line in entry.splitlines()[1:]:
-        shape = re.match(r"\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]", line)
-        if shape is None:  # a tuple
-            continue
-        elements = math.prod(int(d) for d in shape.group(1).split(",") if d)
-        op = line.split("=", 1)[1]
-        if elements >= pool_rows and not re.search(r"parameter\(|bitcast\(|scatter", op):
-            big.append(line.strip()[:160])
-    assert "scatter" in entry and not big, big
+    large = _entry_ops_of_at_least(text, num_pages * PAGE_SIZE * k_pages.shape[2])  # a leaf's elements, at least
+    assert [op for op, _ in large].count("parameter") == 16  # every leaf of K and V (the parse found them)
+    assert [op for op, _ in large].count("scatter") == 16  # written in place
+    assert not [line for op, line in large if op not in ("parameter", "bitcast", "scatter")]
+
+
+def _entry_ops_of_at_least(hlo: str, elements: int) -> list[tuple[str, str]]:
+    """(opcode, line) of the compiled HLO's entry instructions whose array result has at
+    least `elements` elements; a fusion goes by its fused computation's root opcode."""
+    instruction = re.compile(r"\s*(?:ROOT )?%[\w.-]+ = \w+\[([\d,]*)\](?:\{[^}]*\})?\s+([\w-]+)\(")
+    computations, name, entry = {}, None, None
+    for line in hlo.splitlines():
+        if line.endswith("{") and not line.startswith(" "):  # a computation's header
+            words = line.split()
+            name = words[1] if words[0] == "ENTRY" else words[0]
+            entry = name if words[0] == "ENTRY" else entry
+            computations[name] = []
+        elif name is not None and (match := instruction.match(line)):
+            computations[name].append((match, line))
+    roots = {name: next((m.group(2) for m, line in body if line.lstrip().startswith("ROOT")), None)
+             for name, body in computations.items()}
+    found = []
+    for match, line in computations[entry]:
+        op = match.group(2)
+        if op == "fusion":
+            op = roots[re.search(r"calls=(%[\w.-]+)", line).group(1)]
+        if math.prod(int(d) for d in match.group(1).split(",") if d) >= elements:
+            found.append((op, line.strip()[:200]))
+    return found
 
 
 @pytest.mark.parametrize("bits", [3.5, 2.5])
 def test_turboquant_pages_of_head_dim_128_match_the_oracle(bits):
     """The KV cache's TurboQuant formats at head_dim 128 (halves of 64 channels, which the
     kernel decodes on its own unrolled path, as it does head_dim 64's halves of 32; other
-    shapes take its general path, as do TurboQuant(64, 4) and the cases below)."""
+    shapes and sparse counts take its general path); a sparse index past its half in a live
+    K row and a live V row, which no write makes, adds nothing (as quant's dequantize reads
+    it)."""
     args, sinks = _decode_batch(15, [1, 21, 40], num_q_heads=4, num_kv_heads=2, head_dim=128)
-    _check_kernel(args, sinks, 128 ** -0.5, page_dtype=turboquant(128, bits))
+    tq = turboquant(128, bits)
+    _check_kernel(args, sinks, 128 ** -0.5, page_dtype=tq)
+    q, k, v, k_pages, v_pages, table, cu, kv_lens = args
+    k_codes, v_codes = tq.quantize(k_pages), tq.quantize(v_pages)
+    row = (int(table[2, 1]), 3, 1)  # a live row of sequence 2
+    k_codes = dataclasses.replace(k_codes, outlier=dataclasses.replace(
+        k_codes.outlier, sparse_idx=k_codes.outlier.sparse_idx.at[row].set(200)))
+    v_codes = dataclasses.replace(v_codes, regular=dataclasses.replace(
+        v_codes.regular, sparse_idx=v_codes.regular.sparse_idx.at[row].set(64)))
+    seq, pos = token_layout(cu, kv_lens, q.shape[0])
+    out, lse, got_k, got_v = cpu.decode_attention_turbo_cpu(q, k, v, k_codes, v_codes, table, cu, kv_lens,
+                                                            sinks, sm_scale=128 ** -0.5, kv_format=tq)
+    want_out, want_lse = _oracle(q, tq.dequantize(got_k), tq.dequantize(got_v), table, seq, pos, 128 ** -0.5,
+                                 sinks=np.asarray(sinks))
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
 
 
 def test_turboquant_codes_of_one_bit_and_many_sparse_channels_match_the_oracle():
