@@ -3,7 +3,6 @@ the gathered statement and a float64 numpy loop; lowering for TPU and CUDA."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
