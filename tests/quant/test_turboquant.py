@@ -1,6 +1,7 @@
 """TurboQuant: Lloyd-Max codebooks equal the paper's, measured distortion equals the exact
 Lloyd-Max value, prod mode is unbiased and within its bound, 1-bit MSE shrinks by 2/pi."""
 
+import dataclasses
 import functools
 import math
 
@@ -141,6 +142,22 @@ def test_split_error_follows_the_outlier_energy(bits):
     f = 16 / 17
     assert abs(rel / (f * hi + (1 - f) * lo) - 1) < 0.1
     assert rel < 0.6 * (hi + lo) / 2
+
+
+def test_sparse_values_are_their_bfloat16_bits():
+    """sparse_val holds the kept channels' bfloat16 bits (uint16), read back exactly; codes
+    whose values are a float array (cast, not reinterpreted, they would read wrong) are a
+    ValueError naming the dtype."""
+    tq = quant.TurboQuant(64, 3, sparse=2)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 64)), jnp.float32)
+    codes = tq.quantize(x)
+    assert codes.sparse_val.dtype == jnp.uint16
+    kept = np.take_along_axis(np.asarray(x), np.asarray(codes.sparse_idx, np.int64), axis=-1)
+    np.testing.assert_array_equal(np.asarray(codes.sparse_val).view(ml_dtypes.bfloat16),
+                                  kept.astype(ml_dtypes.bfloat16))
+    as_floats = dataclasses.replace(codes, sparse_val=jax.lax.bitcast_convert_type(codes.sparse_val, jnp.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16 bits .uint16., got bfloat16"):
+        tq.dequantize(as_floats)
 
 
 def test_sparse_channels_take_the_spike_out_of_the_error():
