@@ -268,8 +268,8 @@ class LLM:
         max_pages_per_seq = -(-(max_model_len + lookahead) // block_size)
         if num_kv_blocks is None:
             # Every running sequence at full length, capped by a memory budget. Not larger:
-            # XLA:CPU still converts a whole bfloat16 / fp8 pool in each scatter
-            # (model/kv_cache.py scatter_rows), a cost per step that grows with the pool.
+            # XLA:CPU still copies a whole bfloat16 pool in each write through XLA
+            # (kv_formats._scatter_rows), a cost per step that grows with the pool.
             per_token = (config.kv_bytes_per_token if csa2  # the window rings are per sequence, not per token
                          else bytes_per_token(kv_cache_dtype, step_config, dtype, block_size))
             if draft is not None:

@@ -24,8 +24,9 @@ so no dequantized cache is ever materialised. The XLA paths use the same object:
 |-------------|---------------------------|--------------------------------------------------|
 | (plain)     | array                     | [P, ps, H, D]                                    |
 | "int8"      | quant.RowQuantized        | codes int8 [P, ps, H, D], scales f32 [P, ps, H]  |
-| "fp8"       | quant.RowQuantized        | codes float8_e4m3fn [P, ps, H, D], scales f32    |
-| "nvfp4"     | quant.NVFP4               | packed uint8 [.., D/2], scales e4m3 [.., D/16]   |
+| "fp8"       | quant.RowQuantized        | codes uint8 [P, ps, H, D] (E4M3 bits), scales f32|
+| "nvfp4"     | quant.NVFP4               | packed uint8 [.., D/2], scales uint8 [.., D/16]  |
+|             |                           |   (E4M3 bits)                                    |
 | "mxfp4"     | quant.MXFP4               | packed uint8 [.., D/2], scales ue8m0 [.., D/32]  |
 | TurboQuant  | quant.TurboCodes          | idx uint8 [.., D*b/8], norm f32 [P, ps, H]       |
 | TQ split    | quant.SplitCodes          | outlier / regular: TurboCodes of D/2 channels    |
@@ -53,7 +54,12 @@ broadcast feeding it) element by element; dequantize does interleave, to x_hat.
 Decoding on XLA:CPU. float8 converts run as a slow software routine there, and a gather
 or scatter of a float8 / bfloat16 array is computed in f32 over the whole operand (the
 whole pool, each step). So gather and write move such leaves as their unsigned-integer
-bits, and the decoders build f32 from the bits with integer ops: E4M3 through
+bits. Even that bitcast copies a donated leaf whole (XLA:CPU does not elide it), so the
+pools this module allocates keep E4M3 leaves (fp8 codes, NVFP4 block scales) as their
+uint8 bits from the start, as TurboQuant's sparse values are bfloat16 bits; containers
+with float8_e4m3fn leaves, as quant's own quantizers make them, are read and written as
+well, their new rows stored as the same bits. The decoders build f32 from the bits with
+integer ops: E4M3 through
 quant.e4m3_decode_arith, E2M1 through quant.e2m1_decode_arith, UE8M0 by placing the code
 in f32's exponent field; TurboQuant's straddling 3-bit codes unpack by byte groups
 (quant/packing.py). All are tested bit-exact against quant's decoders.
@@ -157,6 +163,12 @@ def repeat_blocks(scales, width, cols_per_block):
     return wide.reshape(page_size, width)
 
 
+def _decode_codes(codes):
+    """A tile of int8 or float8_e4m3fn codes as f32, converted; of E4M3 codes' uint8 bits
+    decoded with integer ops (quant.e4m3_decode_arith), which every backend lowers."""
+    return e4m3_decode_arith(codes) if codes.dtype == jnp.uint8 else codes.astype(jnp.float32)
+
+
 def _ue8m0_to_f32(codes):
     """uint8 UE8M0 codes -> 2**(c - 127) as f32 via the bit pattern (quant.ue8m0_decode's
     values, inline: that one is jitted around a table-free but non-kernel pow2)."""
@@ -191,6 +203,19 @@ def from_bits(a, dtype):
     return a if a.dtype == jnp.dtype(dtype) else lax.bitcast_convert_type(a, dtype)
 
 
+def stored_as(x, dtype):
+    """New rows x as a leaf of `dtype` keeps them: reinterpreted when they are one width
+    and not both floats (E4M3 codes as uint8 bits into a float8_e4m3fn leaf, or back),
+    else cast (float32 rows into bfloat16 pages)."""
+    dtype = jnp.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    both_float = jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(dtype, jnp.floating)
+    if x.dtype.itemsize == dtype.itemsize and not both_float:
+        return lax.bitcast_convert_type(x, dtype)
+    return x.astype(dtype)
+
+
 def gather(pages, page_ids):
     """The pages `page_ids` (int, any shape) of a container: every page-axis leaf indexed
     on its first axis (leading shape [*page_ids.shape, page_size, H]); ids must be in
@@ -214,7 +239,7 @@ def _scatter_rows(pool, index, rows):
     """
     n, page_size, *rest = pool.shape
     flat = to_bits(pool).reshape(n * page_size, *rest)
-    rows = to_bits(rows.astype(pool.dtype))
+    rows = to_bits(stored_as(rows, pool.dtype))
     if index.shape[0] == 1:
         index = jnp.concatenate([index, jnp.full((1,), n * page_size, index.dtype)])
         rows = jnp.concatenate([rows, rows])
@@ -297,15 +322,17 @@ class Rows(_Format):
     parts: int = 1
 
     def quantize(self, x):
-        return quantize_rows(x, self.label)
+        """quant.quantize_rows' container; fp8 codes as their uint8 bits (the module docstring)."""
+        q = quantize_rows(x, self.label)
+        return RowQuantized(to_bits(q.codes), q.scales)
 
     def check(self, pages, head_dim, name):
         if not isinstance(pages, RowQuantized):
             raise ValueError(f"{name} for kv_format={self.label!r} must be a quant.RowQuantized")
-        want = jnp.int8 if self.label == "int8" else jnp.float8_e4m3fn
-        if pages.codes.dtype != want:
+        want = (jnp.int8,) if self.label == "int8" else (jnp.uint8, jnp.float8_e4m3fn)
+        if pages.codes.dtype not in want:
             raise ValueError(
-                f"{name}.codes must be {jnp.dtype(want).name}, got {pages.codes.dtype}"
+                f"{name}.codes must be {' or '.join(jnp.dtype(w).name for w in want)}, got {pages.codes.dtype}"
             )
         _check_leaf(f"{name}.codes", pages.codes, 4, head_dim)
         _check_leaf(f"{name}.scales", pages.scales, 3, None, pages.codes.shape[:3], jnp.float32)
@@ -317,7 +344,7 @@ class Rows(_Format):
         return ()
 
     def tile(self, get: Getter, part, extras, expand=_expand_blocks):
-        return get(0).astype(jnp.float32) * get(1)
+        return _decode_codes(get(0)) * get(1)
 
     def dequantize(self, pages):
         """quant.dequantize_rows' values; fp8 decoded from its bits."""
@@ -349,7 +376,8 @@ class BlockFP4(_Format):
     def quantize(self, x):
         if self.label == "mxfp4":
             return mxfp4_quantize(x)
-        return nvfp4_quantize(x, 1.0)._replace(tensor_scale=None)  # the module docstring
+        q = nvfp4_quantize(x, 1.0)  # tensor scale None, scales as their bits: the module docstring
+        return NVFP4(q.packed, to_bits(q.scales), None)
 
     def check(self, pages, head_dim, name):
         kind = NVFP4 if self.label == "nvfp4" else MXFP4
@@ -358,9 +386,9 @@ class BlockFP4(_Format):
         if head_dim % self.block:
             raise ValueError(f"{self.label} needs head_dim % {self.block} == 0, got {head_dim}")
         _check_leaf(f"{name}.packed", pages.packed, 4, head_dim // 2, dtype=jnp.uint8)
-        scale_dtype = jnp.float8_e4m3fn if self.label == "nvfp4" else jnp.uint8
+        scale_dtypes = (jnp.uint8, jnp.float8_e4m3fn) if self.label == "nvfp4" else (jnp.uint8,)
         lead = pages.packed.shape[:3]
-        _check_leaf(f"{name}.scales", pages.scales, 4, head_dim // self.block, lead, scale_dtype)
+        _check_leaf(f"{name}.scales", pages.scales, 4, head_dim // self.block, lead, scale_dtypes)
         if self.label == "nvfp4" and _tensor_scale(pages) is not None:
             if jnp.shape(pages.tensor_scale) != ():
                 raise ValueError(
@@ -376,7 +404,7 @@ class BlockFP4(_Format):
     def tile(self, get: Getter, part, extras, expand=_expand_blocks):
         codes = get(0).astype(jnp.int32) >> (4 * part)
         raw = get(1)
-        scales = raw.astype(jnp.float32) if self.label == "nvfp4" else _ue8m0_to_f32(raw)
+        scales = _decode_codes(raw) if self.label == "nvfp4" else _ue8m0_to_f32(raw)
         width = codes.shape[1]
         return e2m1_decode_arith(codes) * expand(scales, width, self.block // 2)
 
@@ -635,5 +663,6 @@ def _check_leaf(name, x, ndim, last, lead=None, dtype=None):
         raise ValueError(f"{name} leading shape {tuple(shape[:3])} != codes' {tuple(lead)}")
     if last is not None and shape[-1] != last:
         raise ValueError(f"{name} last axis must be {last}, got {shape[-1]}")
-    if dtype is not None and x.dtype != jnp.dtype(dtype):
-        raise ValueError(f"{name} must be {jnp.dtype(dtype).name}, got {x.dtype}")
+    dtypes = () if dtype is None else tuple(map(jnp.dtype, dtype if isinstance(dtype, tuple) else (dtype,)))
+    if dtypes and x.dtype not in dtypes:
+        raise ValueError(f"{name} must be {' or '.join(d.name for d in dtypes)}, got {x.dtype}")

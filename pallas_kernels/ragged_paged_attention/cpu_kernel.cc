@@ -963,8 +963,9 @@ void* aliased(const ffi::AnyBuffer& operand, ffi::Result<ffi::AnyBuffer>& result
 
 // The checks of one call and its run over float32 or bfloat16 pages, int8 / E4M3 codes with
 // their row scales (float32 [P, ps, Hkv]), or NVFP4's packed codes (uint8 [P, ps, Hkv, D / 2])
-// with their block scales (float8_e4m3fn [P, ps, Hkv, D / 16]); beside float pages the scales
-// are a placeholder of one float32.
+// with their block scales (E4M3 [P, ps, Hkv, D / 16]); beside float pages the scales are a
+// placeholder of one float32. E4M3 leaves come as float8_e4m3fn or as their uint8 bits (what
+// the pools keep): uint8 pages are E4M3 codes when head_dim wide, NVFP4 when half that.
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                            ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
@@ -979,22 +980,24 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2)
     return ffi::Error::InvalidArgument("decode_attention_cpu: q must be 3-D, the pages 4-D, block_tables 2-D");
   const Type type = k_pages.element_type();
-  const bool fp4 = type == Type::U8, scaled = type == Type::S8 || type == Type::F8E4M3FN;
   const int64_t T = qd[0], Hq = qd[1], D = qd[2], Hkv = kd[2], S = kv_lens.element_count();
+  const bool fp8 = type == Type::F8E4M3FN || (type == Type::U8 && kd[3] == D);
+  const bool fp4 = type == Type::U8 && !fp8, scaled = type == Type::S8 || fp8;
   const auto vd = v_pages.dimensions();
   if (kd[3] != (fp4 ? D / 2 : D) || (fp4 && D % 16) || Hkv <= 0 || Hq % Hkv || vd.size() != 4 ||
       !std::equal(vd.begin(), vd.end(), kd.begin()))
     return ffi::Error::InvalidArgument("decode_attention_cpu: page shapes do not match q's heads");
   if ((type != Type::F32 && type != Type::BF16 && !scaled && !fp4) || v_pages.element_type() != type)
     return ffi::Error::InvalidArgument("decode_attention_cpu: the pages must both be float32, bfloat16, int8, "
-                                       "float8_e4m3fn or uint8 (NVFP4)");
+                                       "float8_e4m3fn or uint8 (E4M3 bits, or NVFP4)");
   const int64_t scales = fp4 ? kd[0] * kd[1] * Hkv * (D / 16) : scaled ? kd[0] * kd[1] * Hkv : 1;
-  const Type scale_type = fp4 ? Type::F8E4M3FN : Type::F32;
-  if (k_scales.element_type() != scale_type || v_scales.element_type() != scale_type ||
-      k_scales.element_count() != scales || v_scales.element_count() != scales)
+  const Type scale_type = k_scales.element_type();
+  const bool scale_ok = fp4 ? scale_type == Type::F8E4M3FN || scale_type == Type::U8 : scale_type == Type::F32;
+  if (!scale_ok || v_scales.element_type() != scale_type || k_scales.element_count() != scales ||
+      v_scales.element_count() != scales)
     return ffi::Error::InvalidArgument("decode_attention_cpu: int8 / fp8 pages need float32 scales [num_pages, "
-                                       "page_size, num_kv_heads], NVFP4 pages float8_e4m3fn ones [.., head_dim / "
-                                       "16], float pages a float32 placeholder of one");
+                                       "page_size, num_kv_heads], NVFP4 pages E4M3 ones (float8_e4m3fn or uint8 "
+                                       "bits) [.., head_dim / 16], float pages a float32 placeholder of one");
   if (k.element_count() != T * Hkv * D || v.element_count() != T * Hkv * D)
     return ffi::Error::InvalidArgument("decode_attention_cpu: the new K/V rows do not match q and the pages");
   if (bd[0] != S || cu_q_lens.element_count() != S + 1 || (has_sinks && sinks.element_count() != Hq))
@@ -1014,7 +1017,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     go(Bf16{});
   else if (type == Type::S8)
     go(int8_t{});
-  else if (type == Type::F8E4M3FN)
+  else if (fp8)
     go(Fp8{});
   else
     go(Nvfp4{});

@@ -231,7 +231,7 @@ def _new_rows(kv_format, pages, x):
         return (x,)
     tensor_scale = getattr(pages, "tensor_scale", None)
     new = kv_format.quantize(x) if tensor_scale is None else nvfp4_quantize(x, tensor_scale)
-    return kv_format.leaves(new)
+    return tuple(kv_formats.stored_as(n, p.dtype) for n, p in zip(kv_format.leaves(new), kv_format.leaves(pages)))
 
 
 def _with_leaves(kv_format, pages, new_leaves):

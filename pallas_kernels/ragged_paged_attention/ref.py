@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.paged_attention.kv_formats import stored_as
 from pallas_kernels.paged_attention.ref import attention_over_rows
 from pallas_kernels import tree_mask
 from pallas_kernels.variant import SOFTMAX
@@ -48,8 +49,9 @@ def write_new_kv(k_pages, v_pages, k, v, block_tables, seq, pos, kv_format=None)
             # XLA:CPU otherwise converts whole (the pool) to f32 and back on every write
             return kv_format.write(pages, new, page, slot)
         # every page-axis leaf gets the token's row; a scalar (NVFP4's tensor scale) stays
-        return jax.tree.map(lambda a, r: a.at[page, slot].set(r, mode="drop") if a.ndim >= 3 else a,
-                            pages, quantize_like(kv_format, pages, new))
+        return jax.tree.map(
+            lambda a, r: a.at[page, slot].set(stored_as(r, a.dtype), mode="drop") if a.ndim >= 3 else a,
+            pages, quantize_like(kv_format, pages, new))
     return write(k_pages, k), write(v_pages, v)
 
 

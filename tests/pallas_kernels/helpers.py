@@ -1,10 +1,13 @@
-"""Shared test helpers: random paged KV, a float64 numpy oracle, lowering checks, and the
-switch that runs the kernel tests compiled on a GPU (or TPU) instead of interpreted."""
+"""Shared test helpers: random paged KV, a float64 numpy oracle, lowering checks, a reader
+of compiled HLO, and the switch that runs the kernel tests compiled on a GPU (or TPU)
+instead of interpreted."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -135,3 +138,36 @@ def dense_attention_f64(q, k, v, mask, sm_scale, sinks=None, logits_fn=None):
 
 def spec(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def entry_ops_of_at_least(hlo: str, elements: int) -> list[tuple[str, str]]:
+    """(opcode, line) of the compiled HLO's entry instructions whose array result has at
+    least `elements` elements. A fusion goes by what its fused computation computes: its
+    root's opcode, or under a root bitcast the opcode the bitcasts view (a fusion makes a
+    new buffer, so a bitcast-convert or copy there is one; an entry bitcast is a view)."""
+    instruction = re.compile(r"\s*(ROOT )?%([\w.-]+) = \w+\[([\d,]*)\](?:\{[^}]*\})?\s+([\w-]+)\((?:%([\w.-]+))?")
+    computations, name, entry = {}, None, None
+    for line in hlo.splitlines():
+        if line.endswith("{") and not line.startswith(" "):  # a computation's header
+            words = line.split()
+            name = words[1] if words[0] == "ENTRY" else words[0]
+            entry = name if words[0] == "ENTRY" else entry
+            computations[name] = []
+        elif name is not None and (match := instruction.match(line)):
+            computations[name].append((match, line))
+
+    def computed(body):
+        ops = {m.group(2): (m.group(4), m.group(5)) for m, _ in body}
+        op, operand = next(ops[m.group(2)] for m, _ in body if m.group(1))
+        while op == "bitcast" and operand in ops:
+            op, operand = ops[operand]
+        return op
+
+    found = []
+    for match, line in computations[entry]:
+        op = match.group(4)
+        if op == "fusion":
+            op = computed(computations[re.search(r"calls=(%[\w.-]+)", line).group(1)])
+        if math.prod(int(d) for d in match.group(3).split(",") if d) >= elements:
+            found.append((op, line.strip()[:200]))
+    return found

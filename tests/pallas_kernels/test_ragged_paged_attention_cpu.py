@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import math
 import platform
-import re
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +20,10 @@ from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.ref import token_layout, write_new_kv
 from model.kv_formats import turboquant
+from quant.blockscaled import nvfp4_quantize
+from quant.kv_rows import quantize_rows
 from quant.turboquant import TurboQuant, TurboQuantSplit
-from tests.pallas_kernels.helpers import assert_close, dense_attention_f64
+from tests.pallas_kernels.helpers import assert_close, dense_attention_f64, entry_ops_of_at_least
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernel runs on a CPU backend")
 
@@ -287,24 +287,39 @@ def _lowered(args, **kw):
 def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
     """A decode-only step (max_q_len 1) of float32 q over float32 or bfloat16 pages, int8 /
     fp8 row-scaled ones, NVFP4 ones or turboquant-3.5 ones lowers to the kernel and gives the
-    dense reference's outputs, lse and pages; chunks, bfloat16 q, MXFP4 pages, TurboQuant
-    codes wider than 4 bits and other variants stay on the XLA path."""
+    dense reference's outputs, lse and pages; E4M3 leaves as the pools keep them (uint8 bits)
+    and as quant's quantizers make them (float8_e4m3fn) give the same, each kept in its own
+    dtype; chunks, bfloat16 q, MXFP4 pages, TurboQuant codes wider than 4 bits and other
+    variants stay on the XLA path."""
     args, sinks = _decode_batch(3, [5, 11, 2], width=40)
     kw = dict(sliding_window=6, sinks=sinks)
     half_pages = args[:3] + (args[3].astype(jnp.bfloat16), args[4].astype(jnp.bfloat16)) + args[5:]
     row_scaled = {name: args[:3] + (kv_formats.resolve(name).quantize(args[3]),
                                     kv_formats.resolve(name).quantize(args[4])) + args[5:]
                   for name in ("int8", "fp8", "nvfp4")}
+    assert row_scaled["fp8"][3].codes.dtype == row_scaled["nvfp4"][3].scales.dtype == jnp.uint8
+    as_quant = {"fp8": args[:3] + tuple(quantize_rows(p, "fp8") for p in args[3:5]) + args[5:],
+                "nvfp4": args[:3] + tuple(nvfp4_quantize(p, 1.0)._replace(tensor_scale=None) for p in args[3:5])
+                + args[5:]}
+    assert as_quant["fp8"][3].codes.dtype == as_quant["nvfp4"][3].scales.dtype == jnp.float8_e4m3fn
     tq = turboquant(64, 3.5)
     turbo = args[:3] + tuple(tq.quantize(p) for p in args[3:5]) + args[5:]
+    results = {}
     for pages, fmt in [(args, None), (half_pages, None), *((p, name) for name, p in row_scaled.items()),
-                       (turbo, tq)]:
+                       *((p, name) for name, p in as_quant.items()), (turbo, tq)]:
         assert (cpu.TURBO_TARGET if fmt is tq else cpu.TARGET) in _lowered(pages, max_q_len=1, kv_format=fmt, **kw)
         want = ragged_paged_attention(*pages, kv_format=fmt, **kw)  # the dense reference (no max_q_len)
         got = ragged_paged_attention(*pages, max_q_len=1, kv_format=fmt, **kw)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert g.dtype == w.dtype
             assert_close(g.astype(jnp.float32), w.astype(jnp.float32))
+        assert [a.dtype for a in jax.tree.leaves(got[2:])] == [a.dtype for a in jax.tree.leaves(pages[3:5])]
+        results.setdefault(fmt, []).append(got)
+    for name in as_quant:  # one read of the same bits, whichever dtype holds them
+        bits, floats = (jax.tree.leaves(r) for r in results[name])
+        for b, f in zip(bits, floats):
+            np.testing.assert_array_equal(np.asarray(b).view(np.uint8) if b.dtype.itemsize == 1 else b,
+                                          np.asarray(f).view(np.uint8) if f.dtype.itemsize == 1 else f)
     mxfp4 = args[:3] + tuple(kv_formats.resolve("mxfp4").quantize(p) for p in args[3:5]) + args[5:]
     assert cpu.TARGET not in _lowered(mxfp4, max_q_len=1, kv_format="mxfp4")
     wide = TurboQuantSplit(64, 5.5, tq.outliers)  # 6-bit codes: past the kernel's 16-entry lookup
@@ -387,8 +402,10 @@ def _raw_call(q, k, v, pages, scales, table, cu, kv_lens):
 
 
 def test_low_bit_buffers_that_do_not_fit_are_refused_by_the_kernel():
-    """Packed uint8 pages are read as NVFP4 only beside float8_e4m3fn scales of head_dim / 16
-    per row: MXFP4's uint8 scales, float32 ones or a wrong count are refused, as are row
+    """Packed uint8 pages are read as NVFP4 only beside E4M3 scales (float8_e4m3fn or their
+    uint8 bits) of head_dim / 16 per row: MXFP4's scales (head_dim / 32), float32 ones or a
+    wrong count are refused, as are uint8 pages of another width than head_dim (E4M3 codes)
+    or its half (NVFP4), and row
     scales of the wrong count beside int8 codes; NVFP4 pages with a tensor scale (or int8
     codes without their RowQuantized) are a ValueError before the kernel, and the entry
     keeps them on the XLA path."""
@@ -399,8 +416,10 @@ def test_low_bit_buffers_that_do_not_fit_are_refused_by_the_kernel():
     mxfp4 = kv_formats.resolve("mxfp4").quantize(k_pages)
     int8 = kv_formats.resolve("int8").quantize(k_pages)
     for scales in (mxfp4.scales, nvfp4.scales.astype(jnp.float32), nvfp4.scales[..., :1]):
-        with pytest.raises(Exception, match="NVFP4 pages float8_e4m3fn"):
+        with pytest.raises(Exception, match="NVFP4 pages E4M3 ones"):
             _raw_call(q, k, v, nvfp4.packed, scales, table, cu, kv_lens)
+    with pytest.raises(Exception, match="page shapes do not match"):
+        _raw_call(q, k, v, nvfp4.packed[..., :-1], nvfp4.scales, table, cu, kv_lens)
     with pytest.raises(Exception, match="int8 / fp8 pages need float32 scales"):
         _raw_call(q, k, v, int8.codes, int8.scales[:1], table, cu, kv_lens)
     scaled = nvfp4._replace(tensor_scale=jnp.float32(0.5))
@@ -467,35 +486,10 @@ def test_a_turboquant_step_over_donated_pages_copies_no_pool():
     step = jax.jit(lambda kp, vp: cpu.decode_attention_turbo_cpu(q, k, v, kp, vp, table, cu, kv_lens,
                                                                  sm_scale=0.125, kv_format=tq), donate_argnums=(0, 1))
     text = step.lower(tq.quantize(k_pages), tq.quantize(v_pages)).compile().as_text()
-    large = _entry_ops_of_at_least(text, num_pages * PAGE_SIZE * k_pages.shape[2])  # a leaf's elements, at least
+    large = entry_ops_of_at_least(text, num_pages * PAGE_SIZE * k_pages.shape[2])  # a leaf's elements, at least
     assert [op for op, _ in large].count("parameter") == 16  # every leaf of K and V (the parse found them)
     assert [op for op, _ in large].count("scatter") == 16  # written in place
     assert not [line for op, line in large if op not in ("parameter", "bitcast", "scatter")]
-
-
-def _entry_ops_of_at_least(hlo: str, elements: int) -> list[tuple[str, str]]:
-    """(opcode, line) of the compiled HLO's entry instructions whose array result has at
-    least `elements` elements; a fusion goes by its fused computation's root opcode."""
-    instruction = re.compile(r"\s*(?:ROOT )?%[\w.-]+ = \w+\[([\d,]*)\](?:\{[^}]*\})?\s+([\w-]+)\(")
-    computations, name, entry = {}, None, None
-    for line in hlo.splitlines():
-        if line.endswith("{") and not line.startswith(" "):  # a computation's header
-            words = line.split()
-            name = words[1] if words[0] == "ENTRY" else words[0]
-            entry = name if words[0] == "ENTRY" else entry
-            computations[name] = []
-        elif name is not None and (match := instruction.match(line)):
-            computations[name].append((match, line))
-    roots = {name: next((m.group(2) for m, line in body if line.lstrip().startswith("ROOT")), None)
-             for name, body in computations.items()}
-    found = []
-    for match, line in computations[entry]:
-        op = match.group(2)
-        if op == "fusion":
-            op = roots[re.search(r"calls=(%[\w.-]+)", line).group(1)]
-        if math.prod(int(d) for d in match.group(1).split(",") if d) >= elements:
-            found.append((op, line.strip()[:200]))
-    return found
 
 
 @pytest.mark.parametrize("bits", [3.5, 2.5])
