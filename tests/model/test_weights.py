@@ -184,7 +184,11 @@ def _perplexity_and_argmax(config, params, tokens):
 
 # (perplexity ratio bound, next-token agreement bound) against float32 weights; measured on
 # this slice: see the weights table of `python -m serving.bench decode --weights-dtype ...`.
-ACCURACY = {"int8": (1.01, 0.93), "w8a8": (1.06, 0.83), "fp8": (1.2, 0.85), "q8_0": (1.01, 0.94),
+# w8a8 rounds every activation to int8, so float32 sums that differ in their last bit between
+# compilations flip roundings that then grow through the layers: on one AMD EPYC it measured
+# x1.0554 compiled as users run it and x1.0847 under the suite's XLA flags (conftest.py), where
+# the machine of an earlier run stayed under 1.06; its bound covers that spread.
+ACCURACY = {"int8": (1.01, 0.93), "w8a8": (1.12, 0.83), "fp8": (1.2, 0.85), "q8_0": (1.01, 0.94),
             "int4": (1.9, 0.58), "q4_0": (1.6, 0.55), "q4_1": (1.1, 0.83), "q5_0": (1.25, 0.74)}
 
 
