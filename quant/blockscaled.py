@@ -50,7 +50,8 @@ _E2M1_EMAX = 2  # 6 = 1.5 * 2**2
 
 
 class NVFP4(NamedTuple):
-    """packed: uint8 [..., d/2]; scales: float8_e4m3fn [..., d/16]; tensor_scale: f32 []."""
+    """packed: uint8 [..., d/2]; scales: float8_e4m3fn [..., d/16] (or their uint8 bits, as KV
+    page pools keep them); tensor_scale: f32 []."""
 
     packed: jax.Array
     scales: jax.Array

@@ -81,7 +81,8 @@ def e4m3_encode(x: jax.Array) -> jax.Array:
 
 @jax.jit
 def e4m3_decode(values: jax.Array) -> jax.Array:
-    """float8_e4m3fn [...] -> float32 [...] (exact), decoded from the bits, never by a convert.
+    """float8_e4m3fn [...] (or its uint8 bits) -> float32 [...] (exact), decoded from the bits,
+    never by a convert.
 
     XLA:GPU replaces any chain of float converts by one (SimplifyFPConversions, on whenever
     xla_allow_excess_precision is, the default), so convert(convert(s, f8), f32) in one

@@ -28,7 +28,8 @@ _CODE_DTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
 class RowQuantized(NamedTuple):
-    """codes: int8 or float8_e4m3fn [..., d]; scales: float32 [...] (x_hat = codes * scales)."""
+    """codes: int8 or float8_e4m3fn [..., d] (or its uint8 bits, as KV page pools keep them);
+    scales: float32 [...] (x_hat = codes * scales)."""
 
     codes: jax.Array
     scales: jax.Array

@@ -106,14 +106,14 @@ def paged_attention_quantized(
       kv_format: "int8" | "fp8" (quant.RowQuantized: codes [num_pages, page_size,
         num_kv_heads, head_dim] int8 / E4M3, scales f32 [num_pages, page_size,
         num_kv_heads]); "nvfp4" (quant.NVFP4: packed uint8 [..., head_dim / 2], E4M3 scales
-        [..., head_dim / 16], scalar tensor_scale); E4M3 leaves as float8_e4m3fn or as the
-        uint8 bits the formats' own pools keep (kv_formats); "mxfp4" (quant.MXFP4: packed uint8
+        [..., head_dim / 16], scalar tensor_scale); "mxfp4" (quant.MXFP4: packed uint8
         [..., head_dim / 2], UE8M0 scales [..., head_dim / 32]); or an mse-mode
         quant.TurboQuant with bits 1, 2 or 4 (quant.TurboCodes: idx uint8
         [..., head_dim * bits / 8], norm f32 [num_pages, page_size, num_kv_heads]); or a
         quant.TurboQuantSplit, the KV cache's turboquant-3.5 / -2.5 (quant.SplitCodes:
         outlier and regular TurboCodes of head_dim / 2 channels each).
-        kv_formats.resolve(kv_format).quantize(pages) builds such a container.
+        kv_formats.resolve(kv_format).quantize(pages) builds such a container. E4M3 leaves
+        come as float8_e4m3fn (quant's quantizers) or as their uint8 bits (such a container).
       k_pages, v_pages: containers of kv_format with the same leaf shapes.
       Everything else as paged_attention (q may be f32 or bf16, any float).
 

@@ -459,8 +459,8 @@ inline void prefetch_rows(const TurboPtr& base, const int64_t* rows, int64_t cou
 // NVFP4 or E4M3 rows base + rows[r], r < count, decoded into dst [count, D] 16 elements (an
 // NVFP4 block) at a time, in load16's unit (E4M3: 2^-8 times their values, the caller's
 // scales carry kScaleUnit).
-template <class Ptr>
-inline void decode_rows(const Ptr& base, const int64_t* rows, int64_t count, int64_t D, float* dst) {
+template <class P>
+inline void decode_rows(const P& base, const int64_t* rows, int64_t count, int64_t D, float* dst) {
   for (int64_t r = 0; r < count; ++r)
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + r * D + d, load16(base + rows[r] + d));
 }

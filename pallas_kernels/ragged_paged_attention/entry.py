@@ -98,6 +98,9 @@ def ragged_paged_attention(
         k_shapes = [x.shape for x in fmt.leaves(k_pages)]
         if [x.shape for x in fmt.leaves(v_pages)] != k_shapes:
             raise ValueError(f"v_pages leaf shapes differ from k_pages leaf shapes {k_shapes}")
+        k_dtypes = [x.dtype.name for x in fmt.leaves(k_pages)]
+        if [x.dtype.name for x in fmt.leaves(v_pages)] != k_dtypes:  # E4M3 as float8 in one, bits in the other
+            raise ValueError(f"v_pages leaf dtypes differ from k_pages leaf dtypes {k_dtypes}")
         lead = k_shapes[0]
     num_pages, page_size, num_kv_heads = lead[:3]
     validate.check_shape("k", k, (num_tokens, num_kv_heads, head_dim))

@@ -171,3 +171,14 @@ def entry_ops_of_at_least(hlo: str, elements: int) -> list[tuple[str, str]]:
         if math.prod(int(d) for d in match.group(3).split(",") if d) >= elements:
             found.append((op, line.strip()[:200]))
     return found
+
+
+def assert_written_in_place(hlo: str, elements: int, leaves: int) -> None:
+    """The compiled program `hlo` over donated pool leaves of at least `elements` elements
+    each holds every leaf as a parameter and a scatter into it, and nothing else as large
+    but views (bitcasts): no copy of a pool."""
+    large = entry_ops_of_at_least(hlo, elements)
+    ops = [op for op, _ in large]
+    assert ops.count("parameter") == leaves  # (the parse found them)
+    assert ops.count("scatter") == leaves  # written in place
+    assert not [line for op, line in large if op not in ("parameter", "bitcast", "scatter")]

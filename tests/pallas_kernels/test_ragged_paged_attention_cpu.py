@@ -23,7 +23,7 @@ from model.kv_formats import turboquant
 from quant.blockscaled import nvfp4_quantize
 from quant.kv_rows import quantize_rows
 from quant.turboquant import TurboQuant, TurboQuantSplit
-from tests.pallas_kernels.helpers import assert_close, dense_attention_f64, entry_ops_of_at_least
+from tests.pallas_kernels.helpers import assert_close, assert_written_in_place, dense_attention_f64
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernel runs on a CPU backend")
 
@@ -81,7 +81,7 @@ def _bytes(x):
 def _check_kernel(args, sinks, sm_scale, window=None, cap=None, page_dtype=jnp.float32, target=None):
     """The kernel against the reference's page writes (equal pages: bfloat16 pages round the
     new rows as XLA's convert does; page_dtype "int8" / "fp8" / "nvfp4": the pages quantized
-    by quant.quantize_rows / quant.nvfp4_quantize, codes and scales byte for byte; a
+    as quant.quantize_rows / quant.nvfp4_quantize do, codes and scales byte for byte; a
     TurboQuant or TurboQuantSplit: its own codes, written through XLA) and the oracle's
     attention over them (TurboQuant pages dequantized by the quantizer: its rows in the
     channel basis, where the kernel reads them in the rotated one). target: the FFI name of
@@ -315,6 +315,8 @@ def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
             assert_close(g.astype(jnp.float32), w.astype(jnp.float32))
         assert [a.dtype for a in jax.tree.leaves(got[2:])] == [a.dtype for a in jax.tree.leaves(pages[3:5])]
         results.setdefault(fmt, []).append(got)
+    with pytest.raises(ValueError, match="v_pages leaf dtypes differ"):  # one container of each
+        ragged_paged_attention(*row_scaled["fp8"][:4], as_quant["fp8"][4], *args[5:], max_q_len=1, kv_format="fp8")
     for name in as_quant:  # one read of the same bits, whichever dtype holds them
         bits, floats = (jax.tree.leaves(r) for r in results[name])
         for b, f in zip(bits, floats):
@@ -486,10 +488,7 @@ def test_a_turboquant_step_over_donated_pages_copies_no_pool():
     step = jax.jit(lambda kp, vp: cpu.decode_attention_turbo_cpu(q, k, v, kp, vp, table, cu, kv_lens,
                                                                  sm_scale=0.125, kv_format=tq), donate_argnums=(0, 1))
     text = step.lower(tq.quantize(k_pages), tq.quantize(v_pages)).compile().as_text()
-    large = entry_ops_of_at_least(text, num_pages * PAGE_SIZE * k_pages.shape[2])  # a leaf's elements, at least
-    assert [op for op, _ in large].count("parameter") == 16  # every leaf of K and V (the parse found them)
-    assert [op for op, _ in large].count("scatter") == 16  # written in place
-    assert not [line for op, line in large if op not in ("parameter", "bitcast", "scatter")]
+    assert_written_in_place(text, num_pages * PAGE_SIZE * k_pages.shape[2], 16)  # every leaf of K and V
 
 
 @pytest.mark.parametrize("bits", [3.5, 2.5])

@@ -20,6 +20,7 @@ from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attent
 from pallas_kernels.ragged_paged_attention.ref import ragged_paged_attention_ref
 from pallas_kernels.variant import SOFTMAX
 from quant.blockscaled import nvfp4_quantize
+from quant.kv_rows import quantize_rows
 from pallas_kernels.lowering import export_tpu
 from tests.pallas_kernels.helpers import assert_close, spec
 
@@ -153,6 +154,10 @@ FORMATS = {
     "nvfp4": "nvfp4",
     "nvfp4-tensor-scale": "nvfp4",
     "turboquant-3.5": turboquant(D, 3.5),  # the cache's: sparse channels, rescaled
+    # E4M3 leaves as quant's quantizers make them (float8_e4m3fn), not as the pools keep them
+    # (uint8 bits): new rows are stored in the container's own dtype
+    "fp8-float8": "fp8",
+    "nvfp4-float8": "nvfp4",
 }
 # (q_len, kv_len): a decode row; a chunk continuing a 7-token prefix across a page
 # boundary; a fresh 11-token prefill (two query tiles); a decode row opening page 3.
@@ -168,6 +173,10 @@ def _low_bit_problem(name, seed):
     k, k_pages = grow(k), grow(k_pages)
     if name == "nvfp4-tensor-scale":  # scales other than 1: new rows must use the pages' own
         kq, vq = nvfp4_quantize(k_pages, 0.004), nvfp4_quantize(v_pages, 0.002)
+    elif name == "fp8-float8":
+        kq, vq = quantize_rows(k_pages, "fp8"), quantize_rows(v_pages, "fp8")
+    elif name == "nvfp4-float8":
+        kq, vq = (nvfp4_quantize(p, 1.0)._replace(tensor_scale=None) for p in (k_pages, v_pages))
     else:
         fmt = kv_formats.resolve(FORMATS[name])
         kq, vq = fmt.quantize(k_pages), fmt.quantize(v_pages)
@@ -203,6 +212,7 @@ def test_low_bit_pages_match_reference(name):
     want = _reference(q, k, v, *ref_pages, *rest, kv_format=FORMATS[name], **kw)
     got = ragged_paged_attention(*args, kv_format=FORMATS[name], interpret=True, **kw)
     _assert_matches(got, want, FORMATS[name])
+    assert [a.dtype for a in jax.tree.leaves(got[2:])] == [a.dtype for a in jax.tree.leaves((kq, vq))]
     # The write happened: the written slots' codes changed, the rest did not.
     fmt = kv_formats.resolve(FORMATS[name])
     before, after = fmt.leaves(args[3])[0], fmt.leaves(got[2])[0]
