@@ -3,10 +3,10 @@
 One pytree per layer, {"global": ..., "local": ...}:
 
     global (KV sources only; what the persistent / prefix-cache tier keeps):
-      "kv":         NVFP4 rows   {"packed": uint8 [B, R, D/2], "scales": float8_e4m3fn [B, R, D/16]}
+      "kv":         NVFP4 rows   {"packed": uint8 [B, R, D/2], "scales": E4M3 bits uint8 [B, R, D/16]}
       "index_keys": MXFP4 rows   {"packed": uint8 [B, R, Di/2], "scales": uint8 [B, R, Di/32]}
     local (every layer; rebuilt by bounded replay, never persisted):
-      "window":     FP8 ring     {"values": float8_e4m3fn [B, W, D], "scales": uint8 [B, W, D/32]}
+      "window":     FP8 ring     {"values": E4M3 bits uint8 [B, W, D], "scales": uint8 [B, W, D/32]}
       "window_end": int32 [B], one past the newest position in the ring (0 = empty)
       "compressor": ratio-2 KV sources only, the pending token of an incomplete group:
                     {"v": f32 [B, D], "gate": f32 [B, D]}
@@ -16,6 +16,11 @@ R = capacity // ratio compressed rows; capacity = num_pages * page_size / batch_
 [j r, (j + 1) r). Ring slot s holds position q with q % W == s. NVFP4 rows use a fixed
 tensor scale of 1 (rows are written one at a time; no tensor amax exists), which
 leaves |x| <= 2688 representable; the rows are RMS-normalized, so far inside that.
+
+The E4M3 leaves hold the uint8 bits of their float8_e4m3fn values, like the engine's fp8
+and NVFP4 KV pools (pallas_kernels/paged_attention/kv_formats.py): XLA:CPU computes a
+float8 scatter in a wider float over the whole leaf, so every write into the pool would
+convert and copy each such leaf whole. quant's E4M3 decoders read the bits directly.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import jax.numpy as jnp
 
 from model.deepseek.config import DeepSeekConfig, parse_kind
 from model.kv_cache import CacheLayout
+from pallas_kernels.paged_attention.kv_formats import to_bits
 from quant import (
     MXFP4,
     NVFP4,
@@ -55,7 +61,7 @@ def init_layer_cache(kind: str, config: DeepSeekConfig, layout: CacheLayout, dty
                          f"kv_cache_dtype must be 'auto', got {layout.kv_cache_dtype!r}")
     mode, ratio = parse_kind(kind)
     b, d, w = layout.batch_size, config.head_dim, config.window
-    local = {"window": {"values": jnp.zeros((b, w, d), jnp.float8_e4m3fn),
+    local = {"window": {"values": jnp.zeros((b, w, d), jnp.uint8),
                         "scales": jnp.zeros((b, w, d // 32), jnp.uint8)},
              "window_end": jnp.zeros((b,), jnp.int32)}
     cache = {"global": {}, "local": local}
@@ -63,7 +69,7 @@ def init_layer_cache(kind: str, config: DeepSeekConfig, layout: CacheLayout, dty
         rows, di = capacity(layout) // ratio, config.index_dim
         cache["global"] = {
             "kv": {"packed": jnp.zeros((b, rows, d // 2), jnp.uint8),
-                   "scales": jnp.zeros((b, rows, d // 16), jnp.float8_e4m3fn)},
+                   "scales": jnp.zeros((b, rows, d // 16), jnp.uint8)},
             "index_keys": {"packed": jnp.zeros((b, rows, di // 2), jnp.uint8),
                            "scales": jnp.zeros((b, rows, di // 32), jnp.uint8)}}
         if ratio == 2:
@@ -78,7 +84,7 @@ def init_layer_cache(kind: str, config: DeepSeekConfig, layout: CacheLayout, dty
 
 def encode_kv(x):
     q = nvfp4_quantize(x, _UNIT)
-    return {"packed": q.packed, "scales": q.scales}
+    return {"packed": q.packed, "scales": to_bits(q.scales)}
 
 
 def decode_kv(s, dtype):
@@ -96,7 +102,7 @@ def decode_index_key(s, dtype):
 
 def encode_window(x):
     q = fp8_block_quantize(x)
-    return {"values": q.values, "scales": q.scales}
+    return {"values": to_bits(q.values), "scales": q.scales}
 
 
 def decode_window(s, dtype):

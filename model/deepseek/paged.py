@@ -38,7 +38,7 @@ from model.context import ForwardContext
 from model.deepseek.cache import init_layer_cache
 from model.deepseek.config import DeepSeekConfig, parse_kind
 from model.deepseek.layers import FROZEN_GLOBAL
-from model.kv_cache import CacheLayout
+from model.kv_cache import CacheLayout, scatter_rows
 from model.rope import rope_tables
 
 
@@ -104,10 +104,11 @@ def _gather(pages: list[dict], state: list[dict], block_tables, slots) -> list[d
 
 def _scatter(config: DeepSeekConfig, pages: list[dict], state: list[dict], layers: list[dict], positions,
              block_tables, slots, page_size: int) -> tuple[list[dict], list[dict]]:
-    """Write back what the step changed: the rows its tokens completed, and its rows' state."""
+    """Write back what the step changed: the rows its tokens completed, and its rows' state,
+    in place when the pool is donated (kv_cache.scatter_rows: a one-row write stays a scatter)."""
     num_slots = jax.tree.leaves(state)[0].shape[0]
     to_slot = jnp.where(slots >= 0, slots, num_slots)  # padding rows: dropped
-    state = [jax.tree.map(lambda a, v: a.at[to_slot].set(v, mode="drop"), loc, layer["local"])
+    state = [jax.tree.map(lambda a, v: scatter_rows(a, to_slot, v), loc, layer["local"])
              for loc, layer in zip(state, layers)]
     out = []
     for kind, glob, layer in zip(config.layer_kinds, pages, layers):
@@ -126,7 +127,7 @@ def _scatter(config: DeepSeekConfig, pages: list[dict], state: list[dict], layer
         def put(a, v):
             new = jnp.take_along_axis(v, src.reshape(src.shape + (1,) * (v.ndim - 2)), axis=1)
             table = a.reshape((num_pages * per_page,) + a.shape[2:])
-            return table.at[flat].set(new.reshape((-1,) + new.shape[2:]), mode="drop").reshape(a.shape)
+            return scatter_rows(table, flat, new.reshape((-1,) + new.shape[2:])).reshape(a.shape)
         out.append(jax.tree.map(put, glob, layer["global"]))
     return out, state
 

@@ -12,6 +12,7 @@ from model.deepseek.cache import decode_index_key
 from model.transformer import lm_head
 from pallas_kernels import indexer_topk
 from tests.model.deepseek_tiny import positions, tiny
+from tests.pallas_kernels.helpers import assert_written_in_place
 
 PAGE_SIZE, NUM_PAGES, B, L = 4, 40, 2, 37
 # Chunk ends: odd ones leave ratio-2 groups pending across steps; 20 -> 21 a one-token step.
@@ -110,3 +111,19 @@ def test_a_page_must_hold_whole_compressed_rows():
         paged.init_pool(tiny()[0], 8, 3, 2)
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto'"):
         paged.init_pool(tiny()[0], 8, 4, 2, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("rows,tokens", [(1, 1), (2, 5)])  # a batch-1 decode step, a two-row chunk step
+def test_a_step_writes_the_donated_pool_in_place(rows, tokens):
+    """forward_rows over a donated pool scatters into every page leaf and copies none: the
+    step's cost follows its rows, not the pool's size. XLA:CPU computes a float8 scatter in
+    a wider float over the whole leaf (the E4M3 leaves are stored as their bits), and turns
+    a one-row scatter into an update that copy insertion copies whole (kv_cache.scatter_rows)."""
+    config, params = tiny()
+    num_pages = 16384  # the smallest page leaf (ratio-2 MXFP4 scales, [P, 2, 1]) outsizes every param
+    pages, state = paged.init_pool(config, num_pages, PAGE_SIZE, num_slots=2)
+    tables = jnp.arange(rows * 4, dtype=jnp.int32).reshape(rows, 4)
+    step = jax.jit(paged.forward_rows, static_argnames=("config", "page_size"), donate_argnames=("pages", "state"))
+    text = step.lower(params, config, jnp.ones((rows, tokens), jnp.int32), positions(rows, 11 - tokens, 11), pages,
+                      state, tables, jnp.arange(rows, dtype=jnp.int32), PAGE_SIZE).compile().as_text()
+    assert_written_in_place(text, 2 * num_pages, len(jax.tree.leaves(pages)))
