@@ -152,7 +152,8 @@ def e2m1_decode_arith(codes: jax.Array) -> jax.Array:
 
 
 def e4m3_decode_arith(codes: jax.Array) -> jax.Array:
-    """float8_e4m3fn [...] (or its uint8 bit patterns) -> float32 [...], from the bits.
+    """float8_e4m3fn [...] (or its bit patterns: uint8, or int8 / int32 holding the byte)
+    -> float32 [...], from the bits.
 
     Same values as a float8_e4m3fn -> float32 convert (ml_dtypes'; -0.0 and the NaN codes
     0x7F / 0xFF included). XLA:CPU converts float8 with a slow software routine, and XLA:GPU
@@ -162,9 +163,11 @@ def e4m3_decode_arith(codes: jax.Array) -> jax.Array:
     127 - 7; a subnormal (e = 0) is m * 2^-9, built as 2^-6 (1 + m / 8) - 2^-6. Not jitted
     and free of array constants, like e2m1_decode_arith.
     """
-    if codes.dtype != jnp.uint8:
+    if jnp.issubdtype(codes.dtype, jnp.floating):
         codes = jax.lax.bitcast_convert_type(codes, jnp.uint8)
     b = codes.astype(jnp.int32)
+    if codes.dtype != jnp.uint8:  # a signed integer holding the byte (a kernel's widened int8 load)
+        b = b & 0xFF
     low = b & 0x7F
     normal = jax.lax.bitcast_convert_type((low << 20) + (120 << 23), jnp.float32)
     subnormal = jax.lax.bitcast_convert_type(((b & 7) << 20) + (121 << 23), jnp.float32) - 2.0**-6

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from quant.formats import e4m3_decode_arith
 from quant.packed import FORMATS
 
 
@@ -55,19 +56,6 @@ def as_bytes(codes):
     return lax.bitcast_convert_type(codes, jnp.int8)
 
 
-def e4m3_from_bits(b):
-    """int32 E4M3 bit patterns in [0, 256) -> float32, exactly (quant.formats'
-    e4m3_decode_arith on int32 bits, which a kernel loads as int8 and widens: a normal
-    value's low 7 bits shifted into f32's exponent / mantissa fields, exponent rebiased by
-    127 - 7; a subnormal m * 2^-9 as 2^-6 (1 + m / 8) - 2^-6; 0x7F / 0xFF are NaN)."""
-    low = b & 0x7F
-    normal = lax.bitcast_convert_type((low << 20) + (120 << 23), jnp.float32)
-    subnormal = lax.bitcast_convert_type(((b & 7) << 20) + (121 << 23), jnp.float32) - 2.0**-6
-    mag = jnp.where(low < 8, subnormal, jnp.where(low == 0x7F, jnp.nan, normal))
-    signed = lax.bitcast_convert_type(mag, jnp.int32) | ((b & 0x80) << 24)
-    return lax.bitcast_convert_type(signed, jnp.float32)
-
-
 def decode_codes(codes, fmt: str) -> tuple[jax.Array, ...]:
     """int8 stored bytes [rows, n] -> float32 planes of code - zero, each [rows, n]: one
     for 8-bit formats, (low nibbles, high nibbles) for 4-bit ones."""
@@ -78,7 +66,7 @@ def decode_codes(codes, fmt: str) -> tuple[jax.Array, ...]:
     elif f.codes_dtype == "int8":
         ints = (b,)
     else:
-        return (e4m3_from_bits(b & 0xFF),)
+        return (e4m3_decode_arith(b),)
     return tuple((q - f.zero if f.zero else q).astype(jnp.float32) for q in ints)
 
 

@@ -152,7 +152,9 @@ def test_e2m1_arithmetic_decode_equals_table_decode_on_every_code():
 def test_e4m3_arithmetic_decode_equals_the_convert_on_every_code():
     bits = np.arange(256, dtype=np.uint8)
     want = bits.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    for codes in (jnp.asarray(bits), jnp.asarray(bits.view(ml_dtypes.float8_e4m3fn))):
+    # the uint8 bits, the float8 values, and a kernel's widened int8 load (int8, int32 sign-extended)
+    for codes in (jnp.asarray(bits), jnp.asarray(bits.view(ml_dtypes.float8_e4m3fn)), jnp.asarray(bits.view(np.int8)),
+                  jnp.asarray(bits.view(np.int8).astype(np.int32))):
         got = np.asarray(formats.e4m3_decode_arith(codes))
         nan = np.isnan(want)
         np.testing.assert_array_equal(np.isnan(got), nan)  # 0x7F and 0xFF
