@@ -103,6 +103,18 @@ def scatter_rows(pool: jax.Array, index: jax.Array, rows: jax.Array) -> jax.Arra
     return pool.at[index].set(rows, mode="drop")
 
 
+def take_rows(pool: jax.Array, index: jax.Array) -> jax.Array:
+    """pool[index] for int index of any shape (in range), kept a gather. XLA:CPU turns a
+    gather of a single row into a dynamic-slice, which its fusion pass duplicates into the
+    readers of the slice; when the same step writes the pool in place (scatter_rows), those
+    readers of the old pool make copy insertion copy it whole. A second index, sliced off,
+    keeps it a gather."""
+    if index.size != 1:
+        return pool[index]
+    two = jnp.concatenate([index.reshape(1), index.reshape(1)])
+    return pool[two][:1].reshape(index.shape + pool.shape[1:])
+
+
 def _scatter_upcasts(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype) not in (
         jnp.dtype(jnp.float16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))

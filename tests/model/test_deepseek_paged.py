@@ -8,7 +8,7 @@ import pytest
 import model
 from model.deepseek import paged, preset
 from model.deepseek.config import window_bytes_per_sequence
-from model.deepseek.cache import decode_index_key
+from model.deepseek.cache import decode_index_key, encode_kv, encode_window
 from model.transformer import lm_head
 from pallas_kernels import indexer_topk
 from tests.model.deepseek_tiny import positions, tiny
@@ -115,15 +115,26 @@ def test_a_page_must_hold_whole_compressed_rows():
 
 @pytest.mark.parametrize("rows,tokens", [(1, 1), (2, 5)])  # a batch-1 decode step, a two-row chunk step
 def test_a_step_writes_the_donated_pool_in_place(rows, tokens):
-    """forward_rows over a donated pool scatters into every page leaf and copies none: the
-    step's cost follows its rows, not the pool's size. XLA:CPU computes a float8 scatter in
-    a wider float over the whole leaf (the E4M3 leaves are stored as their bits), and turns
-    a one-row scatter into an update that copy insertion copies whole (kv_cache.scatter_rows)."""
+    """forward_rows over a donated pool scatters into every page and state leaf and copies
+    none: the step's cost follows its rows, not the pool's size. XLA:CPU computes a float8
+    scatter in a wider float over the whole leaf (so the E4M3 leaves are stored as their
+    bits, the dtype the encoders give), and turns a one-row scatter or gather into an update
+    or a slice that copy insertion copies the leaf for (kv_cache.scatter_rows, take_rows)."""
     config, params = tiny()
-    num_pages = 16384  # the smallest page leaf (ratio-2 MXFP4 scales, [P, 2, 1]) outsizes every param
-    pages, state = paged.init_pool(config, num_pages, PAGE_SIZE, num_slots=2)
+    # The smallest leaves, ratio-2 MXFP4 scales [P, 2, 1] and window_end [S], outsize every param.
+    num_pages, num_slots = 16384, 32768
+    assert max(a.size for a in jax.tree.leaves(params)) < 2 * num_pages
+    pages, state = jax.eval_shape(lambda: paged.init_pool(config, num_pages, PAGE_SIZE, num_slots))
+    leaves = jax.tree.leaves((pages, state))
+    assert all(not jnp.issubdtype(a.dtype, jnp.floating) or a.dtype == jnp.float32 for a in leaves)
+    rows_of = lambda encode, d: jax.eval_shape(encode, jax.ShapeDtypeStruct((1, d), jnp.float32))
+    source = config.kv_sources[0]
+    assert jax.tree.map(lambda a: a.dtype, rows_of(encode_kv, config.head_dim)) == \
+        jax.tree.map(lambda a: a.dtype, pages[source]["kv"])
+    assert jax.tree.map(lambda a: a.dtype, rows_of(encode_window, config.head_dim)) == \
+        jax.tree.map(lambda a: a.dtype, state[source]["window"])
     tables = jnp.arange(rows * 4, dtype=jnp.int32).reshape(rows, 4)
     step = jax.jit(paged.forward_rows, static_argnames=("config", "page_size"), donate_argnames=("pages", "state"))
     text = step.lower(params, config, jnp.ones((rows, tokens), jnp.int32), positions(rows, 11 - tokens, 11), pages,
                       state, tables, jnp.arange(rows, dtype=jnp.int32), PAGE_SIZE).compile().as_text()
-    assert_written_in_place(text, 2 * num_pages, len(jax.tree.leaves(pages)))
+    assert_written_in_place(text, 2 * num_pages, len(leaves))
