@@ -66,7 +66,8 @@ class MXFP4(NamedTuple):
 
 
 class FP8Block(NamedTuple):
-    """values: float8_e4m3fn [..., d]; scales: uint8 UE8M0 codes [..., d/32]."""
+    """values: float8_e4m3fn [..., d] (or their uint8 bits, as the CSA2 window ring keeps them);
+    scales: uint8 UE8M0 codes [..., d/32]."""
 
     values: jax.Array
     scales: jax.Array

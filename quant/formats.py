@@ -164,6 +164,8 @@ def e4m3_decode_arith(codes: jax.Array) -> jax.Array:
     and free of array constants, like e2m1_decode_arith.
     """
     if jnp.issubdtype(codes.dtype, jnp.floating):
+        if jnp.dtype(codes.dtype).itemsize != 1:
+            raise ValueError(f"e4m3_decode_arith: codes must be float8_e4m3fn or integer bits, got {codes.dtype}")
         codes = jax.lax.bitcast_convert_type(codes, jnp.uint8)
     b = codes.astype(jnp.int32)
     if codes.dtype != jnp.uint8:  # a signed integer holding the byte (a kernel's widened int8 load)

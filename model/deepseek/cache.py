@@ -115,11 +115,11 @@ def fake_quant(x, encode, decode):
     return x + jax.lax.stop_gradient(decode(stored, x.dtype) - x), stored
 
 
-def scatter_rows(table, rows, index):
+def scatter_batch_rows(table, rows, index):
     """table [B, N, ...] with rows [B, T, ...] set at index int32 [B, T]; index >= N drops."""
     b = jnp.arange(table.shape[0])[:, None]
     return table.at[b, index].set(rows.astype(table.dtype), mode="drop")
 
 
 def scatter_stored(stored_table: dict, stored_rows: dict, index) -> dict:
-    return {k: scatter_rows(stored_table[k], stored_rows[k], index) for k in stored_table}
+    return {k: scatter_batch_rows(stored_table[k], stored_rows[k], index) for k in stored_table}

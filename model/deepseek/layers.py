@@ -36,7 +36,7 @@ from model.deepseek.cache import (
     encode_window,
     fake_quant,
     init_layer_cache,
-    scatter_rows,
+    scatter_batch_rows,
     scatter_stored,
 )
 from model.deepseek.config import (
@@ -175,8 +175,8 @@ def publish_kv(params, config: DeepSeekConfig, ratio: int, h, positions, cache: 
     glob = {"kv": scatter_stored(glob["kv"], row_stored, row_index),
             "index_keys": scatter_stored(glob["index_keys"], key_stored, row_index)}
     # The stored rows decoded, with this chunk's rows set again so their gradient flows.
-    rows = scatter_rows(decode_kv(glob["kv"], h.dtype), row, row_index)
-    keys = scatter_rows(decode_index_key(glob["index_keys"], h.dtype), key, row_index)
+    rows = scatter_batch_rows(decode_kv(glob["kv"], h.dtype), row, row_index)
+    keys = scatter_batch_rows(decode_index_key(glob["index_keys"], h.dtype), key, row_index)
     return {"global": glob, "local": local}, rows, keys
 
 

@@ -159,6 +159,8 @@ def test_e4m3_arithmetic_decode_equals_the_convert_on_every_code():
         nan = np.isnan(want)
         np.testing.assert_array_equal(np.isnan(got), nan)  # 0x7F and 0xFF
         np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # -0.0 too
+    with pytest.raises(ValueError, match="bfloat16"):  # a wider float is no E4M3 byte
+        formats.e4m3_decode_arith(jnp.zeros(4, jnp.bfloat16))
 
 
 def test_round_trip_finder_sees_a_rounding_cast_pair_through_reshapes_and_nested_jits():
