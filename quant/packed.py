@@ -284,8 +284,9 @@ def quantize(w, fmt: str) -> PackedWeight:
     f = FORMATS[fmt]
     d_in, d_out = w.shape
     if f.super_block:
+        quantizable = ", ".join(n for n, g in FORMATS.items() if not g.super_block)
         raise ValueError(f"{fmt} comes only from GGUF files (the gguf package has no quantizer for it); "
-                         f"packed formats for float weights: {', '.join(n for n, g in FORMATS.items() if not g.super_block)}")
+                         f"packed formats for float weights: {quantizable}")
     if f.gguf:
         import gguf
 
