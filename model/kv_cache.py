@@ -124,4 +124,4 @@ def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
     """Each sequence's pages in order: pages [N, rows, ...] -> [B, pages_per_seq * rows, ...]."""
     b, p = block_tables.shape
     _, rows, *rest = pages.shape
-    return pages[block_tables].reshape(b, p * rows, *rest)
+    return take_rows(pages, block_tables).reshape(b, p * rows, *rest)

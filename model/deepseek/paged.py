@@ -38,7 +38,7 @@ from model.context import ForwardContext
 from model.deepseek.cache import init_layer_cache
 from model.deepseek.config import DeepSeekConfig, parse_kind
 from model.deepseek.layers import FROZEN_GLOBAL
-from model.kv_cache import CacheLayout, scatter_rows, take_rows
+from model.kv_cache import CacheLayout, gather_pages, scatter_rows, take_rows
 from model.rope import rope_tables
 
 
@@ -92,21 +92,17 @@ def state_bytes_per_slot(state: list[dict]) -> int:
 
 def _gather(pages: list[dict], state: list[dict], block_tables, slots) -> list[dict]:
     """cache.py's per-layer caches of the step's rows: their pages back to back, their state."""
-    s, w = block_tables.shape
-
-    def rows(a):
-        return take_rows(a, block_tables).reshape((s, w * a.shape[1]) + a.shape[2:])
-
     def slot(a):
         return take_rows(a, jnp.clip(slots, 0, a.shape[0] - 1))
-    return [{"global": jax.tree.map(rows, g), "local": jax.tree.map(slot, loc)} for g, loc in zip(pages, state)]
+    return [{"global": jax.tree.map(lambda a: gather_pages(a, block_tables), g), "local": jax.tree.map(slot, loc)}
+            for g, loc in zip(pages, state)]
 
 
 def _scatter(config: DeepSeekConfig, pages: list[dict], state: list[dict], layers: list[dict], positions,
              block_tables, slots, page_size: int) -> tuple[list[dict], list[dict]]:
     """Write back what the step changed: the rows its tokens completed, and its rows' state,
     in place when the pool is donated (kv_cache.scatter_rows: a one-row write stays a
-    scatter; _gather's take_rows keeps a one-row read a gather)."""
+    scatter; _gather's reads, through kv_cache.take_rows, stay gathers)."""
     num_slots = jax.tree.leaves(state)[0].shape[0]
     to_slot = jnp.where(slots >= 0, slots, num_slots)  # padding rows: dropped
     state = [jax.tree.map(lambda a, v: scatter_rows(a, to_slot, v), loc, layer["local"])
