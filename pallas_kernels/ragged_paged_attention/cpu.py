@@ -1,6 +1,6 @@
-"""The CPU path of decode attention: a C++ kernel (cpu_kernel.cc) called through the XLA FFI,
-one call per layer for steps whose query tokens are decode rows over float32 or bfloat16
-pages, int8 / fp8 pages with a scale per position and head (kv_format "int8" / "fp8") or
+"""The CPU path of ragged paged attention: a C++ kernel (cpu_kernel.cc) called through the
+XLA FFI, one call per layer for steps of decode rows (and, where its build has tiles, of
+prefill chunks too: `tiles`) over float32 or bfloat16 pages, int8 / fp8 pages with a scale per position and head (kv_format "int8" / "fp8") or
 NVFP4 pages (kv_format "nvfp4"), which writes the step's new K/V into the pages (aliased,
 so in place when the pages are donated) and attends; and its TurboQuant handler, for pages of
 a TurboQuant or a TurboQuantSplit (kv_cache_dtype turboquant-3.5 / -2.5) of at most 4 bits
@@ -14,7 +14,9 @@ and V rows once (every KV head's, side by side in the page), for all the query h
 splits long contexts into runs merged at the end. It computes the same
 function as the XLA path (results equal to float32 rounding), for softmax attention with or
 without soft-capping, sliding windows and sinks: the entry's CPU branch for those steps;
-others (chunks, draft trees, MXFP4 pages, other variants) and gradients stay on xla.py.
+others (draft trees, MXFP4 pages, other variants; chunks on a build without tiles) and
+gradients stay on xla.py. A chunk's tokens are read in tiles of 16 sharing each position's
+read (cpu_kernel.cc).
 Built like the quantized matmul's kernel (pallas_kernels/cpu_ffi.py); `available()` says
 whether that worked.
 """
@@ -98,16 +100,23 @@ def _reads(kv_format, pages) -> bool:
             and isinstance(pages, NVFP4) and pages.tensor_scale is None)
 
 
+def tiles() -> bool:
+    """Whether the built kernel cuts prefill chunks into tiles (an AVX-512 build), so that
+    `supports` takes steps with chunks too."""
+    return available() and bool(KERNEL.library.KvfoldDecodeAttentionTiles())
+
+
 def supports(q, k_pages, v_pages, variant, tree, kv_format, max_q_len) -> bool:
-    """Whether the kernel takes a ragged_paged_attention step: decode rows only (max_q_len
-    1), float32 q over float32 or bfloat16 pages, int8 / fp8 row-scaled ones, NVFP4 ones
-    without a tensor scale or TurboQuant ones (`_reads`), no draft tree, softmax with at
-    most a soft cap, and a built kernel (a GPU or TPU host never builds it)."""
+    """Whether the kernel takes a ragged_paged_attention step: float32 q over float32 or
+    bfloat16 pages, int8 / fp8 row-scaled ones, NVFP4 ones without a tensor scale or
+    TurboQuant ones (`_reads`), no draft tree, softmax with at most a soft cap, and a built
+    kernel (a GPU or TPU host never builds it); decode rows only (max_q_len 1) unless the
+    build has tiles (`tiles`), which take prefill chunks and mixed steps too."""
     pages_ok = (_reads(kv_format, k_pages) and _reads(kv_format, v_pages) if kv_format is not None
                 else k_pages.dtype in (jnp.float32, jnp.bfloat16))
-    return (max_q_len == 1 and pages_ok and tree is None and q.dtype == jnp.float32
+    return (pages_ok and tree is None and q.dtype == jnp.float32
             and (variant == SOFTMAX or soft_cap_of(variant) is not None)
-            and jax.default_backend() == "cpu" and available())
+            and jax.default_backend() == "cpu" and available() and (max_q_len == 1 or tiles()))
 
 
 def ragged_decode_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sinks, tree, *, sm_scale,

@@ -19,6 +19,7 @@ from pallas_kernels import cpu_ffi, ragged_paged_attention
 from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.ref import token_layout, write_new_kv
+from pallas_kernels.tree_mask import TreeMask
 from model.kv_formats import turboquant
 from quant.blockscaled import nvfp4_quantize
 from quant.kv_rows import quantize_rows
@@ -181,6 +182,45 @@ def test_tokens_of_one_row_each_see_their_own_causal_prefix(page_dtype):
     _check_kernel(args, None, 0.125, page_dtype=page_dtype)
 
 
+@pytest.mark.parametrize("page_dtype", PAGES + TURBO[:2], ids=PAGE_IDS + TURBO_IDS[:2])
+@pytest.mark.parametrize("window,cap,with_sinks", [(None, None, False), (5, 2.0, True)])
+def test_prefill_chunks_cut_into_tiles_match_the_oracle(window, cap, with_sinks, page_dtype):
+    """A mixed step: a chunk of 37 tokens after a 30-position prefix (tiles of 5, 16 and 16
+    tokens, the first one partial), one of 8 from position 0 (kTileMin: one tile), one of 7
+    (below it: a run per token) and a decode row. Every tile token sees its own causal
+    prefix, in a sliding window of 5 narrower than a tile too."""
+    if not cpu.tiles():
+        pytest.skip("this build has no tiles (no AVX-512): chunks run a token at a time")
+    args, sinks = _decode_batch(21, [67, 8, 20, 40], q_lens=[37, 8, 7, 1])
+    _check_kernel(args, sinks if with_sinks else None, 0.125, window, cap, page_dtype)
+
+
+def test_tiles_of_seven_heads_of_128_match_the_oracle():
+    """head_dim 128 (the tile's rows keep eight vectors in registers) and a GQA group of 7."""
+    if not cpu.tiles():
+        pytest.skip("this build has no tiles (no AVX-512)")
+    args, sinks = _decode_batch(22, [40, 19], q_lens=[33, 19], num_q_heads=7, num_kv_heads=1, head_dim=128)
+    for pages in (jnp.float32, "nvfp4"):
+        _check_kernel(args, sinks, 128 ** -0.5, page_dtype=pages)
+
+
+def test_a_nan_value_reaches_only_the_tile_tokens_that_see_it():
+    """In a tile of 16 tokens from position 0 (one block of 16 positions), a NaN in the last
+    token's new V row makes that token's output NaN and no earlier token's: they do not see
+    its position, though it is in their block."""
+    if not cpu.tiles():
+        pytest.skip("this build has no tiles (no AVX-512)")
+    args, _ = _decode_batch(23, [16], q_lens=[16], padding=0)
+    q, k, v, *rest = args
+    v = v.at[15, 0, 3].set(jnp.nan)
+    out, lse, *_ = cpu.decode_attention_cpu(q, k, v, *rest, sm_scale=0.125)
+    out = np.asarray(out)
+    nan = np.zeros(out.shape, bool)
+    nan[15, :3, 3] = True  # channel 3 of KV head 0's three query heads
+    np.testing.assert_array_equal(np.isnan(out), nan)
+    assert np.isfinite(np.asarray(lse)).all()
+
+
 def test_bfloat16_pages_round_new_rows_as_xla_converts_them():
     """Ties to even both ways, the largest float (to inf), infinities, NaN and subnormals
     land in bfloat16 pages as XLA's convert rounds them (ref.write_new_kv)."""
@@ -285,12 +325,12 @@ def _lowered(args, **kw):
 
 
 def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
-    """A decode-only step (max_q_len 1) of float32 q over float32 or bfloat16 pages, int8 /
+    """A decode-only step (max_q_len 1; with tiles, chunks too) of float32 q over float32 or bfloat16 pages, int8 /
     fp8 row-scaled ones, NVFP4 ones or turboquant-3.5 ones lowers to the kernel and gives the
     dense reference's outputs, lse and pages; E4M3 leaves as the pools keep them (uint8 bits)
     and as quant's quantizers make them (float8_e4m3fn) give the same, each kept in its own
-    dtype; chunks, bfloat16 q, MXFP4 pages, TurboQuant codes wider than 4 bits and other
-    variants stay on the XLA path."""
+    dtype; draft trees, bfloat16 q, MXFP4 pages, TurboQuant codes wider than 4 bits and
+    other variants stay on the XLA path."""
     args, sinks = _decode_batch(3, [5, 11, 2], width=40)
     kw = dict(sliding_window=6, sinks=sinks)
     half_pages = args[:3] + (args[3].astype(jnp.bfloat16), args[4].astype(jnp.bfloat16)) + args[5:]
@@ -329,7 +369,10 @@ def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
     assert cpu.TURBO_TARGET not in _lowered(wide_pages, max_q_len=1, kv_format=wide)
     with pytest.raises(ValueError, match="at most 4 bits"):
         cpu.decode_attention_turbo_cpu(*wide_pages, sm_scale=0.1, kv_format=wide)
-    assert cpu.TARGET not in _lowered(args, max_q_len=2, max_chunks=1)
+    # chunks go to the kernel where its build cuts them into tiles (AVX-512), draft trees never
+    assert (cpu.TARGET in _lowered(args, max_q_len=2, max_chunks=1)) == cpu.tiles()
+    tree = TreeMask(jnp.zeros(3, jnp.int32), jnp.zeros((args[0].shape[0], 1), jnp.int32))
+    assert cpu.TARGET not in _lowered(args, max_q_len=2, max_chunks=1, tree=tree)
     bf16 = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args)
     assert cpu.TARGET not in _lowered(bf16, max_q_len=1)
     from pallas_kernels.variant import AttentionVariant

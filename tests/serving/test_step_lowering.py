@@ -69,20 +69,23 @@ def _cpu_kernel_available():
 @pytest.mark.skipif(not _cpu_kernel_available(), reason="the C++ kernel is a CPU backend's, when built")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8", "fp8", "nvfp4", "mxfp4", "turboquant-3.5",
                                             "turboquant-2.5"])
-def test_decode_step_on_cpu_calls_the_cpu_kernel_in_every_layer(tiny, kv_cache_dtype):
+@pytest.mark.parametrize("lens", [(1, 1), (9, 1)], ids=["decode", "mixed"])
+def test_step_on_cpu_calls_the_cpu_kernel_in_every_layer(tiny, kv_cache_dtype, lens):
     """On this CPU a decode step's attention is the C++ kernel's (pallas_kernels/
     ragged_paged_attention/cpu.py) in every layer, over every pool but MXFP4's, whose pages
-    take the XLA path; TurboQuant pools through the kernel's TurboQuant handler."""
+    take the XLA path; TurboQuant pools through the kernel's TurboQuant handler. So is a
+    step with a prefill chunk where the kernel's build has tiles (AVX-512)."""
     from pallas_kernels.ragged_paged_attention import cpu
 
     config, params = tiny
     if key_centers.applies(config, kv_cache_dtype):
         params = key_centers.set_key_centers(params, [jnp.ones(config.num_kv_heads * config.head_dim)] * LAYERS)
-    fn, specs = _step_specs(config, params, kv_cache_dtype)
+    fn, specs = _step_specs(config, params, kv_cache_dtype, lens=lens)
     text = jax.jit(fn).lower(*specs).as_text()
     turbo = kv_cache_dtype.startswith("turboquant")
-    assert kernel_calls(text, f"@{cpu.TURBO_TARGET}(") == (LAYERS if turbo else 0)
-    assert kernel_calls(text, f"@{cpu.TARGET}(") == (0 if turbo or kv_cache_dtype == "mxfp4" else LAYERS)
+    calls = LAYERS if max(lens) == 1 or cpu.tiles() else 0
+    assert kernel_calls(text, f"@{cpu.TURBO_TARGET}(") == (calls if turbo else 0)
+    assert kernel_calls(text, f"@{cpu.TARGET}(") == (0 if turbo or kv_cache_dtype == "mxfp4" else calls)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
