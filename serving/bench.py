@@ -3,6 +3,7 @@
     python -m serving.bench decode     [--batch-sizes 1 16] [--new-tokens 64] [--weights-dtype float32 gguf w8a8]
                                        [--num-scheduler-steps 1 8] [--kv-cache-dtype auto]
     python -m serving.bench offline    [--num-prompts 16] [--new-tokens 64] [--kv-cache-dtype auto]
+    python -m serving.bench prefill    [--prompt-lens 512 2048] [--kv-cache-dtype auto]
     python -m serving.bench trace PATH [--num-requests 1500] [--tiers] [--plot FILE.png]
     python -m serving.bench tiers PATH [--num-requests 48] [--kv-blocks 96] [--host-pages 64]
     python -m serving.bench context    [--batch 16] [--contexts 256 1024 4096] [--plot FILE.png]
@@ -25,6 +26,9 @@ on the same GGUF when llama-cpp-python is installed, and each --num-scheduler-st
 (LLM's: decode steps per jitted call). Its decode columns (prefill excluded) are the better
 of two timed runs on both sides. Every subcommand that loads a model takes
 --weights-dtype.
+prefill: prompt tokens/s of one prompt at a time (its time to the first token, in chunks of
+max_num_batched_tokens), against transformers' forward over the same prompt on the same
+GGUF weights (every position's hidden state, the last one's logits); best of two runs each.
 trace: replays a Mooncake-format trace through the scheduler and radix cache in the
 simulator with a cost model fitted from this engine's measured steps; --tiers adds
 replays over host and disk tiers, each page moved costing what this engine measured.
@@ -244,6 +248,58 @@ def bench_offline(args) -> None:
     _table(f"offline: {args.num_prompts} different chat prompts ({min(map(len, prompts))}-"
            f"{max(map(len, prompts))} tokens), {args.new_tokens} new tokens each, greedy, {_device()}",
            [(str(args.num_prompts), ours, peer)])
+
+
+def bench_prefill(args) -> None:
+    import model
+    from serving.llm import LLM
+
+    path = model.source_path(args.model)
+    chunk = 512  # LLM's default max_num_batched_tokens
+    llm = LLM(args.model, max_model_len=max(args.prompt_lens) + 16, max_num_seqs=1, enable_prefix_caching=False,
+              max_num_batched_tokens=chunk, weights_dtype=_weights(args), kv_cache_dtype=args.kv_cache_dtype)
+    vocab = llm.config.vocab_size
+    first = SamplingParams(temperature=0, max_tokens=1)
+    rows = []
+    for length in args.prompt_lens:
+        prompts = [_random_prompt(vocab, length, seed) for seed in range(3)]
+        llm.generate([{"prompt_token_ids": prompts[0]}], first)  # compiles this length's chunks
+        ours = []
+        for prompt in prompts[1:]:
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": prompt}], first)
+            ours.append(length / (time.perf_counter() - start))
+        peer = _transformers_prefill(path, prompts) if path.endswith(".gguf") else None
+        rows.append((length, max(ours), peer))
+    print(f"\nprefill: one random prompt at a time, {args.model}, chunks of {chunk} tokens, "
+          f"kv_cache_dtype {args.kv_cache_dtype}, {_device()}; prompt tokens/s, best of two")
+    print("| prompt tokens | kvfold tok/s | transformers tok/s | ratio |")
+    print("|---:|---:|---:|---:|")
+    for length, ours, peer in rows:
+        print(f"| {length} | {ours:.1f} | {f'{peer:.1f}' if peer else 'not installed'} | "
+              f"{f'{ours / peer:.2f}x' if peer else '-'} |", flush=True)
+
+
+def _transformers_prefill(gguf_path: str, prompts: list[list[int]]) -> float | None:
+    """transformers' prompt tokens/s over prompts[1:] (prompts[0] warms up), float32 on the
+    same GGUF: its decoder over every position, the head over the last (as a first token
+    needs); the best run."""
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    import torch
+    import transformers
+
+    folder, name = os.path.split(gguf_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    best = 0.0
+    with torch.no_grad():
+        for i, prompt in enumerate(prompts):
+            start = time.perf_counter()
+            hidden = hf.model(torch.tensor([prompt])).last_hidden_state
+            hf.lm_head(hidden[:, -1]).argmax(-1)
+            if i:
+                best = max(best, len(prompt) / (time.perf_counter() - start))
+    return best
 
 
 def _decode_rate(llm, prompt: list, batch: int, new_tokens: int) -> float:
@@ -1410,6 +1466,11 @@ def main(argv: list[str] | None = None) -> None:
                            help="one table row per choice (LLM's num_scheduler_steps: decode steps per call)")
         else:
             p.add_argument("--num-prompts", type=int, default=16)
+    pf = sub.add_parser("prefill")
+    pf.add_argument("--model", default="default")
+    pf.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
+    pf.add_argument("--prompt-lens", type=int, nargs="+", default=[512, 2048])
+    pf.add_argument("--kv-cache-dtype", default="auto", choices=SERVING_KV_CACHE_DTYPES, help="LLM's kv_cache_dtype")
     def trace_args(p, num_requests, block_tokens, output_scale, max_model_len):
         """The arguments of the subcommands that replay a Mooncake-format trace (load_trace)."""
         p.add_argument("path")
@@ -1530,6 +1591,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.new_tokens <= 0 or any(b <= 0 for b in sizes):
             parser.error("--new-tokens and batch sizes must be > 0")
         (bench_decode if args.command == "decode" else bench_offline)(args)
+    elif args.command == "prefill":
+        if any(n <= 0 for n in args.prompt_lens):
+            parser.error("--prompt-lens must be > 0")
+        bench_prefill(args)
     elif args.command == "trace":
         _check_plot(parser, args.plot)
         bench_trace(args)
