@@ -776,49 +776,70 @@ void decode_block(const Problem<T>& p, Ptr<T> head, const float* scales, int64_t
   std::fill(dst + n * D, dst + kTile * D, 0.0f);
 }
 
-// One query row (q [D], D = 16 kPer) over a block of 16 decoded positions kb, vb [16, D]
-// whose lanes [j0, j1) it sees: the scores summed by one tree, soft-capped, then an online
-// softmax step: its running maximum `top`, sum of exponentials `total` and unnormalized
-// output acc [D] (in registers for the block) rescaled to the block's new maximum.
+// One block of 16 decoded positions (kb, vb [16, D], D = 16 kPer) for a tile's rows: token i's
+// G query heads (q [c, Hq, D] at the KV head's first, token_stride apart) see lanes [j0[i],
+// j1[i]). In three passes over the rows, whose steps then overlap from row to row: each row's
+// 16 scores (summed by one tree, soft-capped, unseen lanes -inf) into w [R, 16]; its online
+// softmax step (running maximum `top`, sum of exponentials `total`, the factor `shrink` its
+// output is rescaled by to the block's new maximum) turning them into weights; and its
+// unnormalized output acc [R, D] (in registers for the block) += the weighted values.
 template <int kPer>
-void tile_row(const float* q, const float* kb, const float* vb, int64_t j0, int64_t j1, float sm_scale, float cap,
-              float& top, float& total, float* acc) {
+void tile_block(const float* q, int64_t token_stride, int64_t G, int64_t c, const int64_t* j0, const int64_t* j1,
+                const float* kb, const float* vb, float sm_scale, float cap, float* top, float* total, float* acc,
+                float* w, float* shrink) {
   constexpr int64_t D = 16 * kPer;
-  __m512 a[16];
-  for (int64_t j = 0; j < 16; ++j) {
-    a[j] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(kb + j * D + d), a[j]);
+  for (int64_t i = 0; i < c; ++i) {
+    if (j0[i] >= j1[i]) continue;
+    const __mmask16 seen = static_cast<__mmask16>(((1u << j1[i]) - 1) & ~((1u << j0[i]) - 1));
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qh = q + i * token_stride + g * D;
+      __m512 a[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        a[j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16)
+          a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), _mm512_loadu_ps(kb + j * D + d), a[j]);
+      }
+      __m512 score = _mm512_mul_ps(sum16(a), _mm512_set1_ps(sm_scale));
+      if (cap > 0.0f) {
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, score);
+        for (float& x : lanes) x = cap * std::tanh(x / cap);
+        score = _mm512_load_ps(lanes);
+      }
+      _mm512_storeu_ps(w + (i * G + g) * 16, _mm512_mask_mov_ps(_mm512_set1_ps(-kInf), seen, score));
+    }
   }
-  __m512 score = _mm512_mul_ps(sum16(a), _mm512_set1_ps(sm_scale));
-  if (cap > 0.0f) {
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, score);
-    for (float& x : lanes) x = cap * std::tanh(x / cap);
-    score = _mm512_load_ps(lanes);
+  for (int64_t i = 0; i < c; ++i) {
+    if (j0[i] >= j1[i]) continue;
+    for (int64_t r = i * G; r < (i + 1) * G; ++r) {
+      const __m512 score = _mm512_loadu_ps(w + r * 16);
+      const float next = std::max(top[r], _mm512_reduce_max_ps(score));
+      shrink[r] = exp_nonpositive(top[r] - next);  // 0 for the first block (top -inf)
+      const __m512 e = exp_nonpositive16(_mm512_sub_ps(score, _mm512_set1_ps(next)));
+      _mm512_storeu_ps(w + r * 16, e);
+      total[r] = total[r] * shrink[r] + _mm512_reduce_add_ps(e);
+      top[r] = next;
+    }
   }
-  const __mmask16 seen = static_cast<__mmask16>(((1u << j1) - 1) & ~((1u << j0) - 1));
-  score = _mm512_mask_mov_ps(_mm512_set1_ps(-kInf), seen, score);
-  const float next = std::max(top, _mm512_reduce_max_ps(score));
-  const float shrink = exp_nonpositive(top - next);  // 0 for the first block (top -inf)
-  alignas(64) float w[16];
-  const __m512 e = exp_nonpositive16(_mm512_sub_ps(score, _mm512_set1_ps(next)));
-  _mm512_store_ps(w, e);
-  total = total * shrink + _mm512_reduce_add_ps(e);
-  top = next;
-  __m512 o[kPer];
-  for (int u = 0; u < kPer; ++u) o[u] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * u), _mm512_set1_ps(shrink));
-  for (int64_t j = j0; j < j1; ++j)  // only the lanes it sees: another row's NaN value must not reach it
-    for (int u = 0; u < kPer; ++u) o[u] = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_loadu_ps(vb + j * D + 16 * u), o[u]);
-  for (int u = 0; u < kPer; ++u) _mm512_storeu_ps(acc + 16 * u, o[u]);
+  for (int64_t i = 0; i < c; ++i)
+    for (int64_t r = i * G; r < (i + 1) * G && j0[i] < j1[i]; ++r) {
+      __m512 o[kPer];
+      const __m512 keep = _mm512_set1_ps(shrink[r]);
+      for (int u = 0; u < kPer; ++u) o[u] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * u), keep);
+      for (int64_t j = j0[i]; j < j1[i]; ++j)  // only the lanes it sees: another row's NaN value must not reach it
+        for (int u = 0; u < kPer; ++u)
+          o[u] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * 16 + j]), _mm512_loadu_ps(vb + j * D + 16 * u), o[u]);
+      for (int u = 0; u < kPer; ++u) _mm512_storeu_ps(acc + r * D + 16 * u, o[u]);
+    }
 }
 
-using TileRow = void (*)(const float*, const float*, const float*, int64_t, int64_t, float, float, float&, float&,
-                         float*);
+using TileBlock = void (*)(const float*, int64_t, int64_t, int64_t, const int64_t*, const int64_t*, const float*,
+                           const float*, float, float, float*, float*, float*, float*, float*);
 template <int... V>
-constexpr std::array<TileRow, sizeof...(V) + 1> tile_rows(std::integer_sequence<int, V...>) {
-  return {nullptr, &tile_row<V + 1>...};
+constexpr std::array<TileBlock, sizeof...(V) + 1> tile_blocks(std::integer_sequence<int, V...>) {
+  return {nullptr, &tile_block<V + 1>...};
 }
-constexpr auto kTileRow = tile_rows(std::make_integer_sequence<int, 16>{});  // [kPer] for kPer = 1 .. 16
+constexpr auto kTileBlock = tile_blocks(std::make_integer_sequence<int, 16>{});  // [kPer] for kPer = 1 .. 16
 
 // Item `it` of kind tile: its it.count tokens (consecutive positions of one sequence) over
 // positions [it.lo, it.hi], 16 at a time per KV head, decoded once for the tile's rows
@@ -828,12 +849,15 @@ template <typename T>
 void attend_tile(const Problem<T>& p, const Item& it, Scratch& s) {
   const int64_t G = p.Hq / p.Hkv, D = p.D, c = it.count, R = c * G, last = p.W * p.ps - 1;
   const int32_t* table = p.tables + p.seq[it.t] * p.W;
-  const TileRow row = kTileRow[D / 16];
+  const TileBlock block = kTileBlock[D / 16];
   s.tile.resize(2 * kTile * D);
   float *kb = s.tile.data(), *vb = kb + kTile * D;
   s.acc.resize(R * D);
   s.top.resize(R);
   s.total.resize(R);
+  s.scores.resize(R * 17);  // the block's scores, then weights [R, 16], and each row's shrink [R]
+  float *w = s.scores.data(), *shrink = w + R * 16;
+  int64_t j0[kTile], j1[kTile];
   for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
     std::fill(s.acc.begin(), s.acc.end(), 0.0f);
     std::fill(s.top.begin(), s.top.end(), -kInf);
@@ -847,17 +871,14 @@ void attend_tile(const Problem<T>& p, const Item& it, Scratch& s) {
       }
       decode_block(p, p.k + kvh * D, kScaled<T> ? p.ks : nullptr, kvh, slots, n, kb);
       decode_block(p, p.v + kvh * D, kScaled<T> ? p.vs : nullptr, kvh, slots, n, vb);
-      for (int64_t i = 0; i < c; ++i) {
-        const int64_t hi = std::min<int64_t>(p.pos[it.t + i], last);  // the token sees [lo, hi], as attend_part
+      for (int64_t i = 0; i < c; ++i) {  // token i sees [lo, hi], as attend_part: lanes [j0, j1) of this block
+        const int64_t hi = std::min<int64_t>(p.pos[it.t + i], last);
         const int64_t lo = p.window > 0 ? std::max<int64_t>(0, hi - p.window + 1) : 0;
-        const int64_t j0 = std::max<int64_t>(lo - b0, 0), j1 = std::min<int64_t>(hi - b0 + 1, n);
-        if (j0 >= j1) continue;
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = i * G + g;
-          row(p.q + ((it.t + i) * p.Hq + kvh * G + g) * D, kb, vb, j0, j1, p.sm_scale, p.cap, s.top[r], s.total[r],
-              s.acc.data() + r * D);
-        }
+        j0[i] = std::max<int64_t>(lo - b0, 0);
+        j1[i] = std::min<int64_t>(hi - b0 + 1, n);
       }
+      block(p.q + (it.t * p.Hq + kvh * G) * D, p.Hq * D, G, c, j0, j1, kb, vb, p.sm_scale, p.cap, s.top.data(),
+            s.total.data(), s.acc.data(), w, shrink);
     }
     for (int64_t i = 0; i < c; ++i)
       for (int64_t g = 0; g < G; ++g) {
