@@ -8,7 +8,9 @@ bandwidth measured in the same run (an elementwise pass over 2 GiB, bytes read +
 and of the datasheet peak, and, for paged decode attention, as a ratio to JAX's bundled
 kernel. On GPU the ragged row runs the Triton ragged kernel; the block-sparse and indexer
 ops have no GPU kernel, so their "platform default" row there is the XLA reference. On CPU there is no Pallas compiler: the
-kernels run in interpret mode on tiny sizes, so the numbers only show that it runs.
+kernels run in interpret mode on tiny sizes, so the numbers only show that it runs; the
+ragged step's CPU rows time the C++ kernel there (the entry's CPU path) against the XLA
+path at a real size.
 
 The quantized-weight matmul rows time one projection per packed format (kernel and XLA
 path) against the float matmul of the dequantized weight; their bytes are the packed
@@ -315,10 +317,46 @@ def _quantized_entry(kv_format, interpret):
 
 
 def _ragged_rows(on_cpu, platform, dtype, iters):
-    """A mixed step: decode rows plus one prefill chunk continuing a cached prefix."""
-    rng = np.random.default_rng(2)
-    hq, hkv, d, ps = (8, 2, 128, 16) if on_cpu else (32, 8, 128, 16)
-    decodes, ctx, chunk = (3, 40, 16) if on_cpu else (64, 2048, 512)
+    """A mixed step: decode rows plus one prefill chunk continuing a cached prefix. On CPU the
+    Pallas kernel runs interpreted on a tiny step, and the entry's CPU path, the C++ kernel
+    (ragged_paged_attention/cpu.py), is timed against the XLA path (xla.py) it replaces at a
+    real size: SmolLM2's heads, 4 decode rows at 2,048 positions and a 512-token chunk after
+    2,048, over float32 and NVFP4 pages (bytes: the pages' as stored)."""
+    op = "ragged_paged_attention"
+    if not on_cpu:
+        args, nbytes = _ragged_problem(np.random.default_rng(2), (32, 8, 128, 16), (64, 2048, 512), dtype)
+        run = lambda interp: jax.jit(functools.partial(ragged_paged_attention, interpret=interp))
+        return _both(on_cpu, platform, op, run, args, nbytes, iters)
+    from pallas_kernels.paged_attention import kv_formats
+    from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
+
+    args, nbytes = _ragged_problem(np.random.default_rng(2), (8, 2, 128, 16), (3, 40, 16), dtype)
+    kernel = jax.jit(functools.partial(ragged_paged_attention, interpret=True))
+    rows = [_row(op, "kvfold Pallas (interpret)", kernel, args, nbytes, iters)]
+    heads, step = (9, 3, 64, 16), (4, 2048, 512)
+    for name in (None, "nvfp4"):
+        args, nbytes = _ragged_problem(np.random.default_rng(3), heads, step, jnp.float32)
+        fmt = None if name is None else kv_formats.resolve(name)
+        if fmt is not None:  # the live positions' bytes as the format stores them
+            live = 2 * (step[0] * step[1] + step[1] + step[2])  # K and V rows of every sequence
+            page = jnp.zeros((1, heads[3], heads[1], heads[2]), jnp.float32)
+            stored = sum(x.nbytes for x in fmt.leaves(fmt.quantize(page))) // heads[3]
+            nbytes += live * (stored - heads[1] * heads[2] * 4)
+            args = args[:3] + tuple(fmt.quantize(a) for a in args[3:5]) + args[5:]
+        options = dict(sm_scale=heads[2] ** -0.5, kv_format=fmt, max_q_len=step[2], max_chunks=1)
+        label = f"ragged CPU {name or 'float32'}"
+        xla = functools.partial(ragged_paged_attention_xla, sliding_window=None, **options)
+        rows.append(_row(label, "XLA path (xla.py)", jax.jit(xla), args, nbytes, max(iters, 5)))
+        entry = functools.partial(ragged_paged_attention, **options)
+        rows.append(_row(label, "kvfold C++ (cpu_kernel.cc)", jax.jit(entry), args, nbytes, max(iters, 5)))
+    return rows
+
+
+def _ragged_problem(rng, heads, step, dtype):
+    """(args, bytes) of a mixed step: `decodes` rows of context `ctx` and a `chunk`-token
+    prefill after ctx positions; heads (hq, hkv, head_dim, page size)."""
+    hq, hkv, d, ps = heads
+    decodes, ctx, chunk = step
     q_lens = [1] * decodes + [chunk]
     kv_lens = [ctx] * decodes + [ctx + chunk]
     max_pages = -(-(ctx + chunk) // ps)
@@ -340,8 +378,7 @@ def _ragged_rows(on_cpu, platform, dtype, iters):
     )
     itemsize = jnp.dtype(dtype).itemsize
     nbytes = (2 * sum(kv_lens) * hkv * d + 2 * tokens * hkv * d + 2 * tokens * hq * d) * itemsize
-    run = lambda interp: jax.jit(functools.partial(ragged_paged_attention, interpret=interp))
-    return _both(on_cpu, platform, "ragged_paged_attention", run, args, nbytes, iters)
+    return args, nbytes
 
 
 def _lora_rows(on_cpu, dtype, iters):
