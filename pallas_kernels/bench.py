@@ -7,10 +7,10 @@ for the indexer, the index keys + q + scores), that as a fraction of the device'
 bandwidth measured in the same run (an elementwise pass over 2 GiB, bytes read + written)
 and of the datasheet peak, and, for paged decode attention, as a ratio to JAX's bundled
 kernel. On GPU the ragged row runs the Triton ragged kernel; the block-sparse and indexer
-ops have no GPU kernel, so their "platform default" row there is the XLA reference. On CPU there is no Pallas compiler: the
-kernels run in interpret mode on tiny sizes, so the numbers only show that it runs; the
-ragged step's CPU rows time the C++ kernel there (the entry's CPU path) against the XLA
-path at a real size.
+ops have no GPU kernel, so their "platform default" row there is the XLA reference. On CPU
+there is no Pallas compiler: the kernels run in interpret mode on tiny sizes, so the
+numbers only show that it runs; the ragged step's CPU rows time the C++ kernel there (the
+entry's CPU path) against the XLA path at a real size.
 
 The quantized-weight matmul rows time one projection per packed format (kernel and XLA
 path) against the float matmul of the dequantized weight; their bytes are the packed
@@ -328,6 +328,7 @@ def _ragged_rows(on_cpu, platform, dtype, iters):
         run = lambda interp: jax.jit(functools.partial(ragged_paged_attention, interpret=interp))
         return _both(on_cpu, platform, op, run, args, nbytes, iters)
     from pallas_kernels.paged_attention import kv_formats
+    from pallas_kernels.ragged_paged_attention import cpu
     from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
     args, nbytes = _ragged_problem(np.random.default_rng(2), (8, 2, 128, 16), (3, 40, 16), dtype)
@@ -348,7 +349,8 @@ def _ragged_rows(on_cpu, platform, dtype, iters):
         xla = functools.partial(ragged_paged_attention_xla, sliding_window=None, **options)
         rows.append(_row(label, "XLA path (xla.py)", jax.jit(xla), args, nbytes, max(iters, 5)))
         entry = functools.partial(ragged_paged_attention, **options)
-        rows.append(_row(label, "kvfold C++ (cpu_kernel.cc)", jax.jit(entry), args, nbytes, max(iters, 5)))
+        impl = "kvfold C++ (cpu_kernel.cc)" if cpu.tiles() else "entry (no tiles here: XLA path)"
+        rows.append(_row(label, impl, jax.jit(entry), args, nbytes, max(iters, 5)))
     return rows
 
 

@@ -255,6 +255,7 @@ def bench_prefill(args) -> None:
     from serving.llm import LLM
 
     path = model.source_path(args.model)
+    peer = _transformers_model(path) if path.endswith(".gguf") else None
     chunk = 512  # LLM's default max_num_batched_tokens
     llm = LLM(args.model, max_model_len=max(args.prompt_lens) + 16, max_num_seqs=1, enable_prefix_caching=False,
               max_num_batched_tokens=chunk, weights_dtype=_weights(args), kv_cache_dtype=args.kv_cache_dtype)
@@ -269,28 +270,33 @@ def bench_prefill(args) -> None:
             start = time.perf_counter()
             llm.generate([{"prompt_token_ids": prompt}], first)
             ours.append(length / (time.perf_counter() - start))
-        peer = _transformers_prefill(path, prompts) if path.endswith(".gguf") else None
-        rows.append((length, max(ours), peer))
-    print(f"\nprefill: one random prompt at a time, {args.model}, chunks of {chunk} tokens, "
-          f"kv_cache_dtype {args.kv_cache_dtype}, {_device()}; prompt tokens/s, best of two")
+        rows.append((length, max(ours), _transformers_prefill(peer, prompts) if peer else None))
+    print(f"\nprefill: one random prompt at a time, {args.model} ({args.weights_dtype} weights; transformers: "
+          f"float32), chunks of {chunk} tokens, kv_cache_dtype {args.kv_cache_dtype}, {_device()}; prompt tokens/s, "
+          "best of two")
     print("| prompt tokens | kvfold tok/s | transformers tok/s | ratio |")
     print("|---:|---:|---:|---:|")
-    for length, ours, peer in rows:
-        print(f"| {length} | {ours:.1f} | {f'{peer:.1f}' if peer else 'not installed'} | "
-              f"{f'{ours / peer:.2f}x' if peer else '-'} |", flush=True)
+    for length, ours, theirs in rows:  # no peer: transformers not installed, or not a GGUF model
+        print(f"| {length} | {ours:.1f} | {f'{theirs:.1f}' if theirs else 'n/a'} | "
+              f"{f'{ours / theirs:.2f}x' if theirs else '-'} |", flush=True)
 
 
-def _transformers_prefill(gguf_path: str, prompts: list[list[int]]) -> float | None:
-    """transformers' prompt tokens/s over prompts[1:] (prompts[0] warms up), float32 on the
-    same GGUF: its decoder over every position, the head over the last (as a first token
-    needs); the best run."""
+def _transformers_model(gguf_path: str):
+    """transformers' model of a GGUF file in float32, or None when transformers is not installed."""
     if importlib.util.find_spec("transformers") is None:
         return None
     import torch
     import transformers
 
     folder, name = os.path.split(gguf_path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+
+
+def _transformers_prefill(hf, prompts: list[list[int]]) -> float:
+    """transformers' prompt tokens/s over prompts[1:] (prompts[0] warms up): its decoder
+    over every position, the head over the last (as a first token needs); the best run."""
+    import torch
+
     best = 0.0
     with torch.no_grad():
         for i, prompt in enumerate(prompts):
@@ -1468,7 +1474,8 @@ def main(argv: list[str] | None = None) -> None:
             p.add_argument("--num-prompts", type=int, default=16)
     pf = sub.add_parser("prefill")
     pf.add_argument("--model", default="default")
-    pf.add_argument("--weights-dtype", default=None, choices=WEIGHTS_DTYPES, help="model.load's weights_dtype")
+    pf.add_argument("--weights-dtype", default="float32", choices=WEIGHTS_DTYPES,
+                    help="model.load's weights_dtype (float32: the peer's)")
     pf.add_argument("--prompt-lens", type=int, nargs="+", default=[512, 2048])
     pf.add_argument("--kv-cache-dtype", default="auto", choices=SERVING_KV_CACHE_DTYPES, help="LLM's kv_cache_dtype")
     def trace_args(p, num_requests, block_tokens, output_scale, max_model_len):

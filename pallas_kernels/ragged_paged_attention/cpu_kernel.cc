@@ -40,7 +40,7 @@
 // reads TurboQuant pages, written beforehand through XLA, in their rotated basis (TurboPtr).
 //
 // A prefill chunk (kTileMin query tokens or more of one sequence) is cut into tiles of kTile
-// tokens instead (AVX-512 builds, head_dim a multiple of 16): a tile reads each KV head's
+// tokens instead (AVX-512 builds, head_dim a multiple of 16 up to 256): a tile reads each KV head's
 // positions once, 16 at a time decoded to float32 with their scales, for its kTile * G query
 // rows, each row keeping an online softmax (flash attention's running maximum and sum) and
 // stopping at its own position. A token's run would read them once per token: on SmolLM2's
@@ -601,7 +601,7 @@ struct Part {
 struct Scratch {
   std::vector<int64_t> rows, decoded_rows;
   std::vector<float> scores, kscale, vscale, tile;
-  std::vector<float> acc, top, total;  // attend_tile's rows: [R, D], [R], [R]
+  std::vector<float> acc, top, total;  // attend_tile's rows: [R, D], [R], [R] (its blocks in tile, weights in scores)
 };
 
 #if defined(__AVX512F__)
@@ -884,7 +884,8 @@ void attend_tile(const Problem<T>& p, const Item& it, Scratch& s) {
     for (int64_t i = 0; i < c; ++i)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = i * G + g, h = kvh * G + g, t = it.t + i;
-        float lse = s.top[r] + std::log(s.total[r]), keep = 1.0f / s.total[r];
+        // (total > 0: a tile's token sees its own position; 0 would take out 0, lse -inf)
+        float lse = s.top[r] + std::log(s.total[r]), keep = s.total[r] > 0.0f ? 1.0f / s.total[r] : 0.0f;
         if (p.sinks) {
           const float sink = p.sinks[h], most = std::max(lse, sink);
           const float with = most + std::log(std::exp(lse - most) + std::exp(sink - most));
@@ -986,6 +987,7 @@ constexpr int64_t kSplit = 32, kMaxSplits = 8;
 using CrewRun = int (*)(void (*)(void*, int64_t), void*, int64_t, int64_t);
 std::atomic<CrewRun> crew_run{nullptr};
 std::atomic<int64_t> crew_calls{0};  // calls whose items the crew ran (KvfoldDecodeAttentionCrewCalls)
+std::atomic<int64_t> tile_items{0};  // tiles attended so far (KvfoldDecodeAttentionTileItems)
 constexpr int64_t kPoolWork = int64_t{1} << 18;  // positions * query heads * head_dim
 
 // One KV head's new row x [D] into the pages (and their scales) at slot_head, its position's
@@ -1102,7 +1104,9 @@ void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const float* k, c
   const int32_t* cu = cu_q_lens.typed_data();
   for (int64_t s = 0; kTiles && D % 16 == 0 && D <= 256 && s < S; ++s) {
     const int64_t a = std::max<int64_t>(cu[s], 0), b = std::min<int64_t>(cu[s + 1], T_);
-    if (b - a < kTileMin || p.seq[a] != s || p.pos[a] < 0) continue;
+    // seq[t] never decreases, so [a, b) is all sequence s (and its positions consecutive)
+    // when its ends are; a cu_q_lens out of order leaves the tokens to their runs
+    if (b - a < kTileMin || p.seq[a] != s || p.seq[b - 1] != s || p.pos[a] < 0) continue;
     for (int64_t t1 = b; t1 > a; t1 -= kTile) {
       const int64_t t0 = std::max(a, t1 - kTile), hi = std::min<int64_t>(p.pos[t1 - 1], last);
       const int64_t lo = p.window > 0 ? std::max<int64_t>(0, std::min<int64_t>(p.pos[t0], last) - p.window + 1) : 0;
@@ -1111,6 +1115,10 @@ void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const float* k, c
       positions += (hi - lo + 1) * (t1 - t0);
     }
   }
+  const auto cost = [](const Item& x) { return (x.hi - x.lo + 1) * x.count; };
+  std::stable_sort(shared->items.begin(), shared->items.end(),
+                   [&cost](const Item& x, const Item& y) { return cost(x) > cost(y); });  // the dearest first
+  tile_items.fetch_add(static_cast<int64_t>(shared->items.size()), std::memory_order_relaxed);
   // Each other live token's positions, in runs of kSplit or more.
   std::vector<int64_t> first(T_ + 1, shared->items.size());  // token t's items: [first[t], first[t + 1])
   for (int64_t t = 0; t < T_; ++t) {
@@ -1177,7 +1185,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const bool fp8 = type == Type::F8E4M3FN || (type == Type::U8 && kd[3] == D);
   const bool fp4 = type == Type::U8 && !fp8, scaled = type == Type::S8 || fp8;
   const auto vd = v_pages.dimensions();
-  if (kd[3] != (fp4 ? D / 2 : D) || (fp4 && D % 16) || Hkv <= 0 || Hq % Hkv || vd.size() != 4 ||
+  if (D <= 0 || kd[3] != (fp4 ? D / 2 : D) || (fp4 && D % 16) || Hkv <= 0 || Hq % Hkv || vd.size() != 4 ||
       !std::equal(vd.begin(), vd.end(), kd.begin()))
     return ffi::Error::InvalidArgument("decode_attention_cpu: page shapes do not match q's heads");
   if ((type != Type::F32 && type != Type::BF16 && !scaled && !fp4) || v_pages.element_type() != type)
@@ -1319,6 +1327,9 @@ extern "C" void KvfoldDecodeAttentionUseCrew(CrewRun run) { crew_run.store(run);
 
 // How many calls so far ran their items on the crew (what tells a test that it did).
 extern "C" int64_t KvfoldDecodeAttentionCrewCalls() { return crew_calls.load(); }
+
+// How many tiles calls so far cut their chunks into (what tells a test that tiles ran).
+extern "C" int64_t KvfoldDecodeAttentionTileItems() { return tile_items.load(); }
 
 // Whether this build cuts prefill chunks into tiles (attend_tile: AVX-512), where cpu.py
 // sends chunks to it; else only decode rows.

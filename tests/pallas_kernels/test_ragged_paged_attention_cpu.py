@@ -1,8 +1,9 @@
-"""The CPU kernel of decode attention (pallas_kernels/ragged_paged_attention/cpu_kernel.cc,
-through the XLA FFI) against ref.write_new_kv's pages and a float64 oracle over them, and
-the entry's choice of it: decode-only steps of float32 q over float32 or bfloat16 pages,
-int8 / fp8 row-scaled ones, NVFP4 ones or TurboQuant ones of at most 4 bits a code, nothing
-else."""
+"""The CPU kernel of ragged paged attention (pallas_kernels/ragged_paged_attention/
+cpu_kernel.cc, through the XLA FFI) against ref.write_new_kv's pages and a float64 oracle
+over them, decode rows and prefill chunks (its tiles), and the entry's choice of it: steps
+of float32 q (decode-only ones, or with chunks where the build has tiles) over float32 or
+bfloat16 pages, int8 / fp8 row-scaled ones, NVFP4 ones or TurboQuant ones of at most 4
+bits a code, nothing else."""
 
 from __future__ import annotations
 
@@ -182,43 +183,84 @@ def test_tokens_of_one_row_each_see_their_own_causal_prefix(page_dtype):
     _check_kernel(args, None, 0.125, page_dtype=page_dtype)
 
 
+def _tile_items() -> int:
+    """Tiles the kernel has attended so far in this process."""
+    lib = cpu.KERNEL.library
+    lib.KvfoldDecodeAttentionTileItems.restype = ctypes.c_int64
+    return lib.KvfoldDecodeAttentionTileItems()
+
+
+def _tiles_or_skip():
+    if not cpu.tiles():
+        pytest.skip("this build has no tiles (no AVX-512): chunks run a token at a time")
+
+
 @pytest.mark.parametrize("page_dtype", PAGES + TURBO[:2], ids=PAGE_IDS + TURBO_IDS[:2])
 @pytest.mark.parametrize("window,cap,with_sinks", [(None, None, False), (5, 2.0, True)])
 def test_prefill_chunks_cut_into_tiles_match_the_oracle(window, cap, with_sinks, page_dtype):
-    """A mixed step: a chunk of 37 tokens after a 30-position prefix (tiles of 5, 16 and 16
-    tokens, the first one partial), one of 8 from position 0 (kTileMin: one tile), one of 7
-    (below it: a run per token) and a decode row. Every tile token sees its own causal
-    prefix, in a sliding window of 5 narrower than a tile too."""
-    if not cpu.tiles():
-        pytest.skip("this build has no tiles (no AVX-512): chunks run a token at a time")
-    args, sinks = _decode_batch(21, [67, 8, 20, 40], q_lens=[37, 8, 7, 1])
+    """A mixed step: a chunk of 37 tokens after a 30-position prefix (tiles of 16, 16 and 5
+    tokens, the last cut first), one of 8 from position 0 (kTileMin: one tile), a sequence
+    with no token this step, one of 7 (below kTileMin: a run per token) and a decode row.
+    Every tile token sees its own causal prefix, in a sliding window of 5 narrower than a
+    tile too; the kernel counts the four tiles."""
+    _tiles_or_skip()
+    args, sinks = _decode_batch(21, [67, 8, 12, 20, 40], q_lens=[37, 8, 0, 7, 1])
+    before = _tile_items()
     _check_kernel(args, sinks if with_sinks else None, 0.125, window, cap, page_dtype)
+    assert _tile_items() - before == 4
 
 
-def test_tiles_of_seven_heads_of_128_match_the_oracle():
-    """head_dim 128 (the tile's rows keep eight vectors in registers) and a GQA group of 7."""
-    if not cpu.tiles():
-        pytest.skip("this build has no tiles (no AVX-512)")
-    args, sinks = _decode_batch(22, [40, 19], q_lens=[33, 19], num_q_heads=7, num_kv_heads=1, head_dim=128)
+@pytest.mark.parametrize("heads,head_dim", [((7, 1), 128), ((4, 2), 32), ((2, 1), 256)],
+                         ids=["gqa7-128", "gqa2-32", "mha-256"])
+def test_tiles_of_every_head_dim_match_the_oracle(heads, head_dim):
+    """head_dim 128, 32 and 256 (a tile row's output in 8, 2 and 16 vectors), GQA groups of
+    7 and 2 and plain multi-head, with sinks; float32 and NVFP4 pages."""
+    _tiles_or_skip()
+    args, sinks = _decode_batch(22, [40, 19], q_lens=[33, 19], num_q_heads=heads[0], num_kv_heads=heads[1],
+                                head_dim=head_dim)
+    before = _tile_items()
     for pages in (jnp.float32, "nvfp4"):
-        _check_kernel(args, sinks, 128 ** -0.5, page_dtype=pages)
+        _check_kernel(args, sinks[:heads[0]], head_dim ** -0.5, page_dtype=pages)
+    assert _tile_items() - before == 2 * 5  # 16 + 16 + 1 and 16 + 3 tokens a call
 
 
-def test_a_nan_value_reaches_only_the_tile_tokens_that_see_it():
+def test_a_nan_reaches_only_the_tile_tokens_that_see_it():
     """In a tile of 16 tokens from position 0 (one block of 16 positions), a NaN in the last
-    token's new V row makes that token's output NaN and no earlier token's: they do not see
-    its position, though it is in their block."""
-    if not cpu.tiles():
-        pytest.skip("this build has no tiles (no AVX-512)")
+    token's new V row makes that channel of its KV head's query heads NaN, and a NaN in its
+    K row all of the other KV head's: no earlier token's output, though its position is in
+    their block."""
+    _tiles_or_skip()
     args, _ = _decode_batch(23, [16], q_lens=[16], padding=0)
     q, k, v, *rest = args
     v = v.at[15, 0, 3].set(jnp.nan)
+    k = k.at[15, 1, 7].set(jnp.nan)
+    before = _tile_items()
     out, lse, *_ = cpu.decode_attention_cpu(q, k, v, *rest, sm_scale=0.125)
-    out = np.asarray(out)
+    assert _tile_items() - before == 1
     nan = np.zeros(out.shape, bool)
     nan[15, :3, 3] = True  # channel 3 of KV head 0's three query heads
-    np.testing.assert_array_equal(np.isnan(out), nan)
-    assert np.isfinite(np.asarray(lse)).all()
+    nan[15, 3:] = True  # every channel of KV head 1's: their scores are NaN
+    np.testing.assert_array_equal(np.isnan(np.asarray(out)), nan)
+    np.testing.assert_array_equal(np.isnan(np.asarray(lse)), nan[:, :, 0] & (np.arange(6) >= 3))
+
+
+def test_chunks_out_of_order_are_left_to_token_runs():
+    """cu_q_lens that go back (a bad step: the entry refuses it, a direct call does not)
+    never make a tile holding another sequence's tokens, nor two tiles of the same tokens
+    (two threads writing one output): the kernel cuts only the chunk whose tokens are all
+    its own (sequence 3's 12), and the call's outputs are those of the same step run a
+    token at a time (where every token of sequence 3 is its own row of one)."""
+    _tiles_or_skip()
+    args, _ = _decode_batch(24, [40, 30, 30, 12], q_lens=[20, 10, 10, 12], padding=0)
+    q, k, v, kp, vp, table, cu, kv_lens = args
+    cu = jnp.asarray([0, 20, 10, 30, 42], jnp.int32)  # tokens 10..19 count as sequence 1's
+    before = _tile_items()
+    out, lse, *_ = cpu.decode_attention_cpu(q, k, v, kp, vp, table, cu, kv_lens, sm_scale=0.125)
+    assert _tile_items() - before == 1
+    want_out, want_lse, *_ = cpu.decode_attention_cpu(q[:30], k[:30], v[:30], kp, vp, table[:3], cu[:4],
+                                                      kv_lens[:3], sm_scale=0.125)
+    np.testing.assert_array_equal(np.asarray(out[:30]), np.asarray(want_out))
+    np.testing.assert_array_equal(np.asarray(lse[:30]), np.asarray(want_lse))
 
 
 def test_bfloat16_pages_round_new_rows_as_xla_converts_them():
