@@ -367,12 +367,12 @@ def _lowered(args, **kw):
 
 
 def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
-    """A decode-only step (max_q_len 1; with tiles, chunks too) of float32 q over float32 or bfloat16 pages, int8 /
-    fp8 row-scaled ones, NVFP4 ones or turboquant-3.5 ones lowers to the kernel and gives the
-    dense reference's outputs, lse and pages; E4M3 leaves as the pools keep them (uint8 bits)
-    and as quant's quantizers make them (float8_e4m3fn) give the same, each kept in its own
-    dtype; draft trees, bfloat16 q, MXFP4 pages, TurboQuant codes wider than 4 bits and
-    other variants stay on the XLA path."""
+    """A decode-only step (max_q_len 1; with tiles, chunks too) of float32 q over float32 or
+    bfloat16 pages, int8 / fp8 row-scaled ones, NVFP4 ones or turboquant-3.5 ones lowers to
+    the kernel and gives the dense reference's outputs, lse and pages; E4M3 leaves as the
+    pools keep them (uint8 bits) and as quant's quantizers make them (float8_e4m3fn) give
+    the same, each kept in its own dtype; draft trees, bfloat16 q, MXFP4 pages, TurboQuant
+    codes wider than 4 bits and other variants stay on the XLA path."""
     args, sinks = _decode_batch(3, [5, 11, 2], width=40)
     kw = dict(sliding_window=6, sinks=sinks)
     half_pages = args[:3] + (args[3].astype(jnp.bfloat16), args[4].astype(jnp.bfloat16)) + args[5:]

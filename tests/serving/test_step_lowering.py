@@ -3,7 +3,8 @@ and CUDA, checked by jax.export from this CPU host (no device needed): decode-on
 and mixed prefill + decode steps, float and low-bit pools. On CUDA decode-only float steps
 run the Triton paged decode kernel and other steps over float, int8, fp8, nvfp4 and mxfp4
 pools the Triton ragged kernel; TurboQuant pools lower to the XLA path there. On this CPU
-a decode step runs the C++ kernel in every layer (every pool but MXFP4's)."""
+a decode step runs the C++ kernel in every layer (every pool but MXFP4's), and a mixed
+step too where the kernel's build has tiles."""
 
 import jax
 import jax.numpy as jnp
