@@ -14,7 +14,7 @@ a layer at one decode row whatever the context; this kernel reads each live posi
 and V rows once (every KV head's, side by side in the page), for all the query heads, and
 splits long contexts into runs merged at the end. A chunk of 8 tokens or more (head_dim a
 multiple of 16, at most 256) is read in tiles of 16 tokens that share each position's
-read. It computes the same function as the XLA path (results equal to float32 rounding),
+read (and, when a call has fewer tiles than threads, cut into runs of positions too). It computes the same function as the XLA path (results equal to float32 rounding),
 for softmax attention with or without soft-capping, sliding windows and sinks: the
 entry's CPU branch for those steps; others (draft trees, MXFP4 pages, other variants;
 chunks on a build without tiles or of another head_dim) and gradients stay on xla.py.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import platform
 
 import jax
@@ -222,6 +223,27 @@ def test_tiles_of_every_head_dim_match_the_oracle(heads, head_dim):
     for pages in (jnp.float32, "nvfp4"):
         _check_kernel(args, sinks[:heads[0]], head_dim ** -0.5, page_dtype=pages)
     assert _tile_items() - before == 2 * 5  # 16 + 16 + 1 and 16 + 3 tokens a call
+
+
+def _tile_parts() -> int:
+    lib = cpu.KERNEL.library
+    lib.KvfoldDecodeAttentionTileParts.restype = ctypes.c_int64
+    return lib.KvfoldDecodeAttentionTileParts()
+
+
+@pytest.mark.parametrize("page_dtype", [jnp.float32, "nvfp4", TURBO[0]], ids=["f32", "nvfp4", "tq3.5"])
+def test_a_short_chunk_over_a_long_context_splits_its_tile_over_the_threads(page_dtype):
+    """A tile of 13 tokens after a 1,000-position prefix, with a decode row, on a machine of
+    two threads or more: fewer tiles than threads, so the tile is cut into parts of 256
+    positions or more, merged per token (with the sinks, the soft cap and a sliding window
+    of 600 that drops the first parts' positions for some tokens and not others)."""
+    _tiles_or_skip()
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one thread: a tile is never cut")
+    args, sinks = _decode_batch(25, [1013, 30], q_lens=[13, 1])
+    before = _tile_parts()
+    _check_kernel(args, sinks, 0.125, 600, 3.0, page_dtype)
+    assert _tile_parts() - before >= 2
 
 
 def test_a_nan_reaches_only_the_tile_tokens_that_see_it():
