@@ -40,10 +40,10 @@
 // reads TurboQuant pages, written beforehand through XLA, in their rotated basis (TurboPtr).
 //
 // A prefill chunk (kTileMin query tokens or more of one sequence) is cut into tiles of kTile
-// tokens instead (AVX-512 builds, head_dim a multiple of 16 up to 256): a tile reads each KV head's
-// positions once, 16 at a time decoded to float32 with their scales, for its kTile * G query
-// rows, each row keeping an online softmax (flash attention's running maximum and sum) and
-// stopping at its own position. A token's run would read them once per token: on SmolLM2's
+// tokens instead (AVX-512 builds, head_dim a multiple of 16 up to 256): a tile reads each KV
+// head's positions once, 16 at a time decoded to float32 with their scales, for its kTile * G
+// query rows, each row keeping an online softmax (flash attention's running maximum and sum)
+// and stopping at its own position. A token's run would read them once per token: on SmolLM2's
 // layer (9 query heads over 3 KV heads) a 512-token chunk from position 1,536 took 32.5 ms in
 // runs and 23.6 ms in tiles over float32 pages (53.9 and 24.1 over NVFP4 ones), where XLA's
 // blocked path took 39.6 (49.9); three passes over a block's rows (tile_block) then took the
@@ -749,6 +749,15 @@ void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
   }
 }
 
+// A sink logit joining a softmax's denominator only: lse becomes logaddexp(lse, sink) and
+// the output's factor `keep` loses the sink's share.
+inline void join_sink(float sink, float& lse, float& keep) {
+  const float most = std::max(lse, sink);
+  const float with = most + std::log(std::exp(lse - most) + std::exp(sink - most));
+  keep *= std::exp(lse - with);
+  lse = with;
+}
+
 // Tiles: a prefill chunk's tokens, kTile at a time, each KV head's positions read once for
 // the tile's kTile * G query rows (a token's run reads them once for its own G). A query run
 // of kTileMin tokens or more of one sequence is cut into tiles (AVX-512 builds: kTiles).
@@ -901,12 +910,7 @@ void attend_tile(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
           for (int64_t d = 0; d < D; ++d) part.out[(i * p.Hq + h) * D + d] = s.acc[r * D + d] * keep;
           continue;
         }
-        if (p.sinks) {
-          const float sink = p.sinks[h], most = std::max(lse, sink);
-          const float with = most + std::log(std::exp(lse - most) + std::exp(sink - most));
-          keep *= std::exp(lse - with);
-          lse = with;
-        }
+        if (p.sinks) join_sink(p.sinks[h], lse, keep);
         float* out = p.out + (t * p.Hq + h) * D;
         for (int64_t d = 0; d < D; ++d) out[d] = s.acc[r * D + d] * keep;
         p.lse[t * p.Hq + h] = lse;
@@ -951,12 +955,7 @@ void merge(const Problem<T>& p, int64_t t, const Part* parts, int64_t count, int
     }
     float total = top + std::log(sum);  // sum >= 1: the largest part's own term
     float keep = 1.0f / sum;
-    if (p.sinks) {
-      const float sink = p.sinks[h], most = std::max(total, sink);
-      const float with = most + std::log(std::exp(total - most) + std::exp(sink - most));
-      keep *= std::exp(total - with);
-      total = with;
-    }
+    if (p.sinks) join_sink(p.sinks[h], total, keep);
     for (int64_t d = 0; d < D; ++d) out[d] *= keep;
     p.lse[t * p.Hq + h] = total;
   }
