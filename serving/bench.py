@@ -120,14 +120,11 @@ def _time_ours(llm, prompts: list[list[int]], new_tokens: int) -> float:
 
 
 def _time_transformers(gguf_path: str, prompts: list[list[int]], new_tokens: int) -> float | None:
-    if importlib.util.find_spec("transformers") is None:
+    hf = _transformers_model(gguf_path)
+    if hf is None:
         return None
     import torch
-    import transformers
 
-    folder, name = os.path.split(gguf_path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                           dtype=torch.float32).eval()
     width = max(len(p) for p in prompts)
     pad = hf.config.eos_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding

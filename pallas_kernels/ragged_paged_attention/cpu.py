@@ -14,9 +14,10 @@ a layer at one decode row whatever the context; this kernel reads each live posi
 and V rows once (every KV head's, side by side in the page), for all the query heads, and
 splits long contexts into runs merged at the end. A chunk of 8 tokens or more (head_dim a
 multiple of 16, at most 256) is read in tiles of 16 tokens that share each position's
-read (and, when a call has fewer tiles than threads, cut into runs of positions too). It computes the same function as the XLA path (results equal to float32 rounding),
-for softmax attention with or without soft-capping, sliding windows and sinks: the
-entry's CPU branch for those steps; others (draft trees, MXFP4 pages, other variants;
+read (and, when a call has fewer tiles than threads, cut into runs of positions too). It
+computes the same function as the XLA path (results equal to float32 rounding), for
+softmax attention with or without soft-capping, sliding windows and sinks: the entry's
+CPU branch for those steps; others (draft trees, MXFP4 pages, other variants;
 chunks on a build without tiles or of another head_dim) and gradients stay on xla.py.
 Built like the quantized matmul's kernel (pallas_kernels/cpu_ffi.py); `available()` says
 whether that worked.
@@ -151,8 +152,8 @@ def decode_attention_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_
     sliding layer), reading the codes: in a token's run a row-scaled position's K scale
     multiplies its scores and its V scale its weights, an NVFP4 block's scale its decoded
     values; a tile of a chunk's tokens decodes 16 positions at a time to float32, scales
-    applied, for all its rows. Tokens
-    past cu_q_lens[-1] are padding (out 0, lse -inf, nothing written).
+    applied, for all its rows. Tokens past cu_q_lens[-1] are padding (out 0, lse -inf,
+    nothing written).
     sinks: [Hq] logits that join each softmax's denominator. target: the FFI name of the
     build to call (a test registers a portable one under another). RuntimeError when the
     kernel is not available."""

@@ -184,11 +184,16 @@ def test_tokens_of_one_row_each_see_their_own_causal_prefix(page_dtype):
     _check_kernel(args, None, 0.125, page_dtype=page_dtype)
 
 
+def _count(name: str) -> int:
+    """One of the kernel's counters so far in this process (its KvfoldDecodeAttention<name>)."""
+    counter = getattr(cpu.KERNEL.library, f"KvfoldDecodeAttention{name}")
+    counter.restype = ctypes.c_int64
+    return counter()
+
+
 def _tile_items() -> int:
     """Tiles the kernel has attended so far in this process."""
-    lib = cpu.KERNEL.library
-    lib.KvfoldDecodeAttentionTileItems.restype = ctypes.c_int64
-    return lib.KvfoldDecodeAttentionTileItems()
+    return _count("TileItems")
 
 
 def _tiles_or_skip():
@@ -226,9 +231,8 @@ def test_tiles_of_every_head_dim_match_the_oracle(heads, head_dim):
 
 
 def _tile_parts() -> int:
-    lib = cpu.KERNEL.library
-    lib.KvfoldDecodeAttentionTileParts.restype = ctypes.c_int64
-    return lib.KvfoldDecodeAttentionTileParts()
+    """Parts that tiles cut in several have made so far in this process."""
+    return _count("TileParts")
 
 
 @pytest.mark.parametrize("page_dtype", [jnp.float32, "nvfp4", TURBO[0]], ids=["f32", "nvfp4", "tq3.5"])
