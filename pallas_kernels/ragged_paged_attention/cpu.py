@@ -16,9 +16,10 @@ splits long contexts into runs merged at the end. A chunk of 8 tokens or more (h
 multiple of 16, at most 256) is read in tiles of 16 tokens that share each position's
 read (and, when a call has fewer tiles than threads, cut into runs of positions too). It
 computes the same function as the XLA path (results equal to float32 rounding), for
-softmax attention with or without soft-capping, sliding windows and sinks: the entry's
-CPU branch for those steps; others (draft trees, MXFP4 pages, other variants;
-chunks on a build without tiles or of another head_dim) and gradients stay on xla.py.
+softmax attention with or without soft-capping, sliding windows, sinks and draft trees
+(a node sees the region's positions its ancestor bits name, tree_mask.py): the entry's
+CPU branch for those steps; others (MXFP4 pages, other variants; chunks on a build
+without tiles or of another head_dim) and gradients stay on xla.py.
 Built like the quantized matmul's kernel (pallas_kernels/cpu_ffi.py); `available()` says
 whether that worked.
 """
@@ -115,16 +116,24 @@ def tiles() -> bool:
 def supports(q, k_pages, v_pages, variant, tree, kv_format, max_q_len) -> bool:
     """Whether the kernel takes a ragged_paged_attention step: float32 q over float32 or
     bfloat16 pages, int8 / fp8 row-scaled ones, NVFP4 ones without a tensor scale or
-    TurboQuant ones (`_reads`), no draft tree, softmax with at most a soft cap, and a built
-    kernel (a GPU or TPU host never builds it); decode rows only (max_q_len 1) unless the
-    build has tiles (`tiles`) that fit head_dim, which take prefill chunks and mixed steps
-    too."""
+    TurboQuant ones (`_reads`), softmax with at most a soft cap, and a built kernel (a GPU
+    or TPU host never builds it); decode rows only (max_q_len 1) unless the build has tiles
+    (`tiles`) that fit head_dim, which take prefill chunks and mixed steps too. A draft
+    tree's nodes (verify rows) are masked by their bits either way."""
     pages_ok = (_reads(kv_format, k_pages) and _reads(kv_format, v_pages) if kv_format is not None
                 else k_pages.dtype in (jnp.float32, jnp.bfloat16))
-    return (pages_ok and tree is None and q.dtype == jnp.float32
+    del tree  # the kernel reads one wherever it takes the step
+    return (pages_ok and q.dtype == jnp.float32
             and (variant == SOFTMAX or soft_cap_of(variant) is not None)
             and jax.default_backend() == "cpu" and available()
             and (max_q_len == 1 or (q.shape[-1] % 16 == 0 and q.shape[-1] <= TILE_MAX_HEAD_DIM and tiles())))
+
+
+def _tree_operands(tree):
+    """The kernel's tree operands (start [S], bits [T, words] int32), placeholders without one."""
+    if tree is None:
+        return jnp.zeros((1,), jnp.int32), jnp.zeros((1, 1), jnp.int32)
+    return tree.start.astype(jnp.int32), tree.bits.astype(jnp.int32)
 
 
 def ragged_decode_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sinks, tree, *, sm_scale,
@@ -132,15 +141,14 @@ def ragged_decode_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_len
     """ragged_paged_attention's CPU branch for the steps `supports` takes: one kernel call
     that writes the new K/V into the pages and attends (TurboQuant pages: written through
     XLA first). Same returns as the entry."""
-    del tree  # None: `supports`
     call = decode_attention_turbo_cpu if _turbo(kv_format) else decode_attention_cpu
     return call(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sinks, sm_scale=sm_scale,
-                sliding_window=sliding_window, soft_cap=soft_cap_of(variant), kv_format=kv_format)
+                sliding_window=sliding_window, soft_cap=soft_cap_of(variant), kv_format=kv_format, tree=tree)
 
 
 def decode_attention_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sinks=None, *,
                          sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                         kv_format=None, target: str = TARGET):
+                         kv_format=None, tree=None, target: str = TARGET):
     """(out [T, Hq, D] f32, lse [T, Hq] f32, k_pages, v_pages): the step's new rows k, v [T,
     Hkv, D] stored in the float32 or bfloat16 pages [num_pages, page_size, Hkv, D] (in place
     where XLA can alias them: donate the pages), as ref.write_new_kv stores them (rounded to
@@ -154,9 +162,10 @@ def decode_attention_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_
     values; a tile of a chunk's tokens decodes 16 positions at a time to float32, scales
     applied, for all its rows. Tokens past cu_q_lens[-1] are padding (out 0, lse -inf,
     nothing written).
-    sinks: [Hq] logits that join each softmax's denominator. target: the FFI name of the
-    build to call (a test registers a portable one under another). RuntimeError when the
-    kernel is not available."""
+    sinks: [Hq] logits that join each softmax's denominator. tree: a tree_mask.TreeMask whose
+    nodes see the region's positions by their bits and the prefix by the window from their
+    logical positions (tree_mask.visible). target: the FFI name of the build to call (a test
+    registers a portable one under another). RuntimeError when the kernel is not available."""
     if not available():
         raise RuntimeError(f"{KERNEL.what} is not available (no compiler, a failed build, "
                            "or KVFOLD_DECODE_ATTENTION_CPU=0)")
@@ -179,9 +188,10 @@ def decode_attention_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_
     sinks = sinks.astype(jnp.float32) if has_sinks else none
     i32 = lambda x: x.astype(jnp.int32)
     out, lse, kc, vc, ks, vs = call(q, k.astype(jnp.float32), v.astype(jnp.float32), kc, vc, ks, vs,
-                                    i32(block_tables), i32(cu_q_lens), i32(kv_lens), sinks,
+                                    i32(block_tables), i32(cu_q_lens), i32(kv_lens), sinks, *_tree_operands(tree),
                                     sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
-                                    soft_cap=np.float32(soft_cap or 0.0), has_sinks=np.int64(has_sinks))
+                                    soft_cap=np.float32(soft_cap or 0.0), has_sinks=np.int64(has_sinks),
+                                    has_tree=np.int64(tree is not None))
     if fmt is None:
         return out, lse, kc, vc
     if isinstance(k_pages, NVFP4):
@@ -191,7 +201,7 @@ def decode_attention_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_
 
 def decode_attention_turbo_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_lens, kv_lens, sinks=None, *,
                                sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                               kv_format, target: str = TURBO_TARGET):
+                               kv_format, tree=None, target: str = TURBO_TARGET):
     """decode_attention_cpu over TurboQuant pages (kv_format a TurboQuant or TurboQuantSplit,
     or its format object; codes of at most TURBO_MAX_BITS): the new rows k, v are written
     by ref.write_new_kv (the quantizer's own codes), then the kernel scores q, rotated into
@@ -232,8 +242,9 @@ def decode_attention_turbo_cpu(q, k, v, k_pages, v_pages, block_tables, cu_q_len
     bits = [int(inst.bits) for _, inst in groups] + [0]
     i32 = lambda x: x.astype(jnp.int32)
     out, lse = call(fmt.prepare_q(k_pages, q.astype(jnp.float32)), *leaves, codebooks, columns,
-                    i32(block_tables), i32(cu_q_lens), i32(kv_lens), sinks, sm_scale=np.float32(sm_scale),
-                    sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
-                    has_sinks=np.int64(has_sinks), groups=np.int64(len(groups)), bits0=np.int64(bits[0]),
+                    i32(block_tables), i32(cu_q_lens), i32(kv_lens), sinks, *_tree_operands(tree),
+                    sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
+                    soft_cap=np.float32(soft_cap or 0.0), has_sinks=np.int64(has_sinks),
+                    has_tree=np.int64(tree is not None), groups=np.int64(len(groups)), bits0=np.int64(bits[0]),
                     bits1=np.int64(bits[1]), sparse=np.int64(sparse))
     return fmt.finish_out(v_pages, out), lse, k_pages, v_pages

@@ -51,6 +51,12 @@
 // A call with fewer tiles than threads cuts each into parts of kTileRun positions or more,
 // merged per token as a token's runs are: a 12- or 16-token chunk after 2,000 positions went
 // from 1.14 / 1.70 ms on one thread to 0.77 / 0.83 ms on two.
+//
+// A draft tree's nodes (speculative decoding's verify rows, pallas_kernels/tree_mask.py: a
+// token at or past its sequence's tree start) see the prefix before the tree's region (on a
+// sliding layer, from their logical position), the region's positions their ancestor bits
+// name, and the rest causally (Sight): a token's run skips the positions it does not see,
+// a tile masks them per row in each block of 16.
 
 #include <algorithm>
 #include <array>
@@ -61,6 +67,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -263,7 +270,53 @@ struct Problem {
   int64_t T, Hq, Hkv, D, P, ps, S, W, window;
   float sm_scale, cap;
   const float *ks, *vs;  // kScaled<E>: the scales [P, ps, Hkv], else null
+  // A draft tree (pallas_kernels/tree_mask.py): each sequence's region start [S] and each
+  // token's ancestor-or-self bits [T, words] over it; null without one.
+  const int32_t *tree_start = nullptr, *tree_bits = nullptr;
+  int64_t words = 0;
 };
+
+// What token t sees of its sequence, as tree_mask.visible says: positions [lo, hi], hi its own
+// position (at most the table's last) and lo 0 or, on a sliding layer, the window's first.
+// A draft-tree node (a token at or past its sequence's tree start) sees, of [lo, hi], the
+// positions before the region from `near` on (the window from its logical position, start -
+// 1 + its depth), those of the region [start, start + region) whose bits are set (its
+// ancestors and itself) and every one past the region; lo = min(near, start).
+struct Sight {
+  int64_t lo, hi;
+  bool node = false;
+  int64_t near = 0, start = 0, region = 0;
+  const int32_t* bits = nullptr;
+  bool sees(int64_t j) const {
+    if (j < lo || j > hi) return false;
+    if (j < start) return j >= near;
+    const int64_t o = j - start;
+    return o >= region || ((static_cast<uint32_t>(bits[o >> 5]) >> (o & 31)) & 1u);
+  }
+  // Which of positions b0 .. b0 + n - 1 (n <= 16) it sees: bit j for b0 + j.
+  uint32_t lanes(int64_t b0, int64_t n) const {
+    const int64_t a = std::max<int64_t>(lo - b0, 0), b = std::min<int64_t>(hi - b0 + 1, n);
+    if (a >= b) return 0;
+    uint32_t m = ((1u << b) - 1) & ~((1u << a) - 1);
+    const bool masked = node && ((b0 < near && b0 + n > lo) || (b0 < start + region && b0 + n > start));
+    for (int64_t j = a; masked && j < b; ++j)
+      if (!sees(b0 + j)) m &= ~(1u << j);
+    return m;
+  }
+};
+
+template <typename E>
+Sight sight(const Problem<E>& p, int64_t t) {
+  const int64_t pos = p.pos[t], hi = std::min<int64_t>(pos, p.W * p.ps - 1);
+  if (!p.tree_start || pos < p.tree_start[p.seq[t]])
+    return Sight{p.window > 0 ? std::max<int64_t>(0, hi - p.window + 1) : 0, hi};
+  const int64_t start = p.tree_start[p.seq[t]];
+  const int32_t* bits = p.tree_bits + t * p.words;
+  int64_t depth = 0;
+  for (int64_t w = 0; w < p.words; ++w) depth += __builtin_popcount(static_cast<uint32_t>(bits[w]));
+  const int64_t near = p.window > 0 ? std::max<int64_t>(0, start - 1 + depth - p.window + 1) : 0;
+  return Sight{std::min(near, start), hi, true, near, start, 32 * p.words, bits};
+}
 
 template <typename P>
 float dot(const float* a, P b, int64_t n) {
@@ -676,12 +729,22 @@ void weigh(const float* w, Ptr<T> v, const int64_t* rows, int64_t n, int64_t i0,
 // every head stay in the L1 cache for the heads after the first.
 constexpr int64_t kRun = 32;
 
-// Item `it`'s part: every query head over positions [lo, hi], reading each position's K and
-// V rows (all KV heads, contiguous in the page) in page order.
+// Item `it`'s part: every query head over positions [lo, hi] (a draft-tree node: those of
+// them it sees), reading each position's K and V rows (all KV heads, contiguous in the page)
+// in page order. A part that sees none: lse -inf, out 0.
 template <typename T>
 void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
-  const int64_t G = p.Hq / p.Hkv, D = p.D, n = it.hi - it.lo + 1, stride = p.Hkv * D;
+  const int64_t G = p.Hq / p.Hkv, D = p.D, stride = p.Hkv * D;
   const int32_t* table = p.tables + p.seq[it.t] * p.W;
+  const Sight see = sight(p, it.t);
+  int64_t n = it.hi - it.lo + 1;
+  if (see.node)
+    for (int64_t j = it.lo; j <= it.hi; ++j) n -= !see.sees(j);
+  if (n == 0) {
+    part.lse.assign(p.Hq, -kInf);
+    part.out.assign(p.Hq * D, 0.0f);
+    return;
+  }
   const int64_t ns = (n + 15) / 16 * 16;  // a head's stride in the scores: whole vectors, padded with -inf
   s.rows.resize(n);
   if constexpr (kScaled<T>) {  // position i's scales in KV head h: [h * ns + i] (0 past n), in kScaleUnit
@@ -691,13 +754,15 @@ void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
   for (int64_t position = it.lo, i = 0; position <= it.hi;) {  // a page at a time
     const int64_t page = std::clamp<int64_t>(table[position / p.ps], 0, p.P - 1), slot = position % p.ps;
     const int64_t slots = std::min(p.ps - slot, it.hi - position + 1), first = page * p.ps + slot;
-    for (int64_t j = 0; j < slots; ++j, ++i) {
+    for (int64_t j = 0; j < slots; ++j) {
+      if (see.node && !see.sees(position + j)) continue;
       s.rows[i] = (first + j) * stride;
       if constexpr (kScaled<T>)
         for (int64_t h = 0; h < p.Hkv; ++h) {
           s.kscale[h * ns + i] = p.ks[(first + j) * p.Hkv + h] * kScaleUnit<T>;
           s.vscale[h * ns + i] = p.vs[(first + j) * p.Hkv + h] * kScaleUnit<T>;
         }
+      ++i;
     }
     position += slots;
   }
@@ -792,20 +857,19 @@ void decode_block(const Problem<T>& p, Ptr<T> head, const float* scales, int64_t
 }
 
 // One block of 16 decoded positions (kb, vb [16, D], D = 16 kPer) for a tile's rows: token i's
-// G query heads (q [c, Hq, D] at the KV head's first, token_stride apart) see lanes [j0[i],
-// j1[i]). In three passes over the rows, whose steps then overlap from row to row: each row's
+// G query heads (q [c, Hq, D] at the KV head's first, token_stride apart) see the lanes set in
+// seen[i] (Sight::lanes). In three passes over the rows, whose steps then overlap from row to row: each row's
 // 16 scores (summed by one tree, soft-capped, unseen lanes -inf) into w [R, 16]; its online
 // softmax step (running maximum `top`, sum of exponentials `total`, the factor `shrink` its
 // output is rescaled by to the block's new maximum) turning them into weights; and its
 // unnormalized output acc [R, D] (in registers for the block) += the weighted values.
 template <int kPer>
-void tile_block(const float* q, int64_t token_stride, int64_t G, int64_t c, const int64_t* j0, const int64_t* j1,
+void tile_block(const float* q, int64_t token_stride, int64_t G, int64_t c, const uint32_t* seen,
                 const float* kb, const float* vb, float sm_scale, float cap, float* top, float* total, float* acc,
                 float* w, float* shrink) {
   constexpr int64_t D = 16 * kPer;
   for (int64_t i = 0; i < c; ++i) {
-    if (j0[i] >= j1[i]) continue;
-    const __mmask16 seen = static_cast<__mmask16>(((1u << j1[i]) - 1) & ~((1u << j0[i]) - 1));
+    if (!seen[i]) continue;
     for (int64_t g = 0; g < G; ++g) {
       const float* qh = q + i * token_stride + g * D;
       __m512 a[16];
@@ -821,11 +885,12 @@ void tile_block(const float* q, int64_t token_stride, int64_t G, int64_t c, cons
         for (float& x : lanes) x = cap * std::tanh(x / cap);
         score = _mm512_load_ps(lanes);
       }
-      _mm512_storeu_ps(w + (i * G + g) * 16, _mm512_mask_mov_ps(_mm512_set1_ps(-kInf), seen, score));
+      _mm512_storeu_ps(w + (i * G + g) * 16,
+                       _mm512_mask_mov_ps(_mm512_set1_ps(-kInf), static_cast<__mmask16>(seen[i]), score));
     }
   }
   for (int64_t i = 0; i < c; ++i) {
-    if (j0[i] >= j1[i]) continue;
+    if (!seen[i]) continue;
     for (int64_t r = i * G; r < (i + 1) * G; ++r) {
       const __m512 score = _mm512_loadu_ps(w + r * 16);
       const float next = std::max(top[r], _mm512_reduce_max_ps(score));
@@ -836,20 +901,33 @@ void tile_block(const float* q, int64_t token_stride, int64_t G, int64_t c, cons
       top[r] = next;
     }
   }
-  for (int64_t i = 0; i < c; ++i)
-    for (int64_t r = i * G; r < (i + 1) * G && j0[i] < j1[i]; ++r) {
+  for (int64_t i = 0; i < c; ++i) {
+    const uint32_t m = seen[i];
+    if (!m) continue;
+    // only the lanes it sees: another row's NaN value must not reach it. A run of lanes (every
+    // row but a draft-tree node's) as a counted loop, which the compiler unrolls.
+    const int j0 = __builtin_ctz(m), j1 = 32 - __builtin_clz(m);
+    const bool run = ((m >> j0) & ((m >> j0) + 1)) == 0;
+    for (int64_t r = i * G; r < (i + 1) * G; ++r) {
       __m512 o[kPer];
       const __m512 keep = _mm512_set1_ps(shrink[r]);
       for (int u = 0; u < kPer; ++u) o[u] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * u), keep);
-      for (int64_t j = j0[i]; j < j1[i]; ++j)  // only the lanes it sees: another row's NaN value must not reach it
-        for (int u = 0; u < kPer; ++u)
-          o[u] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * 16 + j]), _mm512_loadu_ps(vb + j * D + 16 * u), o[u]);
+      if (run) {
+        for (int j = j0; j < j1; ++j)
+          for (int u = 0; u < kPer; ++u)
+            o[u] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * 16 + j]), _mm512_loadu_ps(vb + j * D + 16 * u), o[u]);
+      } else {
+        for (uint32_t left = m; left; left &= left - 1)
+          for (int u = 0, j = __builtin_ctz(left); u < kPer; ++u)
+            o[u] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * 16 + j]), _mm512_loadu_ps(vb + j * D + 16 * u), o[u]);
+      }
       for (int u = 0; u < kPer; ++u) _mm512_storeu_ps(acc + r * D + 16 * u, o[u]);
     }
+  }
 }
 
-using TileBlock = void (*)(const float*, int64_t, int64_t, int64_t, const int64_t*, const int64_t*, const float*,
-                           const float*, float, float, float*, float*, float*, float*, float*);
+using TileBlock = void (*)(const float*, int64_t, int64_t, int64_t, const uint32_t*, const float*, const float*,
+                           float, float, float*, float*, float*, float*, float*);
 template <int... V>
 constexpr std::array<TileBlock, sizeof...(V) + 1> tile_blocks(std::integer_sequence<int, V...>) {
   return {nullptr, &tile_block<V + 1>...};
@@ -863,7 +941,7 @@ constexpr auto kTileBlock = tile_blocks(std::make_integer_sequence<int, 16>{}); 
 // token that sees none of its positions: lse -inf, out 0), merged once all are done.
 template <typename T>
 void attend_tile(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
-  const int64_t G = p.Hq / p.Hkv, D = p.D, c = it.count, R = c * G, last = p.W * p.ps - 1;
+  const int64_t G = p.Hq / p.Hkv, D = p.D, c = it.count, R = c * G;
   const int32_t* table = p.tables + p.seq[it.t] * p.W;
   const TileBlock block = kTileBlock[D / 16];
   s.tile.resize(2 * kTile * D);
@@ -873,7 +951,9 @@ void attend_tile(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
   s.total.resize(R);
   s.scores.resize(R * 17);  // the block's scores, then weights [R, 16], and each row's shrink [R]
   float *w = s.scores.data(), *shrink = w + R * 16;
-  int64_t j0[kTile], j1[kTile];
+  Sight see[kTile];
+  for (int64_t i = 0; i < c; ++i) see[i] = sight(p, it.t + i);
+  uint32_t seen[kTile];
   if (it.splits > 1) {
     part.lse.resize(c * p.Hq);
     part.out.resize(c * p.Hq * D);
@@ -891,20 +971,15 @@ void attend_tile(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
       }
       decode_block(p, p.k + kvh * D, kScaled<T> ? p.ks : nullptr, kvh, slots, n, kb);
       decode_block(p, p.v + kvh * D, kScaled<T> ? p.vs : nullptr, kvh, slots, n, vb);
-      for (int64_t i = 0; i < c; ++i) {  // token i sees [lo, hi], as attend_part: lanes [j0, j1) of this block
-        const int64_t hi = std::min<int64_t>(p.pos[it.t + i], last);
-        const int64_t lo = p.window > 0 ? std::max<int64_t>(0, hi - p.window + 1) : 0;
-        j0[i] = std::max<int64_t>(lo - b0, 0);
-        j1[i] = std::min<int64_t>(hi - b0 + 1, n);
-      }
-      block(p.q + (it.t * p.Hq + kvh * G) * D, p.Hq * D, G, c, j0, j1, kb, vb, p.sm_scale, p.cap, s.top.data(),
+      for (int64_t i = 0; i < c; ++i) seen[i] = see[i].lanes(b0, n);
+      block(p.q + (it.t * p.Hq + kvh * G) * D, p.Hq * D, G, c, seen, kb, vb, p.sm_scale, p.cap, s.top.data(),
             s.total.data(), s.acc.data(), w, shrink);
     }
     for (int64_t i = 0; i < c; ++i)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = i * G + g, h = kvh * G + g, t = it.t + i;
-        const bool seen = s.total[r] != 0.0f;  // a whole tile's tokens see their own positions (NaN stays)
-        float lse = seen ? s.top[r] + std::log(s.total[r]) : -kInf, keep = seen ? 1.0f / s.total[r] : 0.0f;
+        const bool any = s.total[r] != 0.0f;  // a part may see none of a token's positions (NaN stays)
+        float lse = any ? s.top[r] + std::log(s.total[r]) : -kInf, keep = any ? 1.0f / s.total[r] : 0.0f;
         if (it.splits > 1) {
           part.lse[i * p.Hq + h] = lse;
           for (int64_t d = 0; d < D; ++d) part.out[(i * p.Hq + h) * D + d] = s.acc[r * D + d] * keep;
@@ -944,9 +1019,19 @@ void merge(const Problem<T>& p, int64_t t, const Part* parts, int64_t count, int
   const int64_t D = p.D;
   for (int64_t h = 0; h < p.Hq; ++h) {
     float top = -std::numeric_limits<float>::infinity(), sum = 0.0f;
-    for (int64_t j = 0; j < count; ++j) top = std::max(top, parts[j].lse[row * p.Hq + h]);
+    bool seen = false;  // a part's lse is -inf where it saw no position (NaN where a NaN reached it)
+    for (int64_t j = 0; j < count; ++j) {
+      top = std::max(top, parts[j].lse[row * p.Hq + h]);
+      seen |= parts[j].lse[row * p.Hq + h] != -kInf;
+    }
     float* out = p.out + (t * p.Hq + h) * D;
     std::fill(out, out + D, 0.0f);
+    if (!seen) {  // no position seen (a tree node without its own bit): as ref.py, out 0
+      float lse = -kInf, keep = 0.0f;
+      if (p.sinks) join_sink(p.sinks[h], lse, keep);
+      p.lse[t * p.Hq + h] = lse;
+      continue;
+    }
     for (int64_t j = 0; j < count; ++j) {
       const float e = std::exp(parts[j].lse[row * p.Hq + h] - top);
       sum += e;
@@ -1083,6 +1168,24 @@ void lay_out_and_write(const int32_t* cu, const int32_t* kv_lens, const float* k
   }
 }
 
+// A call's draft tree as the kernel reads it (Problem's tree_start, tree_bits, words), or none.
+struct Tree {
+  const int32_t *start = nullptr, *bits = nullptr;
+  int64_t words = 0;
+};
+
+// The draft tree of a call (has_tree) from its operands start [S] and bits [T, words], or an
+// error naming what does not fit.
+ffi::Error tree_of(const char* who, int64_t has_tree, const ffi::Buffer<ffi::S32>& start,
+                   const ffi::Buffer<ffi::S32>& bits, int64_t S, int64_t T, Tree& tree) {
+  if (!has_tree) return ffi::Error::Success();
+  const auto bd = bits.dimensions();
+  if (start.element_count() != S || bd.size() != 2 || bd[0] != T)
+    return ffi::Error::InvalidArgument(std::string(who) + ": a tree needs start [num_seqs] and bits [tokens, words]");
+  tree = Tree{start.typed_data(), bits.typed_data(), bd[1]};
+  return ffi::Error::Success();
+}
+
 // One decode-attention step over pages of T: the new K/V (k, v; null for TurboQuant pages,
 // which come written) written into the pages kp, vp (the results, aliased to the operands),
 // then every token's attention over them. turbo: TurboQuant pages' K and V views, else null.
@@ -1090,7 +1193,8 @@ template <typename T>
 void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const float* k, const float* v, void* kp, void* vp,
          void* ks, void* vs, const ffi::Buffer<ffi::S32>& block_tables, const ffi::Buffer<ffi::S32>& cu_q_lens,
          const ffi::Buffer<ffi::S32>& kv_lens, const float* sinks, float* out, float* lse, int64_t P, int64_t ps,
-         int64_t Hkv, float sm_scale, int64_t sliding_window, float soft_cap, const TurboPages* turbo = nullptr) {
+         int64_t Hkv, float sm_scale, int64_t sliding_window, float soft_cap, const Tree& tree,
+         const TurboPages* turbo = nullptr) {
   const auto qd = q.dimensions(), bd = block_tables.dimensions();
   const int64_t T_ = qd[0], Hq = qd[1], D = qd[2], S = kv_lens.element_count();
   auto shared = std::make_shared<Shared<T>>();
@@ -1107,7 +1211,8 @@ void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const float* k, c
   constexpr bool scaled = kScaled<T>;
   p = Problem<T>{q.typed_data(), view(kp, ks, 0), view(vp, vs, 1), sinks, block_tables.typed_data(), nullptr, nullptr,
                  out, lse, T_, Hq, Hkv, D, P, ps, S, bd[1], sliding_window, sm_scale, soft_cap,
-                 scaled ? static_cast<const float*>(ks) : nullptr, scaled ? static_cast<const float*>(vs) : nullptr};
+                 scaled ? static_cast<const float*>(ks) : nullptr, scaled ? static_cast<const float*>(vs) : nullptr,
+                 tree.start, tree.bits, tree.words};
   lay_out_and_write(cu_q_lens.typed_data(), kv_lens.typed_data(), k, v, S, p, shared->seq, shared->pos, kp, vp, ks,
                     vs);
   p.seq = shared->seq.data();
@@ -1125,7 +1230,8 @@ void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const float* k, c
     if (b - a < kTileMin || p.seq[a] != s || p.seq[b - 1] != s || p.pos[a] < 0) continue;
     for (int64_t t1 = b; t1 > a; t1 -= kTile) {
       const int64_t t0 = std::max(a, t1 - kTile), hi = std::min<int64_t>(p.pos[t1 - 1], last);
-      const int64_t lo = p.window > 0 ? std::max<int64_t>(0, std::min<int64_t>(p.pos[t0], last) - p.window + 1) : 0;
+      int64_t lo = hi;  // the first position a token of the tile sees (draft-tree nodes' windows differ)
+      for (int64_t t = t0; t < t1; ++t) lo = std::min(lo, sight(p, t).lo);
       shared->items.push_back(Item{t0, lo, hi, t1 - t0});
       std::fill(tiled.begin() + t0, tiled.begin() + t1, 1);
       positions += (hi - lo + 1) * (t1 - t0);
@@ -1160,9 +1266,10 @@ void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const float* k, c
   std::vector<int64_t> first(T_ + 1, shared->items.size());  // token t's items: [first[t], first[t + 1])
   for (int64_t t = 0; t < T_; ++t) {
     first[t + 1] = first[t];
-    const int64_t s = p.seq[t], hi = std::min<int64_t>(p.pos[t], last);
+    const int64_t s = p.seq[t];
     if (tiled[t] || s < 0 || s >= p.S || p.pos[t] < 0) continue;  // in a tile, or padding
-    const int64_t lo = p.window > 0 ? std::max<int64_t>(0, hi - p.window + 1) : 0, n = hi - lo + 1;
+    const Sight see = sight(p, t);
+    const int64_t lo = see.lo, n = see.hi - lo + 1;
     const int64_t splits = std::clamp<int64_t>(n / kSplit, 1, std::max(kMaxSplits, threads));
     for (int64_t j = 0; j < splits; ++j)
       shared->items.push_back(Item{t, lo + n * j / splits, lo + n * (j + 1) / splits - 1});
@@ -1212,11 +1319,12 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                            ffi::Buffer<ffi::F32> v, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                            ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
                            ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
-                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
-                           ffi::ResultBuffer<ffi::F32> lse, ffi::Result<ffi::AnyBuffer> k_out,
-                           ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::AnyBuffer> ks_out,
-                           ffi::Result<ffi::AnyBuffer> vs_out, float sm_scale, int64_t sliding_window, float soft_cap,
-                           int64_t has_sinks) {
+                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::F32> sinks,
+                           ffi::Buffer<ffi::S32> tree_start, ffi::Buffer<ffi::S32> tree_bits,
+                           ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
+                           ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
+                           ffi::Result<ffi::AnyBuffer> ks_out, ffi::Result<ffi::AnyBuffer> vs_out, float sm_scale,
+                           int64_t sliding_window, float soft_cap, int64_t has_sinks, int64_t has_tree) {
   using Type = ffi::DataType;
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2)
@@ -1245,13 +1353,16 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   if (bd[0] != S || cu_q_lens.element_count() != S + 1 || (has_sinks && sinks.element_count() != Hq))
     return ffi::Error::InvalidArgument("decode_attention_cpu: block_tables / cu_q_lens / kv_lens / sinks lengths "
                                        "do not match");
+  Tree tree;
+  const ffi::Error tree_ok = tree_of("decode_attention_cpu", has_tree, tree_start, tree_bits, S, T, tree);
+  if (tree_ok.failure()) return tree_ok;
   const float* sink = has_sinks ? sinks.typed_data() : nullptr;
   void *kp = aliased(k_pages, k_out), *vp = aliased(v_pages, v_out);
   void *ks = aliased(k_scales, ks_out), *vs = aliased(v_scales, vs_out);
   const auto go = [&](auto element) {
     run<decltype(element)>(pool, q, k.typed_data(), v.typed_data(), kp, vp, ks, vs, block_tables, cu_q_lens, kv_lens,
                            sink, out->typed_data(), lse->typed_data(), kd[0], kd[1], Hkv, sm_scale, sliding_window,
-                           soft_cap);
+                           soft_cap, tree);
   };
   if (type == Type::F32)
     go(float{});
@@ -1325,9 +1436,11 @@ ffi::Error DecodeAttentionTurbo(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
                                 ffi::AnyBuffer vi1, ffi::AnyBuffer vv1, ffi::Buffer<ffi::F32> codebooks,
                                 ffi::Buffer<ffi::F32> columns, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> kv_lens,
-                                ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
+                                ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::S32> tree_start,
+                                ffi::Buffer<ffi::S32> tree_bits, ffi::ResultBuffer<ffi::F32> out,
                                 ffi::ResultBuffer<ffi::F32> lse, float sm_scale, int64_t sliding_window, float soft_cap,
-                                int64_t has_sinks, int64_t groups, int64_t bits0, int64_t bits1, int64_t sparse) {
+                                int64_t has_sinks, int64_t has_tree, int64_t groups, int64_t bits0, int64_t bits1,
+                                int64_t sparse) {
   const auto qd = q.dimensions(), bd = block_tables.dimensions();
   if (qd.size() != 3 || bd.size() != 2)
     return ffi::Error::InvalidArgument("decode_attention_turbo_cpu: q must be 3-D, block_tables 2-D");
@@ -1354,9 +1467,12 @@ ffi::Error DecodeAttentionTurbo(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   if (bd[0] != S || cu_q_lens.element_count() != S + 1 || (has_sinks && sinks.element_count() != Hq))
     return ffi::Error::InvalidArgument("decode_attention_turbo_cpu: block_tables / cu_q_lens / kv_lens / sinks "
                                        "lengths do not match");
+  Tree tree;
+  const ffi::Error tree_ok = tree_of("decode_attention_turbo_cpu", has_tree, tree_start, tree_bits, S, qd[0], tree);
+  if (tree_ok.failure()) return tree_ok;
   run<Turbo>(pool, q, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, block_tables, cu_q_lens, kv_lens,
              has_sinks ? sinks.typed_data() : nullptr, out->typed_data(), lse->typed_data(), lead[0], lead[1], lead[2],
-             sm_scale, sliding_window, soft_cap, pages);
+             sm_scale, sliding_window, soft_cap, tree, pages);
   return ffi::Error::Success();
 }
 
@@ -1393,6 +1509,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // sinks [Hq] (any [1] when absent)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tree start [S] (any [1] when absent)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tree bits [T, words] (any [1, 1] when absent)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, Hq, D]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse [T, Hq]
                                   .Ret<ffi::AnyBuffer>()         // k_pages, aliased to the operand
@@ -1402,7 +1520,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldDecodeAttention, DecodeAttention,
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("has_sinks"));
+                                  .Attr<int64_t>("has_sinks")
+                                  .Attr<int64_t>("has_tree"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldDecodeAttentionTurbo, DecodeAttentionTurbo,
                               ffi::Ffi::Bind()
@@ -1431,12 +1550,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldDecodeAttentionTurbo, DecodeAttentionTurbo,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens [S + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // sinks [Hq] (any [1] when absent)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tree start [S] (any [1] when absent)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tree bits [T, words] (any [1, 1] when absent)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, Hq, D], in the rotated basis
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse [T, Hq]
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("has_sinks")
+                                  .Attr<int64_t>("has_tree")
                                   .Attr<int64_t>("groups")
                                   .Attr<int64_t>("bits0")
                                   .Attr<int64_t>("bits1")

@@ -8,9 +8,9 @@ tile over its sequence's pages a block at a time. Rows of one query token (decod
 get tiles of one, so they cost what paged decode attention costs even in a step with
 prefill chunks; chunks get tiles of min(max_q_len, 16) tokens, at most
 ceil(tokens / 16) + max_chunks of them (a tile's work is paid even when it is spare, so
-the static bounds matter). Tested against ref.py. (On CPU the entry runs steps without a
-draft tree over float32, bfloat16, int8, fp8, NVFP4 and TurboQuant pages on the C++ kernel
-of cpu.py instead: decode-only ones, and with chunks where its build has tiles.)
+the static bounds matter). Tested against ref.py. (On CPU the entry runs steps over
+float32, bfloat16, int8, fp8, NVFP4 and TurboQuant pages, draft trees included, on the C++
+kernel of cpu.py instead: decode-only ones, and with chunks where its build has tiles.)
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from pallas_kernels import cpu_ffi, ragged_paged_attention
 from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.ref import token_layout, write_new_kv
-from pallas_kernels.tree_mask import TreeMask
+from pallas_kernels.tree_mask import TreeMask, pack_mask
 from model.kv_formats import turboquant
 from quant.blockscaled import nvfp4_quantize
 from quant.kv_rows import quantize_rows
@@ -58,9 +58,25 @@ def _decode_batch(seed, kv_lens, *, num_q_heads=6, num_kv_heads=2, head_dim=64, 
     return args, f32(num_q_heads)
 
 
-def _oracle(q, k_pages, v_pages, table, seq, pos, sm_scale, window=None, cap=None, sinks=None):
+def _sees(t, p, window, tree):
+    """bool [p + 1]: which positions token t at position p sees, by tree_mask's docstring
+    read as plain rules (start, bits: numpy; none: causal in the window)."""
+    j = np.arange(p + 1)
+    if tree is None or p < tree[0]:
+        return j > (p - window if window else -1)
+    start, bits = tree
+    ancestor = np.array([(int(bits[o // 32]) >> (o % 32)) & 1 for o in range(32 * len(bits))], bool)
+    logical = start - 1 + int(ancestor.sum())
+    offset = j - start
+    inside = ancestor[np.clip(offset, 0, len(ancestor) - 1)]
+    return np.where(offset < 0, j > (logical - window if window else -1),
+                    np.where(offset < len(ancestor), inside, True))
+
+
+def _oracle(q, k_pages, v_pages, table, seq, pos, sm_scale, window=None, cap=None, sinks=None, tree=None):
     """Per token: its sequence's positions gathered from the pages by a plain loop, then
-    float64 softmax attention; padding tokens out 0, lse -inf."""
+    float64 softmax attention over those it sees (`_sees`; tree: a TreeMask); padding
+    tokens out 0, lse -inf."""
     q, k_pages, v_pages, table = (np.asarray(x) for x in (q, k_pages, v_pages, table))
     outs, lses = [], []
     for t, (s, p) in enumerate(zip(np.asarray(seq), np.asarray(pos))):
@@ -70,7 +86,7 @@ def _oracle(q, k_pages, v_pages, table, seq, pos, sm_scale, window=None, cap=Non
         rows = [(table[s, i // PAGE_SIZE], i % PAGE_SIZE) for i in range(p + 1)]
         k = np.stack([k_pages[page, slot] for page, slot in rows])
         v = np.stack([v_pages[page, slot] for page, slot in rows])
-        mask = np.arange(p + 1) > (p - window if window else -1)
+        mask = _sees(t, p, window, None if tree is None else (int(tree.start[s]), np.asarray(tree.bits[t])))
         logits_fn = None if cap is None else (lambda x: cap * np.tanh(x / cap))
         out, lse = dense_attention_f64(q[t], k, v, mask, sm_scale, sinks, logits_fn)
         outs.append(out), lses.append(lse)
@@ -81,14 +97,15 @@ def _bytes(x):
     return np.asarray(x).view(np.uint8)
 
 
-def _check_kernel(args, sinks, sm_scale, window=None, cap=None, page_dtype=jnp.float32, target=None):
+def _check_kernel(args, sinks, sm_scale, window=None, cap=None, page_dtype=jnp.float32, target=None, tree=None):
     """The kernel against the reference's page writes (equal pages: bfloat16 pages round the
     new rows as XLA's convert does; page_dtype "int8" / "fp8" / "nvfp4": the pages quantized
     as quant.quantize_rows / quant.nvfp4_quantize do, codes and scales byte for byte; a
     TurboQuant or TurboQuantSplit: its own codes, written through XLA) and the oracle's
     attention over them (TurboQuant pages dequantized by the quantizer: its rows in the
     channel basis, where the kernel reads them in the rotated one). target: the FFI name of
-    the build to call (its TurboQuant handler's is target + "_turbo")."""
+    the build to call (its TurboQuant handler's is target + "_turbo"). tree: a TreeMask for
+    the kernel and the oracle."""
     q, k, v, k_pages, v_pages, table, cu, kv_lens = args
     turbo = isinstance(page_dtype, (TurboQuant, TurboQuantSplit))
     fmt = kv_formats.resolve(page_dtype) if isinstance(page_dtype, str) or turbo else None
@@ -102,21 +119,24 @@ def _check_kernel(args, sinks, sm_scale, window=None, cap=None, page_dtype=jnp.f
     seq, pos = token_layout(cu, kv_lens, q.shape[0])
     want_k, want_v = write_new_kv(k_pages, v_pages, k, v, table, seq, pos, fmt)
     out, lse, got_k, got_v = call(*args, sinks, sm_scale=sm_scale, sliding_window=window, soft_cap=cap,
-                                  kv_format=page_dtype if fmt else None, target=target)
+                                  kv_format=page_dtype if fmt else None, tree=tree, target=target)
     for got, want in zip(jax.tree.leaves((got_k, got_v)), jax.tree.leaves((want_k, want_v))):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(_bytes(got), _bytes(want))
     # (for TurboQuant pages the step above compares write_new_kv with itself; this checks the writes)
     if fmt is not None:  # each live token's slot holds the quantizer's codes of its row, leaf by leaf
         for new, pages in ((k, got_k), (v, got_v)):
+            # the step's rows quantized at once (XLA's rounding of TurboQuant's rotation can
+            # move a code by one between a row alone and the same row among many)
+            rows = fmt.quantize(new)
             for t, (s, p) in enumerate(zip(np.asarray(seq), np.asarray(pos))):
                 if s < table.shape[0] and p >= 0:
                     page, slot = int(table[s, p // PAGE_SIZE]), p % PAGE_SIZE
-                    for got, want in zip(jax.tree.leaves(pages), jax.tree.leaves(fmt.quantize(new[t]))):
-                        np.testing.assert_array_equal(_bytes(got[page, slot]), _bytes(want))
+                    for got, want in zip(jax.tree.leaves(pages), jax.tree.leaves(rows)):
+                        np.testing.assert_array_equal(_bytes(got[page, slot]), _bytes(want[t]))
         want_k, want_v = fmt.dequantize(want_k), fmt.dequantize(want_v)
     want_out, want_lse = _oracle(q, want_k.astype(jnp.float32), want_v.astype(jnp.float32), table, seq, pos,
-                                 sm_scale, window, cap, sinks)
+                                 sm_scale, window, cap, sinks, tree)
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
 
@@ -201,7 +221,7 @@ def _tiles_or_skip():
         pytest.skip("this build has no tiles (no AVX-512): chunks run a token at a time")
 
 
-@pytest.mark.parametrize("page_dtype", PAGES + TURBO[:2], ids=PAGE_IDS + TURBO_IDS[:2])
+@pytest.mark.parametrize("page_dtype", PAGES + TURBO, ids=PAGE_IDS + TURBO_IDS)
 @pytest.mark.parametrize("window,cap,with_sinks", [(None, None, False), (5, 2.0, True)])
 def test_prefill_chunks_cut_into_tiles_match_the_oracle(window, cap, with_sinks, page_dtype):
     """A mixed step: a chunk of 37 tokens after a 30-position prefix (tiles of 16, 16 and 5
@@ -287,6 +307,92 @@ def test_chunks_out_of_order_are_left_to_token_runs():
                                                       kv_lens[:3], sm_scale=0.125)
     np.testing.assert_array_equal(np.asarray(out[:30]), np.asarray(want_out))
     np.testing.assert_array_equal(np.asarray(lse[:30]), np.asarray(want_lse))
+
+
+def _ancestor_bits(rng, nodes, words):
+    """int32 [nodes, words]: a random draft tree's ancestor-or-self bits (node 0 the root,
+    node i's parent one of the nodes before it), as tree_mask packs them."""
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, nodes)]
+    mask = np.zeros((nodes, 32 * words), bool)
+    for i in range(nodes):
+        j = i
+        while j >= 0:
+            mask[i, j], j = True, parents[j]
+    return np.asarray(pack_mask(jnp.asarray(mask)))
+
+
+def _tree_step(seed, kv_lens, q_lens, starts, words=2, padding=1, **kw):
+    """A step over _decode_batch whose sequence s has a draft tree region from starts[s]
+    (its kv_len: none): the tokens there get a random tree's bits, the others zeros."""
+    rng = np.random.default_rng(seed + 1000)
+    args, sinks = _decode_batch(seed, kv_lens, q_lens=q_lens, padding=padding, **kw)
+    bits = np.zeros((args[0].shape[0], words), np.int32)
+    first = np.concatenate([[0], np.cumsum(q_lens)])
+    for s, (kv_len, q_len, start) in enumerate(zip(kv_lens, q_lens, starts)):
+        if start < kv_len:
+            bits[first[s + 1] - (kv_len - start):first[s + 1]] = _ancestor_bits(rng, kv_len - start, words)
+    return args, sinks, TreeMask(jnp.asarray(starts, jnp.int32), jnp.asarray(bits))
+
+
+@pytest.mark.parametrize("page_dtype", PAGES + TURBO[:1], ids=PAGE_IDS + TURBO_IDS[:1])
+@pytest.mark.parametrize("window,cap,with_sinks", [(None, None, False), (3, 2.0, True)])
+def test_draft_tree_nodes_see_the_prefix_their_ancestors_and_themselves(window, cap, with_sinks, page_dtype):
+    """A verify step: 40 nodes after a 21-position prefix (two words of bits; tiles of 8,
+    16 and 16), 5 after 9 (a run per node), a decode row with no tree and a chunk of 20
+    whose last 10 are nodes (tiles of plain tokens and nodes together). Each node sees the
+    prefix (on a sliding layer from its logical position start - 1 + depth, so a deep
+    node of a window of 3 sees none of it), its ancestors and itself, as the oracle reads
+    tree_mask's rules; the kernel counts the five tiles."""
+    args, sinks, tree = _tree_step(26, [61, 14, 12, 60], [40, 5, 1, 20], [21, 9, 12, 50])
+    before = _tile_items()
+    _check_kernel(args, sinks if with_sinks else None, 0.125, window, cap, page_dtype, tree=tree)
+    assert _tile_items() - before == (5 if cpu.tiles() else 0)
+
+
+def test_a_nan_value_reaches_only_the_nodes_below_it():
+    """A NaN in one node's new V row (channel 3 of KV head 0) reaches the nodes it is an
+    ancestor of (itself included) and no sibling or other branch, in a tile (16 nodes)
+    and in runs (5 nodes): a node's positions are filtered before its scores and weights."""
+    args, _, tree = _tree_step(27, [30, 12], [16, 5], [14, 7], words=1, padding=0)
+    q, k, v, *rest = args
+    bits = np.asarray(tree.bits)[:, 0]
+    for first, count, node in ((0, 16, 5), (16, 5, 2)):  # node 5 of the 16-node tree, node 2 of the 5-node one
+        t = first + node
+        bad = v.at[t, 0, 3].set(jnp.nan)
+        out, *_ = cpu.decode_attention_cpu(q, k, bad, *rest, sm_scale=0.125, tree=tree)
+        below = np.zeros(q.shape[0], bool)
+        rows = np.arange(first, first + count)
+        below[rows] = (bits[rows] >> node) & 1 == 1
+        assert below[t] and below.sum() < count  # not every node is below it
+        np.testing.assert_array_equal(np.isnan(np.asarray(out[:, :3, 3])), np.repeat(below[:, None], 3, 1))
+        assert not np.isnan(np.asarray(out[:, 3:])).any()
+
+
+def test_a_tree_after_a_long_context_splits_its_tile_over_the_threads():
+    """13 nodes after a 1,000-position prefix and a decode row, with a sliding window of 600
+    (from each node's logical position), the soft cap and sinks: the one tile is cut into
+    parts of 256 positions or more (two threads or more), merged per node."""
+    _tiles_or_skip()
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one thread: a tile is never cut")
+    args, sinks, tree = _tree_step(28, [1013, 30], [13, 1], [1000, 30], words=1)
+    before = _tile_parts()
+    _check_kernel(args, sinks, 0.125, 600, 3.0, tree=tree)
+    assert _tile_parts() - before >= 2
+
+
+def test_a_node_that_sees_nothing_gives_zeros_as_the_reference_does():
+    """Nodes at the start of a sequence whose bits name no position (not even themselves,
+    which no engine tree does) see nothing: out 0 and lse -inf, or the sink's logit with
+    sinks, as ref.py and the oracle give; a node beside them with its own bit is unharmed."""
+    args, sinks = _decode_batch(29, [3], q_lens=[3], padding=0)
+    tree = TreeMask(jnp.zeros(1, jnp.int32), jnp.asarray([[0], [0], [0b101]], jnp.int32))
+    for with_sinks in (False, True):
+        _check_kernel(args, sinks if with_sinks else None, 0.125, tree=tree)
+        out, lse, *_ = cpu.decode_attention_cpu(*args, sinks if with_sinks else None, sm_scale=0.125, tree=tree)
+        np.testing.assert_array_equal(np.asarray(out[:2]), 0.0)
+        np.testing.assert_array_equal(np.asarray(lse[:2]), np.broadcast_to(sinks if with_sinks else -np.inf, (2, 6)))
+        assert np.isfinite(np.asarray(lse[2])).all()
 
 
 def test_bfloat16_pages_round_new_rows_as_xla_converts_them():
@@ -397,8 +503,9 @@ def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
     bfloat16 pages, int8 / fp8 row-scaled ones, NVFP4 ones or turboquant-3.5 ones lowers to
     the kernel and gives the dense reference's outputs, lse and pages; E4M3 leaves as the
     pools keep them (uint8 bits) and as quant's quantizers make them (float8_e4m3fn) give
-    the same, each kept in its own dtype; draft trees, bfloat16 q, MXFP4 pages, TurboQuant
-    codes wider than 4 bits and other variants stay on the XLA path."""
+    the same, each kept in its own dtype; bfloat16 q, MXFP4 pages, TurboQuant codes wider
+    than 4 bits and other variants stay on the XLA path. A step with a draft tree goes to
+    the kernel as the step without one would, and gives ref.py's results."""
     args, sinks = _decode_batch(3, [5, 11, 2], width=40)
     kw = dict(sliding_window=6, sinks=sinks)
     half_pages = args[:3] + (args[3].astype(jnp.bfloat16), args[4].astype(jnp.bfloat16)) + args[5:]
@@ -437,10 +544,17 @@ def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
     assert cpu.TURBO_TARGET not in _lowered(wide_pages, max_q_len=1, kv_format=wide)
     with pytest.raises(ValueError, match="at most 4 bits"):
         cpu.decode_attention_turbo_cpu(*wide_pages, sm_scale=0.1, kv_format=wide)
-    # chunks go to the kernel where its build cuts them into tiles (AVX-512), draft trees never
+    # chunks go to the kernel where its build cuts them into tiles (AVX-512), with or without a tree
     assert (cpu.TARGET in _lowered(args, max_q_len=2, max_chunks=1)) == cpu.tiles()
-    tree = TreeMask(jnp.zeros(3, jnp.int32), jnp.zeros((args[0].shape[0], 1), jnp.int32))
-    assert cpu.TARGET not in _lowered(args, max_q_len=2, max_chunks=1, tree=tree)
+    tree_args, _, tree = _tree_step(30, [20, 9, 12], [10, 1, 4], [12, 9, 9], words=1)
+    one_node, _, root = _tree_step(31, [5, 9], [1, 1], [4, 9], words=1)  # a tree of one node: a decode step
+    assert cpu.TARGET in _lowered(one_node, max_q_len=1, tree=root)
+    assert (cpu.TARGET in _lowered(tree_args, max_q_len=10, max_chunks=2, tree=tree)) == cpu.tiles()
+    for window in (None, 3):
+        want = ragged_paged_attention(*tree_args, tree=tree, sliding_window=window)  # the dense reference
+        got = ragged_paged_attention(*tree_args, tree=tree, sliding_window=window, max_q_len=10, max_chunks=2)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert_close(g, w)
     bf16 = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args)
     assert cpu.TARGET not in _lowered(bf16, max_q_len=1)
     from pallas_kernels.variant import AttentionVariant
@@ -501,6 +615,11 @@ def test_mismatched_buffers_are_refused_by_the_kernel():
     with pytest.raises(Exception, match="lengths do not match"):
         cpu.decode_attention_cpu(q, k, v, k_pages, v_pages, table, cu[:1], kv_lens,
                                  sm_scale=0.1)[0].block_until_ready()
+    for start, bits in ((jnp.zeros(2, jnp.int32), jnp.zeros((q.shape[0], 1), jnp.int32)),
+                        (jnp.zeros(1, jnp.int32), jnp.zeros((q.shape[0] + 1, 1), jnp.int32))):
+        with pytest.raises(Exception, match="a tree needs start"):
+            cpu.decode_attention_cpu(q, k, v, k_pages, v_pages, table, cu, kv_lens, sm_scale=0.1,
+                                     tree=TreeMask(start, bits))[0].block_until_ready()
 
 
 def _raw_call(q, k, v, pages, scales, table, cu, kv_lens):
@@ -510,8 +629,9 @@ def _raw_call(q, k, v, pages, scales, table, cu, kv_lens):
     call = jax.ffi.ffi_call(cpu.TARGET, (like(q), jax.ShapeDtypeStruct(q.shape[:2], jnp.float32), like(pages),
                                          like(pages), like(scales), like(scales)))
     return call(q, k, v, pages, pages, scales, scales, table, cu, kv_lens, jnp.zeros((1,), jnp.float32),
-                sm_scale=np.float32(0.1), sliding_window=np.int64(0), soft_cap=np.float32(0),
-                has_sinks=np.int64(0))[0].block_until_ready()
+                jnp.zeros((1,), jnp.int32), jnp.zeros((1, 1), jnp.int32), sm_scale=np.float32(0.1),
+                sliding_window=np.int64(0), soft_cap=np.float32(0), has_sinks=np.int64(0),
+                has_tree=np.int64(0))[0].block_until_ready()
 
 
 def test_low_bit_buffers_that_do_not_fit_are_refused_by_the_kernel():
@@ -565,8 +685,9 @@ def test_turboquant_buffers_that_do_not_fit_are_refused_by_the_kernel():
         return jax.ffi.ffi_call(cpu.TURBO_TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                                                    jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)))(
             q, *leaves, codebooks, jnp.zeros((1, 32, 32), jnp.float32), table, cu, kv_lens,
-            jnp.zeros((1,), jnp.float32), sm_scale=np.float32(0.1), sliding_window=np.int64(0),
-            soft_cap=np.float32(0), has_sinks=np.int64(0), groups=np.int64(1), bits0=np.int64(bits),
+            jnp.zeros((1,), jnp.float32), jnp.zeros((1,), jnp.int32), jnp.zeros((1, 1), jnp.int32),
+            sm_scale=np.float32(0.1), sliding_window=np.int64(0), soft_cap=np.float32(0), has_sinks=np.int64(0),
+            has_tree=np.int64(0), groups=np.int64(1), bits0=np.int64(bits),
             bits1=np.int64(0), sparse=np.int64(sparse))[0].block_until_ready()
 
     good = (codes.idx, codes.norm, codes.sparse_idx, codes.sparse_val)

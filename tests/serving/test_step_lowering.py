@@ -112,7 +112,8 @@ def test_speculative_step_runs_every_attention_of_target_and_draft_on_the_kernel
     """One speculative step with a decode row and a verify row packed together: the
     target's layers (the tree as ancestor bits), the draft's pass over the same packed
     tokens and tree growth (a loop over levels) all call the ragged kernel, in one
-    jitted call."""
+    jitted call: Pallas on TPU and CUDA, and on this CPU the C++ kernel where its build has
+    tiles (the steps hold chunks of several tokens)."""
     import dataclasses
 
     import numpy as np
@@ -140,6 +141,10 @@ def test_speculative_step_runs_every_attention_of_target_and_draft_on_the_kernel
     calls = 4 + 1 + 1  # target, draft over the packed tokens, the tree-growth loop's body
     assert kernel_calls(export_tpu(fn, *specs), "tpu_custom_call") == calls
     assert kernel_calls(export_cuda(fn, *specs), TRITON_CALL) == calls
+    from pallas_kernels.ragged_paged_attention import cpu
+
+    if _cpu_kernel_available() and cpu.tiles():  # on this CPU, the C++ kernel, trees and all
+        assert kernel_calls(jax.jit(fn).lower(*specs).as_text(), f"@{cpu.TARGET}(") == calls
 
 
 def test_a_lora_step_runs_every_projection_through_the_lora_kernel(tiny):
