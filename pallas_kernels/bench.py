@@ -321,7 +321,8 @@ def _ragged_rows(on_cpu, platform, dtype, iters):
     Pallas kernel runs interpreted on a tiny step, and the entry's CPU path, the C++ kernel
     (ragged_paged_attention/cpu.py), is timed against the XLA path (xla.py) it replaces at a
     real size: SmolLM2's heads, 4 decode rows at 2,048 positions and a 512-token chunk after
-    2,048, over float32 and NVFP4 pages (bytes: the pages' as stored)."""
+    2,048, over float32 and NVFP4 pages (bytes: the pages' as stored), and a speculative
+    verify step (4 draft trees of 16 nodes after 512 positions, float32 pages)."""
     op = "ragged_paged_attention"
     if not on_cpu:
         args, nbytes = _ragged_problem(np.random.default_rng(2), (32, 8, 128, 16), (64, 2048, 512), dtype)
@@ -351,16 +352,41 @@ def _ragged_rows(on_cpu, platform, dtype, iters):
         entry = functools.partial(ragged_paged_attention, **options)
         impl = "kvfold C++ (cpu_kernel.cc)" if cpu.tiles() else "entry (no tiles here: XLA path)"
         rows.append(_row(label, impl, jax.jit(entry), args, nbytes, max(iters, 5)))
+    # a speculative verify step: 4 sequences of 16 draft-tree nodes each after 512 positions
+    args, nbytes = _ragged_problem(np.random.default_rng(4), heads, (0, 512, 16), jnp.float32, sequences=4)
+    options = dict(sm_scale=heads[2] ** -0.5, kv_format=None, max_q_len=16, max_chunks=4, tree=_verify_tree(4, 16, 512))
+    xla = functools.partial(ragged_paged_attention_xla, sliding_window=None, **options)
+    rows.append(_row("ragged CPU tree", "XLA path (xla.py)", jax.jit(xla), args, nbytes, max(iters, 5)))
+    impl = "kvfold C++ (cpu_kernel.cc)" if cpu.tiles() else "entry (no tiles here: XLA path)"
+    rows.append(_row("ragged CPU tree", impl, jax.jit(functools.partial(ragged_paged_attention, **options)), args,
+                     nbytes, max(iters, 5)))
     return rows
 
 
-def _ragged_problem(rng, heads, step, dtype):
-    """(args, bytes) of a mixed step: `decodes` rows of context `ctx` and a `chunk`-token
-    prefill after ctx positions; heads (hq, hkv, head_dim, page size)."""
+def _verify_tree(sequences, nodes, ctx):
+    """A TreeMask of `sequences` verify rows, each a tree of `nodes` (node i's parent i // 2)
+    from position ctx."""
+    from pallas_kernels.tree_mask import TreeMask, pack_mask
+
+    ancestors = np.zeros((nodes, nodes), bool)
+    for i in range(nodes):
+        j = i
+        while True:
+            ancestors[i, j] = True
+            if j == 0:
+                break
+            j //= 2
+    bits = jnp.tile(pack_mask(jnp.asarray(ancestors)), (sequences, 1))
+    return TreeMask(jnp.full((sequences,), ctx, jnp.int32), bits)
+
+
+def _ragged_problem(rng, heads, step, dtype, sequences=1):
+    """(args, bytes) of a mixed step: `decodes` rows of context `ctx` and `sequences`
+    `chunk`-token prefills after ctx positions; heads (hq, hkv, head_dim, page size)."""
     hq, hkv, d, ps = heads
     decodes, ctx, chunk = step
-    q_lens = [1] * decodes + [chunk]
-    kv_lens = [ctx] * decodes + [ctx + chunk]
+    q_lens = [1] * decodes + [chunk] * sequences
+    kv_lens = [ctx] * decodes + [ctx + chunk] * sequences
     max_pages = -(-(ctx + chunk) // ps)
     num_seqs, tokens = len(q_lens), sum(q_lens)
     num_pages = num_seqs * max_pages
