@@ -357,7 +357,6 @@ def _ragged_rows(on_cpu, platform, dtype, iters):
     options = dict(sm_scale=heads[2] ** -0.5, kv_format=None, max_q_len=16, max_chunks=4, tree=_verify_tree(4, 16, 512))
     xla = functools.partial(ragged_paged_attention_xla, sliding_window=None, **options)
     rows.append(_row("ragged CPU tree", "XLA path (xla.py)", jax.jit(xla), args, nbytes, max(iters, 5)))
-    impl = "kvfold C++ (cpu_kernel.cc)" if cpu.tiles() else "entry (no tiles here: XLA path)"
     rows.append(_row("ragged CPU tree", impl, jax.jit(functools.partial(ragged_paged_attention, **options)), args,
                      nbytes, max(iters, 5)))
     return rows

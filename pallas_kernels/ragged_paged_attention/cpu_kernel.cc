@@ -9,7 +9,7 @@
 // and V rows into its page slot; XLA's version of those two steps was six small fusions a
 // layer (two scatters, 4-5 us at one decode row). Then token t attends over positions [lo,
 // q_pos[t]] of its sequence's pages (lo = 0, or q_pos[t] - window + 1 on a sliding-window
-// layer), reading each position's K and V rows once, every KV head at a time (a page slot
+// layer; a draft-tree node: those of them it sees, below), reading each position's K and V rows once, every KV head at a time (a page slot
 // holds them side by side), for all query heads:
 //
 //   s[g, p] = cap * tanh(sm_scale q[g] . k[p] / cap)        (no cap: sm_scale q[g] . k[p])
@@ -308,17 +308,19 @@ struct Sight {
   }
 };
 
+// lo is kept in [0, hi + 1] (hi + 1: it sees nothing), whatever the window or a tree's start
+// (runtime data): a position read is always one of the table's.
 template <typename E>
 Sight sight(const Problem<E>& p, int64_t t) {
   const int64_t pos = p.pos[t], hi = std::min<int64_t>(pos, p.W * p.ps - 1);
-  if (!p.tree_start || pos < p.tree_start[p.seq[t]])
-    return Sight{p.window > 0 ? std::max<int64_t>(0, hi - p.window + 1) : 0, hi};
+  const auto from = [hi](int64_t lo) { return std::clamp<int64_t>(lo, 0, hi + 1); };
+  if (!p.tree_start || pos < p.tree_start[p.seq[t]]) return Sight{from(p.window > 0 ? pos - p.window + 1 : 0), hi};
   const int64_t start = p.tree_start[p.seq[t]];
   const int32_t* bits = p.tree_bits + t * p.words;
   int64_t depth = 0;
   for (int64_t w = 0; w < p.words; ++w) depth += __builtin_popcount(static_cast<uint32_t>(bits[w]));
-  const int64_t near = p.window > 0 ? std::max<int64_t>(0, start - 1 + depth - p.window + 1) : 0;
-  return Sight{std::min(near, start), hi, true, near, start, 32 * p.words, bits};
+  const int64_t near = p.window > 0 ? start - 1 + depth - p.window + 1 : 0;
+  return Sight{from(std::min(near, start)), hi, true, near, start, 32 * p.words, bits};
 }
 
 template <typename P>
@@ -662,6 +664,7 @@ struct Scratch {
   std::vector<int64_t> rows, decoded_rows;
   std::vector<float> scores, kscale, vscale, tile;
   std::vector<float> acc, top, total;  // attend_tile's rows: [R, D], [R], [R] (its blocks in tile, weights in scores)
+  std::vector<uint32_t> seen;          // attend_tile's lanes seen: [blocks, count] (Sight::lanes)
 };
 
 #if defined(__AVX512F__)
@@ -861,11 +864,12 @@ void decode_block(const Problem<T>& p, Ptr<T> head, const float* scales, int64_t
 
 // One block of 16 decoded positions (kb, vb [16, D], D = 16 kPer) for a tile's rows: token i's
 // G query heads (q [c, Hq, D] at the KV head's first, token_stride apart) see the lanes set in
-// seen[i] (Sight::lanes). In three passes over the rows, whose steps then overlap from row to row: each row's
-// 16 scores (summed by one tree, soft-capped, unseen lanes -inf) into w [R, 16]; its online
-// softmax step (running maximum `top`, sum of exponentials `total`, the factor `shrink` its
-// output is rescaled by to the block's new maximum) turning them into weights; and its
-// unnormalized output acc [R, D] (in registers for the block) += the weighted values.
+// seen[i] (Sight::lanes). In three passes over the rows, whose steps then overlap from row
+// to row: each row's 16 scores (summed by one tree, soft-capped, unseen lanes -inf) into w
+// [R, 16]; its online softmax step (running maximum `top`, sum of exponentials `total`, the
+// factor `shrink` its output is rescaled by to the block's new maximum) turning them into
+// weights; and its unnormalized output acc [R, D] (in registers for the block) += the
+// weighted values.
 template <int kPer>
 void tile_block(const float* q, int64_t token_stride, int64_t G, int64_t c, const uint32_t* seen,
                 const float* kb, const float* vb, float sm_scale, float cap, float* top, float* total, float* acc,
@@ -954,9 +958,14 @@ void attend_tile(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
   s.total.resize(R);
   s.scores.resize(R * 17);  // the block's scores, then weights [R, 16], and each row's shrink [R]
   float *w = s.scores.data(), *shrink = w + R * 16;
-  Sight see[kTile];
-  for (int64_t i = 0; i < c; ++i) see[i] = sight(p, it.t + i);
-  uint32_t seen[kTile];
+  // the lanes each token sees in each block [b, c] (the same for every KV head)
+  const int64_t blocks = (it.hi - it.lo + kTile) / kTile;
+  s.seen.resize(blocks * c);
+  for (int64_t i = 0; i < c; ++i) {
+    const Sight see = sight(p, it.t + i);
+    for (int64_t b = 0; b < blocks; ++b)
+      s.seen[b * c + i] = see.lanes(it.lo + b * kTile, std::min(kTile, it.hi - it.lo - b * kTile + 1));
+  }
   if (it.splits > 1) {
     part.lse.resize(c * p.Hq);
     part.out.resize(c * p.Hq * D);
@@ -974,7 +983,7 @@ void attend_tile(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
       }
       decode_block(p, p.k + kvh * D, kScaled<T> ? p.ks : nullptr, kvh, slots, n, kb);
       decode_block(p, p.v + kvh * D, kScaled<T> ? p.vs : nullptr, kvh, slots, n, vb);
-      for (int64_t i = 0; i < c; ++i) seen[i] = see[i].lanes(b0, n);
+      const uint32_t* seen = s.seen.data() + (b0 - it.lo) / kTile * c;
       block(p.q + (it.t * p.Hq + kvh * G) * D, p.Hq * D, G, c, seen, kb, vb, p.sm_scale, p.cap, s.top.data(),
             s.total.data(), s.acc.data(), w, shrink);
     }
@@ -1254,7 +1263,8 @@ void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const float* k, c
     std::vector<Item> whole;
     whole.swap(shared->items);
     for (const Item& x : whole) {
-      const int64_t n = x.hi - x.lo + 1, splits = std::clamp<int64_t>(std::min(threads / tiles, n / kTileRun), 1, n);
+      const int64_t n = x.hi - x.lo + 1;
+      const int64_t splits = std::clamp<int64_t>(std::min(threads / tiles, n / kTileRun), 1, std::max<int64_t>(n, 1));
       for (int64_t i = 0; i < x.count; ++i) {
         tile_first[x.t + i] = static_cast<int64_t>(shared->items.size());
         tile_parts[x.t + i] = splits;

@@ -20,8 +20,8 @@ import pytest
 from pallas_kernels import cpu_ffi, ragged_paged_attention
 from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.ragged_paged_attention import cpu
-from pallas_kernels.ragged_paged_attention.ref import token_layout, write_new_kv
-from pallas_kernels.tree_mask import TreeMask, pack_mask
+from pallas_kernels.ragged_paged_attention.ref import ragged_paged_attention_ref, token_layout, write_new_kv
+from pallas_kernels.tree_mask import TreeMask, pack_mask, visible
 from model.kv_formats import turboquant
 from quant.blockscaled import nvfp4_quantize
 from quant.kv_rows import quantize_rows
@@ -58,7 +58,7 @@ def _decode_batch(seed, kv_lens, *, num_q_heads=6, num_kv_heads=2, head_dim=64, 
     return args, f32(num_q_heads)
 
 
-def _sees(t, p, window, tree):
+def _sees(p, window, tree):
     """bool [p + 1]: which positions token t at position p sees, by tree_mask's docstring
     read as plain rules (start, bits: numpy; none: causal in the window)."""
     j = np.arange(p + 1)
@@ -86,7 +86,7 @@ def _oracle(q, k_pages, v_pages, table, seq, pos, sm_scale, window=None, cap=Non
         rows = [(table[s, i // PAGE_SIZE], i % PAGE_SIZE) for i in range(p + 1)]
         k = np.stack([k_pages[page, slot] for page, slot in rows])
         v = np.stack([v_pages[page, slot] for page, slot in rows])
-        mask = _sees(t, p, window, None if tree is None else (int(tree.start[s]), np.asarray(tree.bits[t])))
+        mask = _sees(p, window, None if tree is None else (int(tree.start[s]), np.asarray(tree.bits[t])))
         logits_fn = None if cap is None else (lambda x: cap * np.tanh(x / cap))
         out, lse = dense_attention_f64(q[t], k, v, mask, sm_scale, sinks, logits_fn)
         outs.append(out), lses.append(lse)
@@ -135,6 +135,12 @@ def _check_kernel(args, sinks, sm_scale, window=None, cap=None, page_dtype=jnp.f
                     for got, want in zip(jax.tree.leaves(pages), jax.tree.leaves(rows)):
                         np.testing.assert_array_equal(_bytes(got[page, slot]), _bytes(want[t]))
         want_k, want_v = fmt.dequantize(want_k), fmt.dequantize(want_v)
+    if tree is not None:  # the oracle's reading of tree_mask's rules is tree_mask.visible's
+        seen = np.asarray(visible(tree, seq, pos, jnp.arange(table.shape[1] * PAGE_SIZE)[None], window))
+        for t, (s, p) in enumerate(zip(np.asarray(seq), np.asarray(pos))):
+            if s < table.shape[0] and p >= 0:
+                np.testing.assert_array_equal(_sees(int(p), window, (int(tree.start[s]), np.asarray(tree.bits[t]))),
+                                              seen[t, :p + 1])
     want_out, want_lse = _oracle(q, want_k.astype(jnp.float32), want_v.astype(jnp.float32), table, seq, pos,
                                  sm_scale, window, cap, sinks, tree)
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
@@ -381,6 +387,38 @@ def test_a_tree_after_a_long_context_splits_its_tile_over_the_threads():
     assert _tile_parts() - before >= 2
 
 
+@pytest.mark.parametrize("window", [None, 600, 3])
+def test_nodes_over_a_long_context_split_their_runs(window):
+    """Five nodes (below kTileMin: a run each) after 1,000 positions, so each node's positions
+    are cut into several items, with windows of 600 and 3 (whose items before the region
+    see nothing of it and merge as -inf parts), and a tree whose start is negative (runtime
+    data: its nodes read only their own table's positions, every one past the region
+    causally)."""
+    args, sinks, tree = _tree_step(32, [1005, 40], [5, 6], [1000, 34], words=1)
+    _check_kernel(args, sinks, 0.125, window, tree=tree)
+    _check_kernel(args, None, 0.125, window, tree=TreeMask(jnp.asarray([1000, -3], jnp.int32), tree.bits))
+
+
+def test_rows_past_the_table_read_nothing_beyond_it():
+    """kv_lens past the table's width (which the entry refuses, a direct call does not): a
+    plain row's window and a node's (start past the table) are measured from their own
+    positions, as ref.py measures them, so they see nothing of the table, and neither reads
+    past it."""
+    args, _ = _decode_batch(33, [20, 20], q_lens=[1, 3], padding=0)
+    q, k, v, kp, vp, table, cu, _ = args
+    kv_lens = jnp.asarray([30, 30], jnp.int32)  # 8 pages of 4: positions up to 31
+    table = table[:, :4]  # 16 positions
+    tree = TreeMask(jnp.asarray([30, 18], jnp.int32), jnp.asarray([[0], [1], [3], [5]], jnp.int32))
+    step = (q, k, v, kp, vp, table, cu, kv_lens)
+    for window in (2, None):
+        got = cpu.decode_attention_cpu(*step, sm_scale=0.125, sliding_window=window, tree=tree)
+        want = ragged_paged_attention_ref(*step, sm_scale=0.125, sliding_window=window, tree=tree)
+        for g, w in zip(got, want):
+            assert_close(g, w)
+        if window:
+            np.testing.assert_array_equal(np.asarray(got[1]), -np.inf)
+
+
 def test_a_node_that_sees_nothing_gives_zeros_as_the_reference_does():
     """Nodes at the start of a sequence whose bits name no position (not even themselves,
     which no engine tree does) see nothing: out 0 and lse -inf, or the sink's logit with
@@ -494,6 +532,12 @@ def test_low_bit_writes_round_every_code_as_the_quantizers_do(name):
     _check_kernel((q, k, v, k_pages, v_pages, table, cu, kv_lens), None, 0.125, page_dtype=name)
 
 
+def _reference(args, kv_format=None, **kw):
+    """ref.py's dense attention over a step given as the entry takes it (its default sm_scale)."""
+    fmt = None if kv_format is None else kv_formats.resolve(kv_format)
+    return ragged_paged_attention_ref(*args, sm_scale=args[0].shape[-1] ** -0.5, kv_format=fmt, **kw)
+
+
 def _lowered(args, **kw):
     return jax.jit(lambda *a: ragged_paged_attention(*a, **kw)).lower(*args).as_text()
 
@@ -523,7 +567,7 @@ def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
     for pages, fmt in [(args, None), (half_pages, None), *((p, name) for name, p in row_scaled.items()),
                        *((p, name) for name, p in as_quant.items()), (turbo, tq)]:
         assert (cpu.TURBO_TARGET if fmt is tq else cpu.TARGET) in _lowered(pages, max_q_len=1, kv_format=fmt, **kw)
-        want = ragged_paged_attention(*pages, kv_format=fmt, **kw)  # the dense reference (no max_q_len)
+        want = _reference(pages, kv_format=fmt, **kw)
         got = ragged_paged_attention(*pages, max_q_len=1, kv_format=fmt, **kw)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert g.dtype == w.dtype
@@ -551,7 +595,7 @@ def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
     assert cpu.TARGET in _lowered(one_node, max_q_len=1, tree=root)
     assert (cpu.TARGET in _lowered(tree_args, max_q_len=10, max_chunks=2, tree=tree)) == cpu.tiles()
     for window in (None, 3):
-        want = ragged_paged_attention(*tree_args, tree=tree, sliding_window=window)  # the dense reference
+        want = _reference(tree_args, tree=tree, sliding_window=window)
         got = ragged_paged_attention(*tree_args, tree=tree, sliding_window=window, max_q_len=10, max_chunks=2)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert_close(g, w)
@@ -663,7 +707,7 @@ def test_low_bit_buffers_that_do_not_fit_are_refused_by_the_kernel():
                                  kv_format="int8")
     step = args[:3] + (scaled, scaled) + args[5:]
     assert cpu.TARGET not in _lowered(step, max_q_len=1, kv_format="nvfp4")
-    want = ragged_paged_attention(*step, kv_format="nvfp4")  # the dense reference
+    want = _reference(step, kv_format="nvfp4")
     got = ragged_paged_attention(*step, max_q_len=1, kv_format="nvfp4")
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert_close(g.astype(jnp.float32), w.astype(jnp.float32))
