@@ -9,8 +9,9 @@
 // and V rows into its page slot; XLA's version of those two steps was six small fusions a
 // layer (two scatters, 4-5 us at one decode row). Then token t attends over positions [lo,
 // q_pos[t]] of its sequence's pages (lo = 0, or q_pos[t] - window + 1 on a sliding-window
-// layer; a draft-tree node: those of them it sees, below), reading each position's K and V rows once, every KV head at a time (a page slot
-// holds them side by side), for all query heads:
+// layer; a draft-tree node: those of them it sees, below), reading each position's K and V
+// rows once, every KV head at a time (a page slot holds them side by side), for all query
+// heads:
 //
 //   s[g, p] = cap * tanh(sm_scale q[g] . k[p] / cap)        (no cap: sm_scale q[g] . k[p])
 //   out[g]  = sum_p exp(s[g, p] - m[g]) v[p] / l[g],   lse[g] = m[g] + log l[g]
