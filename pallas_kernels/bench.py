@@ -365,17 +365,9 @@ def _ragged_rows(on_cpu, platform, dtype, iters):
 def _verify_tree(sequences, nodes, ctx):
     """A TreeMask of `sequences` verify rows, each a tree of `nodes` (node i's parent i // 2)
     from position ctx."""
-    from pallas_kernels.tree_mask import TreeMask, pack_mask
+    from pallas_kernels.tree_mask import TreeMask, ancestor_mask, pack_mask
 
-    ancestors = np.zeros((nodes, nodes), bool)
-    for i in range(nodes):
-        j = i
-        while True:
-            ancestors[i, j] = True
-            if j == 0:
-                break
-            j //= 2
-    bits = jnp.tile(pack_mask(jnp.asarray(ancestors)), (sequences, 1))
+    bits = jnp.tile(pack_mask(jnp.asarray(ancestor_mask([i // 2 for i in range(nodes)]))), (sequences, 1))
     return TreeMask(jnp.full((sequences,), ctx, jnp.int32), bits)
 
 

@@ -26,6 +26,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 WORD_BITS = 32
 
@@ -42,6 +43,15 @@ class TreeMask:
     @property
     def region(self) -> int:
         return self.bits.shape[1] * WORD_BITS
+
+
+def ancestor_mask(parents) -> np.ndarray:
+    """bool [N, N] on the host: mask[i, j] iff node j is node i or one of its ancestors, for a
+    tree whose node i > 0 has parent parents[i] < i (node 0 the root; its entry is unused)."""
+    mask = np.eye(len(parents), dtype=bool)
+    for i in range(1, len(parents)):
+        mask[i] |= mask[parents[i]]
+    return mask
 
 
 def pack_mask(mask: jax.Array) -> jax.Array:

@@ -9,7 +9,8 @@
     python -m serving.bench context    [--batch 16] [--contexts 256 1024 4096] [--plot FILE.png]
     python -m serving.bench kv-dtypes  [--batch 16] [--context 2048] [--shared-prompt]
     python -m serving.bench scheduler  [--running 256 1024]
-    python -m serving.bench speculative --draft DIR [--batch-sizes 1 8] [--new-tokens 64] [--plot FILE.png]
+    python -m serving.bench speculative --draft DIR [--batch-sizes 1 8] [--new-tokens 64] [--repeats 2]
+                                       [--plot FILE.png]
     python -m serving.bench fuzz       [--examples 1000] [--seed 0]
     python -m serving.bench serve      [--rates 2 8 inf] [--num-prompts 32] [--model default]
     python -m serving.bench structured [--batch-sizes 1 8] [--max-tokens 160]
@@ -45,8 +46,9 @@ kv-dtypes: decode tokens/s at one long context for each kv_cache_dtype against f
 (a prompt per row, so a step reads distinct pages; --shared-prompt: one for all rows).
 scheduler: microseconds per `schedule` call with N running requests.
 speculative: EAGLE-3 tree speculation against plain decoding on the same engine and
-prompts: tokens/s both ways, mean accepted length tau, acceptance by draft position,
-and whether the greedy outputs are identical (they must be).
+prompts: tokens/s both ways (the best of --repeats runs of each, in turns), mean accepted
+length tau, acceptance by draft position, and whether the greedy outputs are identical in
+every run (they must be).
 fuzz: random valid and invalid requests on a tiny model over the default tokenizer
 (serving/fuzz.py); counts of inputs run, rejected cleanly, and of crashes, hangs, leaks,
 baseline changes and invalid inputs accepted (each must be 0). No peer: a correctness run.
@@ -491,8 +493,6 @@ def bench_speculative(args) -> None:
     import model
     from serving.llm import LLM
 
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     config, params = model.load(args.model, weights_dtype=_weights(args))
     tok = model.load_tokenizer(args.model)
     spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.num_speculative_tokens,
@@ -515,10 +515,11 @@ def bench_speculative(args) -> None:
                 start = time.perf_counter()
                 out = llm.generate(prompts, greedy)
                 tps[name] = max(tps.get(name, 0.0), batch * args.new_tokens / (time.perf_counter() - start))
-                ids[name] = [o.outputs[0].token_ids for o in out]
+                ids.setdefault(name, []).append([o.outputs[0].token_ids for o in out])
         stats = llms["eagle3"].engine.speculative_stats()  # greedy: every run accepts the same
         del llms
-        rows.append((batch, tps["plain"], tps["eagle3"], stats, ids["eagle3"] == ids["plain"]))
+        same = all(run == ids["plain"][0] for runs in ids.values() for run in runs)
+        rows.append((batch, tps["plain"], tps["eagle3"], stats, same))
     print(f"\nspeculative: {args.model}, draft {args.draft}, tree depth {args.depth} top-k {args.top_k} "
           f"{args.num_speculative_tokens} draft tokens, {args.new_tokens} new tokens, greedy, best of "
           f"{args.repeats} alternating runs, {_device()}")
@@ -1622,8 +1623,8 @@ def main(argv: list[str] | None = None) -> None:
             _check_plot(parser, args.plot)
         (bench_context if args.command == "context" else bench_kv_dtypes)(args)
     elif args.command == "speculative":
-        if args.new_tokens <= 0 or any(b <= 0 for b in args.batch_sizes):
-            parser.error("--new-tokens and batch sizes must be > 0")
+        if args.new_tokens <= 0 or args.repeats <= 0 or any(b <= 0 for b in args.batch_sizes):
+            parser.error("--new-tokens, --repeats and batch sizes must be > 0")
         _check_plot(parser, args.plot)
         bench_speculative(args)
     elif args.command == "disagg":

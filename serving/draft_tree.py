@@ -15,6 +15,8 @@ from typing import Callable
 
 import numpy as np
 
+from pallas_kernels import tree_mask
+
 
 @dataclasses.dataclass(frozen=True)
 class DraftTree:
@@ -40,10 +42,7 @@ class DraftTree:
 
     def ancestor_mask(self) -> np.ndarray:
         """bool [N, N]: mask[i, j] iff node j is node i or one of its ancestors."""
-        mask = np.eye(self.size, dtype=bool)
-        for i in range(1, self.size):
-            mask[i] |= mask[self.parents[i]]
-        return mask
+        return tree_mask.ancestor_mask(self.parents)
 
 
 def grow_tree(root_token: int, expand: Callable[[list[int], DraftTree], np.ndarray], depth: int,

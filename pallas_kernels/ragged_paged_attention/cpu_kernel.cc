@@ -1,6 +1,7 @@
-// The CPU kernel of paged attention for query tokens that each see a causal run of their
-// sequence's positions (decode rows): one call per layer instead of XLA's block walk, which
-// also stores the step's new K/V rows in the pages (aliased in place).
+// The CPU kernel of ragged paged attention for query tokens that each see a causal run of
+// their sequence's positions (decode rows, prefill chunks; a draft tree's nodes see less of
+// it): one call per layer instead of XLA's block walk, which also stores the step's new K/V
+// rows in the pages (aliased in place).
 //
 // On XLA:CPU the block walk (pallas_kernels/paged_blocks.py) is a while loop of a few dozen
 // small thunks per block, about 70 us a layer at one decode row however short the context
@@ -58,7 +59,7 @@
 // sliding layer, from their logical position), the region's positions their ancestor bits
 // name, and the rest causally (Sight): a token's run skips the positions it does not see,
 // a tile masks them per row in each block of 16. Four 16-node trees after 512 positions took
-// 3.9-7.2 ms a layer on XLA's blocked path and 0.9-2.1 ms here (three runs); a speculative
+// 3.9-7.2 ms a layer on XLA's blocked path and 0.9-2.1 ms here (five runs); a speculative
 // generate of 64 tokens with the default model (float32) went from 4.3-4.4 to 3.8-4.0 s at
 // batch 1 and from 18.5-20.3 to 15.0-15.8 s at batch 8.
 
@@ -1039,7 +1040,7 @@ void merge(const Problem<T>& p, int64_t t, const Part* parts, int64_t count, int
     }
     float* out = p.out + (t * p.Hq + h) * D;
     std::fill(out, out + D, 0.0f);
-    if (!seen) {  // no position seen (a tree node without its own bit): as ref.py, out 0
+    if (!seen) {  // no position seen (a node without its own bit, a row past the table): as ref.py, out 0
       float lse = -kInf, keep = 0.0f;
       if (p.sinks) join_sink(p.sinks[h], lse, keep);
       p.lse[t * p.Hq + h] = lse;
@@ -1243,7 +1244,7 @@ void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const float* k, c
     if (b - a < kTileMin || p.seq[a] != s || p.seq[b - 1] != s || p.pos[a] < 0) continue;
     for (int64_t t1 = b; t1 > a; t1 -= kTile) {
       const int64_t t0 = std::max(a, t1 - kTile), hi = std::min<int64_t>(p.pos[t1 - 1], last);
-      int64_t lo = hi;  // the first position a token of the tile sees (draft-tree nodes' windows differ)
+      int64_t lo = hi + 1;  // the first position a token of the tile sees (draft-tree nodes' windows differ)
       for (int64_t t = t0; t < t1; ++t) lo = std::min(lo, sight(p, t).lo);
       shared->items.push_back(Item{t0, lo, hi, t1 - t0});
       std::fill(tiled.begin() + t0, tiled.begin() + t1, 1);

@@ -72,8 +72,8 @@ def ragged_paged_attention(
         the Triton paged decode kernel for decode-only steps (max_q_len 1, float pages, no
         tree), the Triton ragged kernel (kernel_gpu.py) for other steps over float, int8
         or fp8 pages with power-of-two page_size and head_dim >= 16, and the XLA path
-        otherwise; on CPU the C++ kernel (cpu.py) for steps of float32 q, draft trees
-        included (decode-only ones, or any where its build has tiles) over float32 or bfloat16
+        otherwise; on CPU the C++ kernel (cpu.py) for steps of float32 q (decode-only
+        ones, or any where its build has tiles; draft trees included) over float32 or bfloat16
         pages, int8 / fp8 ones, NVFP4 ones without a tensor scale or TurboQuant ones of
         at most 4 bits a code (kv_format), the XLA path (xla.py) for the rest.
 

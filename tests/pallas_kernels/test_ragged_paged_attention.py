@@ -12,6 +12,7 @@ from model import kv_formats
 from pallas_kernels import AttentionVariant, ragged_paged_attention, validate
 from pallas_kernels.paged_attention import kv_formats as pk_formats
 from pallas_kernels.ragged_paged_attention import TreeMask, pack_mask
+from pallas_kernels.tree_mask import ancestor_mask
 from pallas_kernels.ragged_paged_attention.kernel_gpu import ragged_paged_attention_gpu
 from pallas_kernels.lowering import TRITON_CALL, export_cuda, export_tpu
 from tests.pallas_kernels.helpers import assert_close, dense_attention_f64, spec
@@ -301,10 +302,7 @@ def _tree_batch(seed, page_size=PAGE_SIZE, root=9, decode_len=20):
     `decode_len`; one padding token; three pages of `page_size` per sequence."""
     rng = np.random.default_rng(seed)
     parents = [-1, 0, 0, 1, 1, 2]  # node 3 and 4 under 1, node 5 under 2
-    anc = np.zeros((6, 6), bool)
-    for i, p in enumerate(parents):
-        anc[i] = anc[p] if p >= 0 else False
-        anc[i, i] = True
+    anc = ancestor_mask(parents)
     q_lens, kv_lens = np.array([6, 5, 1], np.int32), np.array([root + 6, 12, decode_len], np.int32)
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     t, num_pages, hq, hkv, d = int(cu[-1]) + 1, 12, 4, 2, 32

@@ -21,7 +21,7 @@ from pallas_kernels import cpu_ffi, ragged_paged_attention
 from pallas_kernels.paged_attention import kv_formats
 from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.ref import ragged_paged_attention_ref, token_layout, write_new_kv
-from pallas_kernels.tree_mask import TreeMask, pack_mask, visible
+from pallas_kernels.tree_mask import TreeMask, ancestor_mask, pack_mask, visible
 from model.kv_formats import turboquant
 from quant.blockscaled import nvfp4_quantize
 from quant.kv_rows import quantize_rows
@@ -318,23 +318,20 @@ def test_chunks_out_of_order_are_left_to_token_runs():
 def _ancestor_bits(rng, nodes, words):
     """int32 [nodes, words]: a random draft tree's ancestor-or-self bits (node 0 the root,
     node i's parent one of the nodes before it), as tree_mask packs them."""
-    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, nodes)]
-    mask = np.zeros((nodes, 32 * words), bool)
-    for i in range(nodes):
-        j = i
-        while j >= 0:
-            mask[i, j], j = True, parents[j]
-    return np.asarray(pack_mask(jnp.asarray(mask)))
+    mask = ancestor_mask([-1] + [int(rng.integers(0, i)) for i in range(1, nodes)])
+    return np.asarray(pack_mask(jnp.asarray(np.pad(mask, ((0, 0), (0, 32 * words - nodes))))))
 
 
 def _tree_step(seed, kv_lens, q_lens, starts, words=2, padding=1, **kw):
     """A step over _decode_batch whose sequence s has a draft tree region from starts[s]
-    (its kv_len: none): the tokens there get a random tree's bits, the others zeros."""
+    (its kv_len: none; the region's nodes must all be tokens of this step): the tokens there
+    get a random tree's bits, the others zeros."""
     rng = np.random.default_rng(seed + 1000)
     args, sinks = _decode_batch(seed, kv_lens, q_lens=q_lens, padding=padding, **kw)
     bits = np.zeros((args[0].shape[0], words), np.int32)
     first = np.concatenate([[0], np.cumsum(q_lens)])
     for s, (kv_len, q_len, start) in enumerate(zip(kv_lens, q_lens, starts)):
+        assert kv_len - start <= q_len
         if start < kv_len:
             bits[first[s + 1] - (kv_len - start):first[s + 1]] = _ancestor_bits(rng, kv_len - start, words)
     return args, sinks, TreeMask(jnp.asarray(starts, jnp.int32), jnp.asarray(bits))
@@ -357,8 +354,9 @@ def test_draft_tree_nodes_see_the_prefix_their_ancestors_and_themselves(window, 
 
 def test_a_nan_value_reaches_only_the_nodes_below_it():
     """A NaN in one node's new V row (channel 3 of KV head 0) reaches the nodes it is an
-    ancestor of (itself included) and no sibling or other branch, in a tile (16 nodes)
-    and in runs (5 nodes): a node's positions are filtered before its scores and weights."""
+    ancestor of (itself included) and no sibling or other branch, in a tile (16 nodes,
+    where the build has tiles) and in runs (5 nodes): a node's positions are filtered
+    before its scores and weights."""
     args, _, tree = _tree_step(27, [30, 12], [16, 5], [14, 7], words=1, padding=0)
     q, k, v, *rest = args
     bits = np.asarray(tree.bits)[:, 0]
@@ -390,13 +388,18 @@ def test_a_tree_after_a_long_context_splits_its_tile_over_the_threads():
 @pytest.mark.parametrize("window", [None, 600, 3])
 def test_nodes_over_a_long_context_split_their_runs(window):
     """Five nodes (below kTileMin: a run each) after 1,000 positions, so each node's positions
-    are cut into several items, with windows of 600 and 3 (whose items before the region
-    see nothing of it and merge as -inf parts), and a tree whose start is negative (runtime
-    data: its nodes read only their own table's positions, every one past the region
-    causally)."""
+    are cut into several items (without a window or with one of 600; a window of 3 leaves
+    one), merged per node; the same nodes in a region of 1,024 from position 0 whose bits
+    name only the tree (so most of a node's items see nothing and merge as -inf parts); and
+    a tree whose start is negative (runtime data: its nodes read only their own table's
+    positions, every one past the region causally)."""
     args, sinks, tree = _tree_step(32, [1005, 40], [5, 6], [1000, 34], words=1)
     _check_kernel(args, sinks, 0.125, window, tree=tree)
     _check_kernel(args, None, 0.125, window, tree=TreeMask(jnp.asarray([1000, -3], jnp.int32), tree.bits))
+    wide = np.zeros((tree.bits.shape[0], 32), np.int32)  # offsets 1,000 + i: word 31, bit 8 + i
+    wide[:5, 31] = np.asarray(tree.bits[:5, 0]) << 8
+    wide[5:, 0] = np.asarray(tree.bits[5:, 0])
+    _check_kernel(args, sinks, 0.125, window, tree=TreeMask(jnp.asarray([0, 34], jnp.int32), jnp.asarray(wide)))
 
 
 def test_rows_past_the_table_read_nothing_beyond_it():
@@ -419,18 +422,22 @@ def test_rows_past_the_table_read_nothing_beyond_it():
             np.testing.assert_array_equal(np.asarray(got[1]), -np.inf)
 
 
-def test_a_node_that_sees_nothing_gives_zeros_as_the_reference_does():
+@pytest.mark.parametrize("nodes", [3, 10], ids=["runs", "tile"])
+def test_a_node_that_sees_nothing_gives_zeros_as_the_reference_does(nodes):
     """Nodes at the start of a sequence whose bits name no position (not even themselves,
     which no engine tree does) see nothing: out 0 and lse -inf, or the sink's logit with
-    sinks, as ref.py and the oracle give; a node beside them with its own bit is unharmed."""
-    args, sinks = _decode_batch(29, [3], q_lens=[3], padding=0)
-    tree = TreeMask(jnp.zeros(1, jnp.int32), jnp.asarray([[0], [0], [0b101]], jnp.int32))
+    sinks, as ref.py and the oracle give; the nodes beside them that see themselves (and
+    position 0) are unharmed. Three nodes run a token at a time, ten in a tile (where the
+    build has tiles)."""
+    args, sinks = _decode_batch(29, [nodes], q_lens=[nodes], padding=0)
+    bits = [[0], [0]] + [[(1 << i) | 1] for i in range(2, nodes)]
+    tree = TreeMask(jnp.zeros(1, jnp.int32), jnp.asarray(bits, jnp.int32))
     for with_sinks in (False, True):
         _check_kernel(args, sinks if with_sinks else None, 0.125, tree=tree)
         out, lse, *_ = cpu.decode_attention_cpu(*args, sinks if with_sinks else None, sm_scale=0.125, tree=tree)
         np.testing.assert_array_equal(np.asarray(out[:2]), 0.0)
         np.testing.assert_array_equal(np.asarray(lse[:2]), np.broadcast_to(sinks if with_sinks else -np.inf, (2, 6)))
-        assert np.isfinite(np.asarray(lse[2])).all()
+        assert np.isfinite(np.asarray(lse[2:])).all()
 
 
 def test_bfloat16_pages_round_new_rows_as_xla_converts_them():
@@ -673,7 +680,7 @@ def _raw_call(q, k, v, pages, scales, table, cu, kv_lens):
     call = jax.ffi.ffi_call(cpu.TARGET, (like(q), jax.ShapeDtypeStruct(q.shape[:2], jnp.float32), like(pages),
                                          like(pages), like(scales), like(scales)))
     return call(q, k, v, pages, pages, scales, scales, table, cu, kv_lens, jnp.zeros((1,), jnp.float32),
-                jnp.zeros((1,), jnp.int32), jnp.zeros((1, 1), jnp.int32), sm_scale=np.float32(0.1),
+                *cpu._tree_operands(None), sm_scale=np.float32(0.1),
                 sliding_window=np.int64(0), soft_cap=np.float32(0), has_sinks=np.int64(0),
                 has_tree=np.int64(0))[0].block_until_ready()
 
@@ -729,10 +736,9 @@ def test_turboquant_buffers_that_do_not_fit_are_refused_by_the_kernel():
         return jax.ffi.ffi_call(cpu.TURBO_TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                                                    jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)))(
             q, *leaves, codebooks, jnp.zeros((1, 32, 32), jnp.float32), table, cu, kv_lens,
-            jnp.zeros((1,), jnp.float32), jnp.zeros((1,), jnp.int32), jnp.zeros((1, 1), jnp.int32),
-            sm_scale=np.float32(0.1), sliding_window=np.int64(0), soft_cap=np.float32(0), has_sinks=np.int64(0),
-            has_tree=np.int64(0), groups=np.int64(1), bits0=np.int64(bits),
-            bits1=np.int64(0), sparse=np.int64(sparse))[0].block_until_ready()
+            jnp.zeros((1,), jnp.float32), *cpu._tree_operands(None), sm_scale=np.float32(0.1),
+            sliding_window=np.int64(0), soft_cap=np.float32(0), has_sinks=np.int64(0), has_tree=np.int64(0),
+            groups=np.int64(1), bits0=np.int64(bits), bits1=np.int64(0), sparse=np.int64(sparse))[0].block_until_ready()
 
     good = (codes.idx, codes.norm, codes.sparse_idx, codes.sparse_val)
     call(good)  # what fits runs
