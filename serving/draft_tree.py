@@ -15,8 +15,6 @@ from typing import Callable
 
 import numpy as np
 
-from pallas_kernels import tree_mask
-
 
 @dataclasses.dataclass(frozen=True)
 class DraftTree:
@@ -41,8 +39,13 @@ class DraftTree:
         return sorted(kids, key=lambda i: -self.scores[i])
 
     def ancestor_mask(self) -> np.ndarray:
-        """bool [N, N]: mask[i, j] iff node j is node i or one of its ancestors."""
-        return tree_mask.ancestor_mask(self.parents)
+        """bool [N, N]: mask[i, j] iff node j is node i or one of its ancestors (as
+        pallas_kernels.tree_mask.ancestor_mask builds it; this module stays free of jax, which
+        that one imports, so the host-side engine can load without it)."""
+        mask = np.eye(self.size, dtype=bool)
+        for i in range(1, self.size):
+            mask[i] |= mask[self.parents[i]]
+        return mask
 
 
 def grow_tree(root_token: int, expand: Callable[[list[int], DraftTree], np.ndarray], depth: int,
