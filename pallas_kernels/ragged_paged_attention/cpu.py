@@ -113,7 +113,7 @@ def tiles() -> bool:
     return available() and bool(KERNEL.library.KvfoldDecodeAttentionTiles())
 
 
-def supports(q, k_pages, v_pages, variant, tree, kv_format, max_q_len) -> bool:
+def supports(q, k_pages, v_pages, variant, kv_format, max_q_len) -> bool:
     """Whether the kernel takes a ragged_paged_attention step: float32 q over float32 or
     bfloat16 pages, int8 / fp8 row-scaled ones, NVFP4 ones without a tensor scale or
     TurboQuant ones (`_reads`), softmax with at most a soft cap, and a built kernel (a GPU
@@ -122,7 +122,6 @@ def supports(q, k_pages, v_pages, variant, tree, kv_format, max_q_len) -> bool:
     tree's nodes (verify rows) are masked by their bits either way."""
     pages_ok = (_reads(kv_format, k_pages) and _reads(kv_format, v_pages) if kv_format is not None
                 else k_pages.dtype in (jnp.float32, jnp.bfloat16))
-    del tree  # the kernel reads one wherever it takes the step
     return (pages_ok and q.dtype == jnp.float32
             and (variant == SOFTMAX or soft_cap_of(variant) is not None)
             and jax.default_backend() == "cpu" and available()

@@ -148,7 +148,7 @@ def ragged_paged_attention(
         block_q = 16 if max_q_len is None else min(16, 1 << (max_q_len - 1).bit_length())
         gpu = _at_page_dtype(mixed, ragged_paged_attention_gpu, block_q=block_q, **static)
     native = (bind(cpu.ragged_decode_cpu, **static)
-              if cpu.supports(q, k_pages, v_pages, static["variant"], tree, fmt, max_q_len) else None)
+              if cpu.supports(q, k_pages, v_pages, static["variant"], fmt, max_q_len) else None)
     if interpret is True:
         interpret = pltpu.InterpretParams()
     return dispatch(
