@@ -1,25 +1,26 @@
 """The CPU path of ragged paged attention: a C++ kernel (cpu_kernel.cc) called through the
-XLA FFI, one call per layer for steps of decode rows (and of prefill chunks, where its
-build has tiles: `tiles`) over float32 or bfloat16 pages, int8 / fp8 pages with a scale
-per position and head (kv_format "int8" / "fp8") or NVFP4 pages (kv_format "nvfp4"), which
-writes the step's new K/V into the pages (aliased, so in place when the pages are donated)
-and attends; and its TurboQuant handler, for pages of a TurboQuant or a TurboQuantSplit
-(kv_cache_dtype turboquant-3.5 / -2.5) of at most 4 bits a code, which XLA writes (as the
-quantizer does) before the kernel reads them in the rotated basis: the query is rotated
-once before the call and the output rotated back once after it
-(pallas_kernels/paged_attention/kv_formats.py), so no row is de-rotated.
+XLA FFI, one call per layer for steps of decode rows and prefill chunks over float32 or
+bfloat16 pages, int8 / fp8 pages with a scale per position and head (kv_format "int8" /
+"fp8") or NVFP4 pages (kv_format "nvfp4"), which writes the step's new K/V into the pages
+(aliased, so in place when the pages are donated) and attends; and its TurboQuant handler,
+for pages of a TurboQuant or a TurboQuantSplit (kv_cache_dtype turboquant-3.5 / -2.5) of at
+most 4 bits a code, which XLA writes (as the quantizer does) before the kernel reads them
+in the rotated basis: the query is rotated once before the call and the output rotated
+back once after it (pallas_kernels/paged_attention/kv_formats.py), so no row is
+de-rotated.
 
 xla.py's block walk is a while loop of small XLA thunks, which on XLA:CPU costs about 70 us
 a layer at one decode row whatever the context; this kernel reads each live position's K
 and V rows once (every KV head's, side by side in the page), for all the query heads, and
 splits long contexts into runs merged at the end. A chunk of 8 tokens or more (head_dim a
 multiple of 16, at most 256) is read in tiles of 16 tokens that share each position's
-read (and, when a call has fewer tiles than threads, cut into runs of positions too). It
-computes the same function as the XLA path (results equal to float32 rounding), for
-softmax attention with or without soft-capping, sliding windows, sinks and draft trees
-(a node sees the region's positions its ancestor bits name, tree_mask.py): the entry's
-CPU branch for those steps; others (MXFP4 pages, other variants; chunks on a build
-without tiles or of another head_dim) and gradients stay on xla.py.
+read (and, when a call has fewer tiles than threads, cut into runs of positions too), with
+AVX-512 where the build has it and in the compiler's portable vectors (AVX2, SSE, NEON)
+elsewhere. It computes the same function as the XLA path (results equal to float32
+rounding), for softmax attention with or without soft-capping, sliding windows, sinks and
+draft trees (a node sees the region's positions its ancestor bits name, tree_mask.py): the
+entry's CPU branch for those steps; others (MXFP4 pages, other variants; chunks of another
+head_dim) and gradients stay on xla.py.
 Built like the quantized matmul's kernel (pallas_kernels/cpu_ffi.py); `available()` says
 whether that worked.
 """
@@ -103,29 +104,22 @@ def _reads(kv_format, pages) -> bool:
             and isinstance(pages, NVFP4) and pages.tensor_scale is None)
 
 
-TILE_MAX_HEAD_DIM = 256  # a tile row's output stays in 16 vectors
-
-
-def tiles() -> bool:
-    """Whether the built kernel cuts prefill chunks into tiles (an AVX-512 build), so that
-    `supports` takes steps with chunks too (head_dim a multiple of 16, at most
-    TILE_MAX_HEAD_DIM)."""
-    return available() and bool(KERNEL.library.KvfoldDecodeAttentionTiles())
+TILE_MAX_HEAD_DIM = 256  # a tile row's output stays in 16 vectors (AVX-512) or 64 columns at a time
 
 
 def supports(q, k_pages, v_pages, variant, kv_format, max_q_len) -> bool:
     """Whether the kernel takes a ragged_paged_attention step: float32 q over float32 or
     bfloat16 pages, int8 / fp8 row-scaled ones, NVFP4 ones without a tensor scale or
     TurboQuant ones (`_reads`), softmax with at most a soft cap, and a built kernel (a GPU
-    or TPU host never builds it); decode rows only (max_q_len 1) unless the build has tiles
-    (`tiles`) that fit head_dim, which take prefill chunks and mixed steps too. A draft
-    tree's nodes (verify rows) are masked by their bits either way."""
+    or TPU host never builds it); prefill chunks and mixed steps (max_q_len > 1), which the
+    kernel cuts into tiles, where head_dim is a multiple of 16 up to TILE_MAX_HEAD_DIM. A
+    draft tree's nodes (verify rows) are masked by their bits."""
     pages_ok = (_reads(kv_format, k_pages) and _reads(kv_format, v_pages) if kv_format is not None
                 else k_pages.dtype in (jnp.float32, jnp.bfloat16))
     return (pages_ok and q.dtype == jnp.float32
             and (variant == SOFTMAX or soft_cap_of(variant) is not None)
             and jax.default_backend() == "cpu" and available()
-            and (max_q_len == 1 or (q.shape[-1] % 16 == 0 and q.shape[-1] <= TILE_MAX_HEAD_DIM and tiles())))
+            and (max_q_len == 1 or (q.shape[-1] % 16 == 0 and q.shape[-1] <= TILE_MAX_HEAD_DIM)))
 
 
 def _tree_operands(tree):

@@ -42,17 +42,19 @@
 // reads TurboQuant pages, written beforehand through XLA, in their rotated basis (TurboPtr).
 //
 // A prefill chunk (kTileMin query tokens or more of one sequence) is cut into tiles of kTile
-// tokens instead (AVX-512 builds, head_dim a multiple of 16 up to 256): a tile reads each KV
-// head's positions once, 16 at a time decoded to float32 with their scales, for its kTile * G
-// query rows, each row keeping an online softmax (flash attention's running maximum and sum)
-// and stopping at its own position. A token's run would read them once per token: on SmolLM2's
+// tokens instead (head_dim a multiple of 16 up to 256): a tile reads each KV head's
+// positions once, 16 at a time decoded to float32 with their scales, for its kTile * G query
+// rows, each row keeping an online softmax (flash attention's running maximum and sum) and
+// stopping at its own position. A token's run would read them once per token: on SmolLM2's
 // layer (9 query heads over 3 KV heads) a 512-token chunk from position 1,536 took 32.5 ms in
 // runs and 23.6 ms in tiles over float32 pages (53.9 and 24.1 over NVFP4 ones), where XLA's
 // blocked path took 39.6 (49.9); three passes over a block's rows (tile_block) then took the
 // tiles to about 17-20 ms, within 1.5x of the multiply-adds' bound on that 2-core machine.
 // A call with fewer tiles than threads cuts each into parts of kTileRun positions or more,
 // merged per token as a token's runs are: a 12- or 16-token chunk after 2,000 positions went
-// from 1.14 / 1.70 ms on one thread to 0.77 / 0.83 ms on two.
+// from 1.14 / 1.70 ms on one thread to 0.77 / 0.83 ms on two. A build without AVX-512 runs
+// the same tiles in the compiler's portable vectors (AVX2, SSE, NEON: tile_block's portable
+// form) and decodes NVFP4 and TurboQuant rows once per KV head in plain loops (decode_row).
 //
 // A draft tree's nodes (speculative decoding's verify rows, pallas_kernels/tree_mask.py: a
 // token at or past its sequence's tree start) see the prefix before the tree's region (on a
@@ -669,6 +671,50 @@ struct Scratch {
   std::vector<uint32_t> seen;          // attend_tile's lanes seen: [blocks, count] (Sight::lanes)
 };
 
+// One position's row of one KV head (r: the pages' pointer at it) decoded to float32 times
+// `scale`, element d at dst[d * stride], in plain loops (what a build without AVX-512, or a
+// head_dim not a multiple of 16, reads decoded rows with). NVFP4 rows a block of 16 at a time
+// (its scale decoded once), TurboQuant rows a channel group at a time (their row index found
+// once), the others element by element.
+template <typename T>
+void decode_row(Ptr<T> r, int64_t D, float scale, float* dst, int64_t stride) {
+  if constexpr (std::is_same_v<T, Turbo>) {
+    const TurboPages& t = *r.pages;
+    const int64_t row = t.row(r.e);
+    for (int64_t g = 0; g < D / t.size; ++g) {
+      const TurboGroup& f = t.group[g];
+      const uint8_t* bytes = f.codes + row * f.bytes;
+      const float step = f.scales[row] * scale;
+      const uint32_t mask = (1u << f.bits) - 1;
+      float* out = dst + g * t.size * stride;
+      for (int64_t c = 0; c < t.size; ++c) {
+        const int64_t bit = c * f.bits, at = bit / 8, shift = bit % 8;
+        uint32_t word = bytes[at];
+        if (shift + f.bits > 8) word |= static_cast<uint32_t>(bytes[at + 1]) << 8;
+        out[c * stride] = f.codebook[(word >> shift) & mask] * step;
+      }
+      for (int64_t j = 0; j < t.sparse; ++j) {
+        const int64_t channel = f.index[row * t.sparse + j];
+        if (channel >= t.size) continue;  // only in bytes no write made: adds nothing
+        const float value = from_bits(static_cast<uint32_t>(f.value[row * t.sparse + j]) << 16) * scale;
+        for (int64_t c = 0; c < t.size; ++c) out[c * stride] += value * f.columns[channel * t.size + c];
+      }
+    }
+  } else if constexpr (std::is_same_v<T, Nvfp4>) {  // r.e a multiple of 16: a whole row
+    for (int64_t b = 0; b < D / 16; ++b) {
+      const float step = e4m3_value(r.scales[r.e / 16 + b]) * scale;
+      const uint8_t* bytes = r.packed + r.e / 2 + 8 * b;
+      float* out = dst + 16 * b * stride;
+      for (int64_t j = 0; j < 8; ++j) {
+        out[2 * j * stride] = kE2M1[bytes[j] & 0xF] * step;
+        out[(2 * j + 1) * stride] = kE2M1[bytes[j] >> 4] * step;
+      }
+    }
+  } else {
+    for (int64_t d = 0; d < D; ++d) dst[d * stride] = to_float(r[d]) * scale;
+  }
+}
+
 #if defined(__AVX512F__)
 // acc[heads, D] += sum_i w[g * n + i] v[rows[i]] for positions [i0, i1) and the heads g of
 // one chunk, whose V accumulators (V of them, D / 16 a head: a template constant) stay in
@@ -726,11 +772,21 @@ void weigh(const float* w, Ptr<T> v, const int64_t* rows, int64_t n, int64_t i0,
     return;
   }
 #endif
-  for (int64_t i = i0; i < i1; ++i)
+  const auto add = [&](int64_t i, auto row) {  // row: position i's V elements, in the pages or decoded
     for (int64_t g = 0; g < G; ++g) {
       const float wi = w[g * n + i];
-      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += wi * to_float(v[rows[i] + d]);
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += wi * to_float(row[d]);
     }
+  };
+  for (int64_t i = i0; i < i1; ++i) {
+    if constexpr (kDecoded<T>) {  // decoded once for the G heads
+      s.tile.resize(D);
+      decode_row<T>(v + rows[i], D, 1.0f, s.tile.data(), 1);
+      add(i, static_cast<const float*>(s.tile.data()));
+    } else {
+      add(i, v + rows[i]);
+    }
+  }
 }
 
 // Positions a weighted pass covers before it moves to the next KV head: two pages' rows of
@@ -791,14 +847,23 @@ void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
 #endif
   {
     for (int64_t h = 0; h < p.Hq; ++h) std::fill(scores + h * ns + n, scores + (h + 1) * ns, -kInf);
-    for (int64_t i = 0; i < n; ++i) {
-      const Ptr<T> r = p.k + s.rows[i];
-      for (int64_t h = 0; h < p.Hq; ++h) {
-        float score = dot(q + h * D, r + h / G * D, D);
-        if constexpr (kScaled<T>) score *= kscale[h / G * ns + i];
-        scores[h * ns + i] = score * p.sm_scale;
+    const auto score = [&](int64_t i, int64_t kvh, auto row) {  // row: K of position i, KV head kvh
+      for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
+        float x = dot(q + h * D, row, D);
+        if constexpr (kScaled<T>) x *= kscale[kvh * ns + i];
+        scores[h * ns + i] = x * p.sm_scale;
       }
-    }
+    };
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
+        if constexpr (kDecoded<T>) {  // decoded once for the G heads
+          s.tile.resize(D);
+          decode_row<T>(p.k + s.rows[i] + kvh * D, D, 1.0f, s.tile.data(), 1);
+          score(i, kvh, static_cast<const float*>(s.tile.data()));
+        } else {
+          score(i, kvh, p.k + s.rows[i] + kvh * D);
+        }
+      }
   }
   part.lse.resize(p.Hq);
   part.out.assign(p.Hq * D, 0.0f);
@@ -833,7 +898,7 @@ inline void join_sink(float sink, float& lse, float& keep) {
 
 // Tiles: a prefill chunk's tokens, kTile at a time, each KV head's positions read once for
 // the tile's kTile * G query rows (a token's run reads them once for its own G). A query run
-// of kTileMin tokens or more of one sequence is cut into tiles (AVX-512 builds: kTiles).
+// of kTileMin tokens or more of one sequence is cut into tiles.
 constexpr int64_t kTile = 16, kTileMin = 8;
 constexpr int64_t kTileRun = 256;  // the fewest positions of a tile's part (run)
 
@@ -935,6 +1000,172 @@ void tile_block(const float* q, int64_t token_stride, int64_t G, int64_t c, cons
   }
 }
 
+// Keys are scored as decoded rows here (sum16 sums a row's products).
+template <typename T>
+void decode_keys(const Problem<T>& p, Ptr<T> head, const float* scales, int64_t kvh, const int64_t* slots,
+                 int64_t n, float* dst) {
+  decode_block(p, head, scales, kvh, slots, n, dst);
+}
+
+#else
+
+// Tiles without AVX-512 compute in the compiler's vector extension (GCC, clang), in vectors
+// of the target's width (AVX: 8 float32 lanes, else 4: SSE, NEON), kParts of them for a
+// block's 16 positions. A key block is kept as columns [D, 16] (kt[d * 16 + j]: element d of
+// position j), so a row's 16 scores are D broadcast multiply-adds, with no sum across lanes.
+#if defined(__AVX__)
+constexpr int kWidth = 8;
+#else
+constexpr int kWidth = 4;
+#endif
+constexpr int kParts = 16 / kWidth;
+typedef float VF __attribute__((vector_size(4 * kWidth)));
+typedef int32_t VI __attribute__((vector_size(4 * kWidth)));
+
+inline VF load(const float* x) {
+  VF v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+inline void save(float* x, VF v) { std::memcpy(x, &v, sizeof v); }
+inline VF splat(float x) { return VF{} + x; }
+inline VF pick(VI where, VF a, VF b) {  // a where `where` is -1, else b
+  return reinterpret_cast<VF>((reinterpret_cast<VI>(a) & where) | (reinterpret_cast<VI>(b) & ~where));
+}
+
+// exp_nonpositive on a vector's lanes (the same steps), a NaN staying NaN.
+inline VF exp_nonpositive_lanes(VF x) {
+  const VI tiny = x < splat(-87.0f);
+  x = pick(tiny, splat(-87.0f), x);
+  const VF y = x * 1.44269504088896341f + 0.5f;
+  VF k = __builtin_convertvector(__builtin_convertvector(y, VI), VF);  // toward zero, then down: floor
+  k += __builtin_convertvector(k > y, VF);                             // (true is -1)
+  const VF r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  VF c = splat(1.9875691500e-4f);
+  c = c * r + 1.3981999507e-3f;
+  c = c * r + 8.3334519073e-3f;
+  c = c * r + 4.1665795894e-2f;
+  c = c * r + 1.6666665459e-1f;
+  c = c * r + 5.0000001201e-1f;
+  const VF e = c * r * r + r + 1.0f;
+  const VI bits = (__builtin_convertvector(k, VI) + 127) << 23;
+  return pick(tiny, VF{}, e * reinterpret_cast<VF>(bits));
+}
+
+// Positions slots[i], i < n, of one KV head decoded as rows into dst [16, D] (decode_block) or
+// as columns into dst [D, 16] (decode_keys), row scales applied; positions n..15 are zeros.
+template <typename T>
+void decode_block(const Problem<T>& p, Ptr<T> head, const float* scales, int64_t kvh, const int64_t* slots,
+                  int64_t n, float* dst, bool columns = false) {
+  const int64_t D = p.D, stride = p.Hkv * D;
+  std::fill(dst, dst + kTile * D, 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float scale = kScaled<T> ? scales[slots[i] * p.Hkv + kvh] * kScaleUnit<T> : 1.0f;
+    if (columns)
+      decode_row<T>(head + slots[i] * stride, D, scale, dst + i, kTile);
+    else
+      decode_row<T>(head + slots[i] * stride, D, scale, dst + i * D, 1);
+  }
+}
+template <typename T>
+void decode_keys(const Problem<T>& p, Ptr<T> head, const float* scales, int64_t kvh, const int64_t* slots,
+                 int64_t n, float* dst) {
+  decode_block(p, head, scales, kvh, slots, n, dst, true);
+}
+
+// The scores of `ready` query rows (rows[x] of the tile, its query qs[x] [D]; ready <= kRows)
+// over a key block kt [D, 16] into w [R, 16], as tile_block writes them: kRows independent
+// sums (a short group repeats its first row), so the multiply-adds overlap.
+template <int kPer, int kRows>
+void score_rows(const float** qs, const int64_t* rows, int ready, const float* kt, const uint32_t* seen, int64_t G,
+                float sm_scale, float cap, float* w) {
+  for (int x = ready; x < kRows; ++x) qs[x] = qs[0];
+  VF s[kRows][kParts] = {};
+  for (int64_t d = 0; d < 16 * kPer; ++d) {
+    VF k[kParts];
+    for (int v = 0; v < kParts; ++v) k[v] = load(kt + d * 16 + v * kWidth);
+    for (int x = 0; x < kRows; ++x) {
+      const VF q = splat(qs[x][d]);
+      for (int v = 0; v < kParts; ++v) s[x][v] += q * k[v];
+    }
+  }
+  for (int x = 0; x < ready; ++x) {
+    const VI mask = VI{} + static_cast<int32_t>(seen[rows[x] / G]);
+    for (int v = 0; v < kParts; ++v) {
+      VF y = s[x][v] * sm_scale;
+      if (cap > 0.0f)
+        for (int l = 0; l < kWidth; ++l) y[l] = cap * std::tanh(y[l] / cap);
+      VI lane;  // the bits of positions v * kWidth ..
+      for (int l = 0; l < kWidth; ++l) lane[l] = 1 << (v * kWidth + l);
+      save(w + rows[x] * 16 + v * kWidth, pick((lane & mask) != 0, y, splat(-kInf)));
+    }
+  }
+}
+
+// tile_block's portable form (the same arguments; kt: the keys as columns [D, 16]).
+template <int kPer>
+void tile_block(const float* q, int64_t token_stride, int64_t G, int64_t c, const uint32_t* seen,
+                const float* kt, const float* vb, float sm_scale, float cap, float* top, float* total, float* acc,
+                float* w, float* shrink) {
+  constexpr int64_t D = 16 * kPer;
+  constexpr int kRows = 4;
+  const float* qs[kRows];
+  int64_t rows[kRows];
+  int ready = 0;
+  for (int64_t r = 0; r < c * G; ++r) {  // the rows of tokens that see the block, kRows at a time
+    if (!seen[r / G]) continue;
+    qs[ready] = q + r / G * token_stride + r % G * D;
+    rows[ready++] = r;
+    if (ready == kRows) {
+      score_rows<kPer, kRows>(qs, rows, ready, kt, seen, G, sm_scale, cap, w);
+      ready = 0;
+    }
+  }
+  if (ready) score_rows<kPer, kRows>(qs, rows, ready, kt, seen, G, sm_scale, cap, w);
+  // each row's online softmax step
+  for (int64_t r = 0; r < c * G; ++r) {
+    if (!seen[r / G]) continue;
+    float most = top[r];
+    for (int j = 0; j < 16; ++j) most = w[r * 16 + j] > most ? w[r * 16 + j] : most;  // a NaN score: NaN sum
+    shrink[r] = exp_nonpositive(top[r] - most);  // 0 for the first block (top -inf)
+    VF sum = VF{};
+    for (int v = 0; v < kParts; ++v) {
+      const VF e = exp_nonpositive_lanes(load(w + r * 16 + v * kWidth) - most);
+      save(w + r * 16 + v * kWidth, e);
+      sum += e;
+    }
+    float added = 0.0f;
+    for (int l = 0; l < kWidth; ++l) added += sum[l];
+    total[r] = total[r] * shrink[r] + added;
+    top[r] = most;
+  }
+  // the weighted values: only the lanes a row sees (another row's NaN value must not reach
+  // it), a run of them as a counted loop; columns 64 at a time, their sums in registers
+  constexpr int64_t kCols = std::min<int64_t>(D, 64);
+  for (int64_t r = 0; r < c * G; ++r) {
+    const uint32_t m = seen[r / G];
+    if (!m) continue;
+    const int j0 = __builtin_ctz(m), j1 = 32 - __builtin_clz(m);
+    const bool run = ((m >> j0) & ((m >> j0) + 1)) == 0;
+    const float* wr = w + r * 16;
+    for (int64_t c0 = 0; c0 < D; c0 += kCols) {
+      constexpr int kVecs = kCols / kWidth;
+      VF o[kVecs];
+      float* out = acc + r * D + c0;
+      for (int u = 0; u < kVecs; ++u) o[u] = load(out + u * kWidth) * shrink[r];
+      if (run) {
+        for (int j = j0; j < j1; ++j)
+          for (int u = 0; u < kVecs; ++u) o[u] += wr[j] * load(vb + j * D + c0 + u * kWidth);
+      } else {
+        for (uint32_t left = m; left; left &= left - 1)
+          for (int u = 0, j = __builtin_ctz(left); u < kVecs; ++u) o[u] += wr[j] * load(vb + j * D + c0 + u * kWidth);
+      }
+      for (int u = 0; u < kVecs; ++u) save(out + u * kWidth, o[u]);
+    }
+  }
+}
+#endif
+
 using TileBlock = void (*)(const float*, int64_t, int64_t, int64_t, const uint32_t*, const float*, const float*,
                            float, float, float*, float*, float*, float*, float*);
 template <int... V>
@@ -983,7 +1214,7 @@ void attend_tile(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
         const int64_t position = b0 + i;
         slots[i] = std::clamp<int64_t>(table[position / p.ps], 0, p.P - 1) * p.ps + position % p.ps;
       }
-      decode_block(p, p.k + kvh * D, kScaled<T> ? p.ks : nullptr, kvh, slots, n, kb);
+      decode_keys(p, p.k + kvh * D, kScaled<T> ? p.ks : nullptr, kvh, slots, n, kb);
       decode_block(p, p.v + kvh * D, kScaled<T> ? p.vs : nullptr, kvh, slots, n, vb);
       const uint32_t* seen = s.seen.data() + (b0 - it.lo) / kTile * c;
       block(p.q + (it.t * p.Hq + kvh * G) * D, p.Hq * D, G, c, seen, kb, vb, p.sm_scale, p.cap, s.top.data(),
@@ -1006,21 +1237,11 @@ void attend_tile(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
       }
   }
 }
-#endif
-
-// Whether this build has tiles (KvfoldDecodeAttentionTiles tells cpu.py).
-#if defined(__AVX512F__)
-constexpr bool kTiles = true;
-#else
-constexpr bool kTiles = false;
-#endif
 
 // Item `it`: a tile's tokens (written whole) or one token's run (its part).
 template <typename T>
 void attend_item(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
-#if defined(__AVX512F__)
   if (it.count) return attend_tile(p, it, part, s);
-#endif
   attend_part(p, it, part, s);
 }
 
@@ -1237,7 +1458,7 @@ void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const float* k, c
   std::vector<char> tiled(T_, 0);
   int64_t positions = 0;
   const int32_t* cu = cu_q_lens.typed_data();
-  for (int64_t s = 0; kTiles && D % 16 == 0 && D <= 256 && s < S; ++s) {
+  for (int64_t s = 0; D % 16 == 0 && D <= 256 && s < S; ++s) {
     const int64_t a = std::max<int64_t>(cu[s], 0), b = std::min<int64_t>(cu[s + 1], T_);
     // seq[t] never decreases, so [a, b) is all sequence s (and its positions consecutive)
     // when its ends are; a cu_q_lens out of order leaves the tokens to their runs
@@ -1505,10 +1726,6 @@ extern "C" int64_t KvfoldDecodeAttentionTileItems() { return tile_items.load(); 
 
 // How many parts tiles cut in several have made so far (what tells a test that they were).
 extern "C" int64_t KvfoldDecodeAttentionTileParts() { return tile_parts_made.load(); }
-
-// Whether this build cuts prefill chunks into tiles (attend_tile: AVX-512), where cpu.py
-// sends chunks to it; else only decode rows.
-extern "C" int KvfoldDecodeAttentionTiles() { return kTiles; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvfoldDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()

@@ -1,7 +1,7 @@
 """The CPU kernel of ragged paged attention (pallas_kernels/ragged_paged_attention/
 cpu_kernel.cc, through the XLA FFI) against ref.write_new_kv's pages and a float64 oracle
 over them, decode rows and prefill chunks (its tiles), and the entry's choice of it: steps
-of float32 q (decode-only ones, or with chunks where the build has tiles) over float32 or
+of float32 q (decode rows, chunks, draft-tree nodes) over float32 or
 bfloat16 pages, int8 / fp8 row-scaled ones, NVFP4 ones or TurboQuant ones of at most 4
 bits a code, nothing else."""
 
@@ -158,10 +158,20 @@ TURBO_IDS = ["tq3.5", "tq2.5", "tq4"]
 PORTABLE = "kvfold_decode_attention_portable"
 
 
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """A build of the kernel registered under its own FFI name: `target` (its TurboQuant
+    handler's is target + "_turbo") and the loaded library, for its counters."""
+
+    target: str
+    library: ctypes.CDLL
+
+
 @pytest.fixture(scope="module")
 def portable():
-    """The kernel built without AVX-512 (the plain loops, and E4M3 read at its own scale),
-    registered under its own FFI name (an x86-64 build: skipped on other hosts)."""
+    """The kernel built without AVX-512 (the plain loops, the tiles in the compiler's portable
+    vectors, E4M3 read at its own scale), registered under its own FFI name (an x86-64
+    build: skipped on other hosts)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the portable build targets x86-64-v2")
     flags = tuple(f for f in cpu_ffi.FLAGS if f != "-march=native") + ("-march=x86-64-v2",)
@@ -169,7 +179,7 @@ def portable():
                                PORTABLE, cpu.KERNEL.symbol)
     (_, turbo_symbol), = cpu.KERNEL.others
     cpu_ffi.register_handler(library, PORTABLE + "_turbo", turbo_symbol)
-    return PORTABLE
+    return Build(PORTABLE, library)
 
 
 @pytest.mark.parametrize("page_dtype", PAGES + [turboquant(32, 3.5), TurboQuant(32, 2)],
@@ -177,7 +187,34 @@ def portable():
 def test_portable_build_matches_the_float64_oracle(portable, page_dtype):
     """What a CPU without AVX-512 runs: every page format, a run split in two, sinks."""
     args, sinks = _decode_batch(13, [1, 9, 70], num_q_heads=6, num_kv_heads=2, head_dim=32)
-    _check_kernel(args, sinks, 32 ** -0.5, page_dtype=page_dtype, target=portable)
+    _check_kernel(args, sinks, 32 ** -0.5, page_dtype=page_dtype, target=portable.target)
+
+
+@pytest.mark.parametrize("page_dtype", PAGES + TURBO[:2], ids=PAGE_IDS + TURBO_IDS[:2])
+def test_portable_tiles_match_the_float64_oracle(portable, page_dtype):
+    """A CPU without AVX-512 cuts chunks and verify rows into tiles too, in the compiler's
+    portable vectors (a block's keys as columns, four rows' scores at a time): a verify step
+    with tiles of plain tokens and draft-tree nodes, a run per node and a decode row, under
+    a sliding window of 3, a soft cap and sinks, over every page format; the build counts
+    its five tiles."""
+    args, sinks, tree = _tree_step(26, [61, 14, 12, 60], [40, 5, 1, 20], [21, 9, 12, 50])
+    before = _count("TileItems", portable.library)
+    _check_kernel(args, sinks, 0.125, 3, 2.0, page_dtype, target=portable.target, tree=tree)
+    assert _count("TileItems", portable.library) - before == 5
+
+
+@pytest.mark.parametrize("heads,head_dim", [((7, 1), 128), ((4, 2), 32), ((2, 1), 256)],
+                         ids=["gqa7-128", "gqa2-32", "mha-256"])
+def test_portable_tiles_of_every_head_dim_match_the_oracle(portable, heads, head_dim):
+    """The portable tiles at head_dim 128 and 256 (a row's output summed 64 columns at a time)
+    and 32, GQA groups of 7 (a short last group of scores) and 2 and plain multi-head, with
+    sinks; float32 and NVFP4 pages."""
+    args, sinks = _decode_batch(22, [40, 19], q_lens=[33, 19], num_q_heads=heads[0], num_kv_heads=heads[1],
+                                head_dim=head_dim)
+    before = _count("TileItems", portable.library)
+    for pages in (jnp.float32, "nvfp4"):
+        _check_kernel(args, sinks[:heads[0]], head_dim ** -0.5, page_dtype=pages, target=portable.target)
+    assert _count("TileItems", portable.library) - before == 2 * 5
 
 
 def test_the_kernel_builds_here():
@@ -210,9 +247,10 @@ def test_tokens_of_one_row_each_see_their_own_causal_prefix(page_dtype):
     _check_kernel(args, None, 0.125, page_dtype=page_dtype)
 
 
-def _count(name: str) -> int:
-    """One of the kernel's counters so far in this process (its KvfoldDecodeAttention<name>)."""
-    counter = getattr(cpu.KERNEL.library, f"KvfoldDecodeAttention{name}")
+def _count(name: str, library=None) -> int:
+    """One of the kernel's counters so far in this process (its KvfoldDecodeAttention<name>),
+    of the native build or of `library`."""
+    counter = getattr(library or cpu.KERNEL.library, f"KvfoldDecodeAttention{name}")
     counter.restype = ctypes.c_int64
     return counter()
 
@@ -220,11 +258,6 @@ def _count(name: str) -> int:
 def _tile_items() -> int:
     """Tiles the kernel has attended so far in this process."""
     return _count("TileItems")
-
-
-def _tiles_or_skip():
-    if not cpu.tiles():
-        pytest.skip("this build has no tiles (no AVX-512): chunks run a token at a time")
 
 
 @pytest.mark.parametrize("page_dtype", PAGES + TURBO, ids=PAGE_IDS + TURBO_IDS)
@@ -235,7 +268,6 @@ def test_prefill_chunks_cut_into_tiles_match_the_oracle(window, cap, with_sinks,
     with no token this step, one of 7 (below kTileMin: a run per token) and a decode row.
     Every tile token sees its own causal prefix, in a sliding window of 5 narrower than a
     tile too; the kernel counts the four tiles."""
-    _tiles_or_skip()
     args, sinks = _decode_batch(21, [67, 8, 12, 20, 40], q_lens=[37, 8, 0, 7, 1])
     before = _tile_items()
     _check_kernel(args, sinks if with_sinks else None, 0.125, window, cap, page_dtype)
@@ -247,7 +279,6 @@ def test_prefill_chunks_cut_into_tiles_match_the_oracle(window, cap, with_sinks,
 def test_tiles_of_every_head_dim_match_the_oracle(heads, head_dim):
     """head_dim 128, 32 and 256 (a tile row's output in 8, 2 and 16 vectors), GQA groups of
     7 and 2 and plain multi-head, with sinks; float32 and NVFP4 pages."""
-    _tiles_or_skip()
     args, sinks = _decode_batch(22, [40, 19], q_lens=[33, 19], num_q_heads=heads[0], num_kv_heads=heads[1],
                                 head_dim=head_dim)
     before = _tile_items()
@@ -267,7 +298,6 @@ def test_a_short_chunk_over_a_long_context_splits_its_tile_over_the_threads(page
     two threads or more: fewer tiles than threads, so the tile is cut into parts of 256
     positions or more, merged per token (with the sinks, the soft cap and a sliding window
     of 600 that drops the first parts' positions for some tokens and not others)."""
-    _tiles_or_skip()
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one thread: a tile is never cut")
     args, sinks = _decode_batch(25, [1013, 30], q_lens=[13, 1])
@@ -281,7 +311,6 @@ def test_a_nan_reaches_only_the_tile_tokens_that_see_it():
     token's new V row makes that channel of its KV head's query heads NaN, and a NaN in its
     K row all of the other KV head's: no earlier token's output, though its position is in
     their block."""
-    _tiles_or_skip()
     args, _ = _decode_batch(23, [16], q_lens=[16], padding=0)
     q, k, v, *rest = args
     v = v.at[15, 0, 3].set(jnp.nan)
@@ -302,7 +331,6 @@ def test_chunks_out_of_order_are_left_to_token_runs():
     (two threads writing one output): the kernel cuts only the chunk whose tokens are all
     its own (sequence 3's 12), and the call's outputs are those of the same step run a
     token at a time (where every token of sequence 3 is its own row of one)."""
-    _tiles_or_skip()
     args, _ = _decode_batch(24, [40, 30, 30, 12], q_lens=[20, 10, 10, 12], padding=0)
     q, k, v, kp, vp, table, cu, kv_lens = args
     cu = jnp.asarray([0, 20, 10, 30, 42], jnp.int32)  # tokens 10..19 count as sequence 1's
@@ -349,21 +377,23 @@ def test_draft_tree_nodes_see_the_prefix_their_ancestors_and_themselves(window, 
     args, sinks, tree = _tree_step(26, [61, 14, 12, 60], [40, 5, 1, 20], [21, 9, 12, 50])
     before = _tile_items()
     _check_kernel(args, sinks if with_sinks else None, 0.125, window, cap, page_dtype, tree=tree)
-    assert _tile_items() - before == (5 if cpu.tiles() else 0)
+    assert _tile_items() - before == 5
 
 
-def test_a_nan_value_reaches_only_the_nodes_below_it():
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_a_nan_value_reaches_only_the_nodes_below_it(build, request):
     """A NaN in one node's new V row (channel 3 of KV head 0) reaches the nodes it is an
-    ancestor of (itself included) and no sibling or other branch, in a tile (16 nodes,
-    where the build has tiles) and in runs (5 nodes): a node's positions are filtered
-    before its scores and weights."""
+    ancestor of (itself included) and no sibling or other branch, in a tile (16 nodes) and
+    in runs (5 nodes), in both builds: a node's positions are filtered before its scores
+    and weights."""
+    target = cpu.TARGET if build == "native" else request.getfixturevalue("portable").target
     args, _, tree = _tree_step(27, [30, 12], [16, 5], [14, 7], words=1, padding=0)
     q, k, v, *rest = args
     bits = np.asarray(tree.bits)[:, 0]
     for first, count, node in ((0, 16, 5), (16, 5, 2)):  # node 5 of the 16-node tree, node 2 of the 5-node one
         t = first + node
         bad = v.at[t, 0, 3].set(jnp.nan)
-        out, *_ = cpu.decode_attention_cpu(q, k, bad, *rest, sm_scale=0.125, tree=tree)
+        out, *_ = cpu.decode_attention_cpu(q, k, bad, *rest, sm_scale=0.125, tree=tree, target=target)
         below = np.zeros(q.shape[0], bool)
         rows = np.arange(first, first + count)
         below[rows] = (bits[rows] >> node) & 1 == 1
@@ -376,7 +406,6 @@ def test_a_tree_after_a_long_context_splits_its_tile_over_the_threads():
     """13 nodes after a 1,000-position prefix and a decode row, with a sliding window of 600
     (from each node's logical position), the soft cap and sinks: the one tile is cut into
     parts of 256 positions or more (two threads or more), merged per node."""
-    _tiles_or_skip()
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one thread: a tile is never cut")
     args, sinks, tree = _tree_step(28, [1013, 30], [13, 1], [1000, 30], words=1)
@@ -427,8 +456,7 @@ def test_a_node_that_sees_nothing_gives_zeros_as_the_reference_does(nodes):
     """Nodes at the start of a sequence whose bits name no position (not even themselves,
     which no engine tree does) see nothing: out 0 and lse -inf, or the sink's logit with
     sinks, as ref.py and the oracle give; the nodes beside them that see themselves (and
-    position 0) are unharmed. Three nodes run a token at a time, ten in a tile (where the
-    build has tiles)."""
+    position 0) are unharmed. Three nodes run a token at a time, ten in a tile."""
     args, sinks = _decode_batch(29, [nodes], q_lens=[nodes], padding=0)
     bits = [[0], [0]] + [[(1 << i) | 1] for i in range(2, nodes)]
     tree = TreeMask(jnp.zeros(1, jnp.int32), jnp.asarray(bits, jnp.int32))
@@ -595,12 +623,12 @@ def test_the_entry_runs_the_kernel_for_decode_steps_over_float32_pages():
     assert cpu.TURBO_TARGET not in _lowered(wide_pages, max_q_len=1, kv_format=wide)
     with pytest.raises(ValueError, match="at most 4 bits"):
         cpu.decode_attention_turbo_cpu(*wide_pages, sm_scale=0.1, kv_format=wide)
-    # chunks go to the kernel where its build cuts them into tiles (AVX-512), with or without a tree
-    assert (cpu.TARGET in _lowered(args, max_q_len=2, max_chunks=1)) == cpu.tiles()
+    # chunks go to the kernel (cut into tiles), with or without a tree
+    assert cpu.TARGET in _lowered(args, max_q_len=2, max_chunks=1)
     tree_args, _, tree = _tree_step(30, [20, 9, 12], [10, 1, 4], [12, 9, 9], words=1)
     one_node, _, root = _tree_step(31, [5, 9], [1, 1], [4, 9], words=1)  # a tree of one node: a decode step
     assert cpu.TARGET in _lowered(one_node, max_q_len=1, tree=root)
-    assert (cpu.TARGET in _lowered(tree_args, max_q_len=10, max_chunks=2, tree=tree)) == cpu.tiles()
+    assert cpu.TARGET in _lowered(tree_args, max_q_len=10, max_chunks=2, tree=tree)
     for window in (None, 3):
         want = _reference(tree_args, tree=tree, sliding_window=window)
         got = ragged_paged_attention(*tree_args, tree=tree, sliding_window=window, max_q_len=10, max_chunks=2)

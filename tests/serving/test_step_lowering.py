@@ -3,8 +3,8 @@ and CUDA, checked by jax.export from this CPU host (no device needed): decode-on
 and mixed prefill + decode steps, float and low-bit pools. On CUDA decode-only float steps
 run the Triton paged decode kernel and other steps over float, int8, fp8, nvfp4 and mxfp4
 pools the Triton ragged kernel; TurboQuant pools lower to the XLA path there. On this CPU
-a decode step runs the C++ kernel in every layer (every pool but MXFP4's), and a mixed
-step too where the kernel's build has tiles."""
+a decode step runs the C++ kernel in every layer (every pool but MXFP4's), and so does a
+mixed step."""
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +75,7 @@ def test_step_on_cpu_calls_the_cpu_kernel_in_every_layer(tiny, kv_cache_dtype, l
     """On this CPU a decode step's attention is the C++ kernel's (pallas_kernels/
     ragged_paged_attention/cpu.py) in every layer, over every pool but MXFP4's, whose pages
     take the XLA path; TurboQuant pools through the kernel's TurboQuant handler. So is a
-    step with a prefill chunk where the kernel's build has tiles (AVX-512)."""
+    step with a prefill chunk (cut into tiles)."""
     from pallas_kernels.ragged_paged_attention import cpu
 
     config, params = tiny
@@ -84,9 +84,8 @@ def test_step_on_cpu_calls_the_cpu_kernel_in_every_layer(tiny, kv_cache_dtype, l
     fn, specs = _step_specs(config, params, kv_cache_dtype, lens=lens)
     text = jax.jit(fn).lower(*specs).as_text()
     turbo = kv_cache_dtype.startswith("turboquant")
-    calls = LAYERS if max(lens) == 1 or cpu.tiles() else 0
-    assert kernel_calls(text, f"@{cpu.TURBO_TARGET}(") == (calls if turbo else 0)
-    assert kernel_calls(text, f"@{cpu.TARGET}(") == (0 if turbo or kv_cache_dtype == "mxfp4" else calls)
+    assert kernel_calls(text, f"@{cpu.TURBO_TARGET}(") == (LAYERS if turbo else 0)
+    assert kernel_calls(text, f"@{cpu.TARGET}(") == (0 if turbo or kv_cache_dtype == "mxfp4" else LAYERS)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
@@ -112,8 +111,7 @@ def test_speculative_step_runs_every_attention_of_target_and_draft_on_the_kernel
     """One speculative step with a decode row and a verify row packed together: the
     target's layers (the tree as ancestor bits), the draft's pass over the same packed
     tokens and tree growth (a loop over levels) all call the ragged kernel, in one
-    jitted call: Pallas on TPU and CUDA, and on this CPU the C++ kernel where its build has
-    tiles (the steps hold chunks of several tokens)."""
+    jitted call: Pallas on TPU and CUDA, and on this CPU the C++ kernel."""
     import dataclasses
 
     import numpy as np
@@ -143,7 +141,7 @@ def test_speculative_step_runs_every_attention_of_target_and_draft_on_the_kernel
     assert kernel_calls(export_cuda(fn, *specs), TRITON_CALL) == calls
     from pallas_kernels.ragged_paged_attention import cpu
 
-    if _cpu_kernel_available() and cpu.tiles():  # on this CPU, the C++ kernel, trees and all
+    if _cpu_kernel_available():  # on this CPU, the C++ kernel, trees and all
         assert kernel_calls(jax.jit(fn).lower(*specs).as_text(), f"@{cpu.TARGET}(") == calls
 
 
