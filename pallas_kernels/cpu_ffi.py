@@ -1,8 +1,8 @@
 """C++ kernels for XLA:CPU, called through the XLA FFI: built once per machine with the
-system's C++ compiler (`-march=native`, a few seconds) into a cache keyed by the source, the
-jaxlib headers, the compiler flags and the CPU, then loaded with ctypes. The CPU paths of
-the quantized matmul (quant_matmul/cpu.py) and of decode attention
-(ragged_paged_attention/cpu.py) are such kernels."""
+system's C++ compiler (`-march=native`, a few seconds; `-march=$KVFOLD_CPU_MARCH` where that
+is set) into a cache keyed by the source, the jaxlib headers, the compiler flags and the
+CPU, then loaded with ctypes. The CPU paths of the quantized matmul (quant_matmul/cpu.py)
+and of decode attention (ragged_paged_attention/cpu.py) are such kernels."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -21,6 +22,25 @@ import jax
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
+def flags_for(march: str) -> tuple[str, ...]:
+    """FLAGS with -march=`march` for -march=native: a build for another instruction set than
+    this CPU's, e.g. x86-64-v3 (AVX2 without AVX-512: the kernels' portable paths). ValueError
+    for a value that is not one compiler word."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", march):
+        raise ValueError(f"-march must be one word such as x86-64-v3, got {march!r}")
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
+
+
+def default_flags() -> tuple[str, ...]:
+    """FLAGS, or flags_for($KVFOLD_CPU_MARCH) where that variable is set (to measure what a
+    CPU of that instruction set runs)."""
+    march = os.environ.get("KVFOLD_CPU_MARCH", "")
+    try:
+        return flags_for(march) if march else FLAGS
+    except ValueError as e:
+        raise ValueError(f"KVFOLD_CPU_MARCH: {e}") from None
+
+
 def _cpu_signature() -> str:
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
@@ -29,22 +49,25 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
-def library_path(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
+def library_path(source: Path, flags: tuple[str, ...] | None = None) -> Path:
     """Where the compiled `source` lives: $KVFOLD_CACHE (default ~/.cache/kvfold), one file per
-    source text, jaxlib, compiler flags and CPU."""
+    source text, jaxlib, compiler flags (default_flags() when None) and CPU."""
     import jaxlib
 
+    flags = default_flags() if flags is None else flags
     key = hashlib.sha256(b"\0".join(s.encode() for s in (
         source.read_text(), jaxlib.__version__, " ".join(flags), _cpu_signature()))).hexdigest()[:16]
     root = Path(os.environ.get("KVFOLD_CACHE", Path.home() / ".cache" / "kvfold"))
     return root / f"{source.parent.name}_cpu-{key}.so"
 
 
-def build(source: Path, what: str, force: bool = False, flags: tuple[str, ...] = FLAGS) -> Path:
-    """Compile `source` with `flags` (when not cached) and return the library's path.
+def build(source: Path, what: str, force: bool = False, flags: tuple[str, ...] | None = None) -> Path:
+    """Compile `source` with `flags` (default_flags() when None; when not cached) and return
+    the library's path.
 
     Raises RuntimeError naming `what` and the problem when there is no C++ compiler or it
     fails; a failed build leaves nothing in the cache."""
+    flags = default_flags() if flags is None else flags
     path = library_path(source, flags)
     if path.exists() and not force:
         return path

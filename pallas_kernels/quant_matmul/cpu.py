@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_ffi
-from pallas_kernels.cpu_ffi import FLAGS
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 TARGET = "kvfold_quant_matmul"
@@ -47,8 +46,8 @@ PORTABLE_MAX_TOKENS = 8
 CPU_FORMATS = frozenset({"q8_0", "q4_0", "q4_1", "q5_0", "int8", "int4", "q4_k", "q5_k", "q6_k"})
 
 
-def build(force: bool = False, flags: tuple[str, ...] = FLAGS) -> Path:
-    """Compile cpu_kernel.cc with `flags` (when not cached, pallas_kernels/cpu_ffi.py) and
+def build(force: bool = False, flags: tuple[str, ...] | None = None) -> Path:
+    """Compile cpu_kernel.cc with `flags` (cpu_ffi.default_flags() when None; when not cached) and
     return the library's path; RuntimeError naming the problem when it cannot."""
     return cpu_ffi.build(SOURCE, KERNEL.what, force, flags)
 

@@ -4,12 +4,14 @@ AVX-512 and portable builds, the entry's choice of it, and its errors."""
 
 from __future__ import annotations
 
+import ctypes
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import quant_matmul
+from pallas_kernels import cpu_ffi, quant_matmul
 from pallas_kernels.quant_matmul import prepare
 from pallas_kernels.quant_matmul import cpu
 from quant.packed import FORMATS, interleave_rows
@@ -44,8 +46,7 @@ def _run(x, w, target=cpu.TARGET, **options):
 def portable():
     """The kernel built without AVX-512 (the loops a CPU without it runs), registered under
     its own name: (FFI name, library)."""
-    flags = tuple(f for f in cpu.FLAGS if f != "-march=native") + ("-march=x86-64-v2",)
-    return PORTABLE, cpu.register(cpu.build(flags=flags), PORTABLE)
+    return PORTABLE, cpu.register(cpu.build(flags=cpu_ffi.flags_for("x86-64-v2")), PORTABLE)
 
 
 def test_the_kernel_builds_here(portable):
@@ -58,6 +59,22 @@ def test_the_kernel_builds_here(portable):
     avx512 = "avx512f" in flags and "avx512bw" in flags
     assert cpu.max_tokens() == (cpu.MAX_TOKENS if avx512 else cpu.PORTABLE_MAX_TOKENS)
     assert portable[1].KvfoldQuantMatmulAvx512() == 0
+
+
+def test_kvfold_cpu_march_sets_the_instruction_set_of_every_build(portable, monkeypatch):
+    """KVFOLD_CPU_MARCH stands for -march=native in a build's flags and cache key: with
+    x86-64-v2 the kernel built is the portable one (no AVX-512 tiles); a value that is not
+    one compiler word is a ValueError naming the variable."""
+    monkeypatch.setenv("KVFOLD_CPU_MARCH", "x86-64-v2")
+    assert cpu_ffi.default_flags() == cpu_ffi.flags_for("x86-64-v2") != cpu_ffi.FLAGS
+    assert "-march=x86-64-v2" in cpu_ffi.default_flags() and "-march=native" not in cpu_ffi.default_flags()
+    assert cpu_ffi.library_path(cpu.SOURCE) != cpu_ffi.library_path(cpu.SOURCE, cpu_ffi.FLAGS)
+    assert ctypes.CDLL(str(cpu.build())).KvfoldQuantMatmulAvx512() == 0
+    monkeypatch.setenv("KVFOLD_CPU_MARCH", "x86-64-v3 -O0")
+    with pytest.raises(ValueError, match="KVFOLD_CPU_MARCH.*'x86-64-v3 -O0'"):
+        cpu_ffi.default_flags()
+    monkeypatch.delenv("KVFOLD_CPU_MARCH")
+    assert cpu_ffi.default_flags() == cpu_ffi.FLAGS
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))

@@ -174,7 +174,7 @@ def portable():
     build: skipped on other hosts)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the portable build targets x86-64-v2")
-    flags = tuple(f for f in cpu_ffi.FLAGS if f != "-march=native") + ("-march=x86-64-v2",)
+    flags = cpu_ffi.flags_for("x86-64-v2")
     library = cpu_ffi.register(cpu_ffi.build(cpu.SOURCE, "the portable CPU decode-attention kernel", flags=flags),
                                PORTABLE, cpu.KERNEL.symbol)
     (_, turbo_symbol), = cpu.KERNEL.others
