@@ -329,6 +329,7 @@ def _ragged_rows(on_cpu, platform, dtype, iters):
         run = lambda interp: jax.jit(functools.partial(ragged_paged_attention, interpret=interp))
         return _both(on_cpu, platform, op, run, args, nbytes, iters)
     from pallas_kernels.paged_attention import kv_formats
+    from pallas_kernels.ragged_paged_attention import cpu
     from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
     args, nbytes = _ragged_problem(np.random.default_rng(2), (8, 2, 128, 16), (3, 40, 16), dtype)
@@ -349,7 +350,7 @@ def _ragged_rows(on_cpu, platform, dtype, iters):
         xla = functools.partial(ragged_paged_attention_xla, sliding_window=None, **options)
         rows.append(_row(label, "XLA path (xla.py)", jax.jit(xla), args, nbytes, max(iters, 5)))
         entry = functools.partial(ragged_paged_attention, **options)
-        impl = "kvfold C++ (cpu_kernel.cc)"
+        impl = "kvfold C++ (cpu_kernel.cc)" if cpu.available() else "entry (no kernel here: XLA path)"
         rows.append(_row(label, impl, jax.jit(entry), args, nbytes, max(iters, 5)))
     # a speculative verify step: 4 sequences of 16 draft-tree nodes each after 512 positions
     args, nbytes = _ragged_problem(np.random.default_rng(4), heads, (0, 512, 16), jnp.float32, sequences=4)

@@ -176,6 +176,13 @@ struct TurboGroup {
   // Code j of 16 starting at a multiple of 16 channels: stream bits from byte first[j] (and
   // first[j] + 1 when it straddles), shifted down by shift[j].
   int32_t first[16], shift[16];
+  // Channel c's code in a row's bytes: stream bits [c b, (c + 1) b).
+  uint32_t code(const uint8_t* row, int64_t c) const {
+    const int64_t bit = c * bits, at = bit / 8, shift = bit % 8;
+    uint32_t word = row[at];
+    if (shift + bits > 8) word |= static_cast<uint32_t>(row[at + 1]) << 8;
+    return (word >> shift) & ((1u << bits) - 1);
+  }
 };
 struct TurboPages {
   TurboGroup group[2];
@@ -193,11 +200,7 @@ struct TurboPtr {
     const TurboPages& t = *pages;
     const int64_t row = (e + i) / t.D, d = (e + i) % t.D, g = d / t.size, c = d % t.size;
     const TurboGroup& f = t.group[g];
-    const uint8_t* bytes = f.codes + row * f.bytes;
-    const int64_t bit = c * f.bits, at = bit / 8, shift = bit % 8;
-    uint32_t word = bytes[at];
-    if (shift + f.bits > 8) word |= static_cast<uint32_t>(bytes[at + 1]) << 8;
-    float x = f.codebook[(word >> shift) & ((1u << f.bits) - 1)] * f.scales[row];
+    float x = f.codebook[f.code(f.codes + row * f.bytes, c)] * f.scales[row];
     for (int64_t j = 0; j < t.sparse; ++j) {
       const int64_t channel = f.index[row * t.sparse + j];
       if (channel < t.size)  // an index past the group (only in bytes no write made) adds nothing
@@ -685,14 +688,8 @@ void decode_row(Ptr<T> r, int64_t D, float scale, float* dst, int64_t stride) {
       const TurboGroup& f = t.group[g];
       const uint8_t* bytes = f.codes + row * f.bytes;
       const float step = f.scales[row] * scale;
-      const uint32_t mask = (1u << f.bits) - 1;
       float* out = dst + g * t.size * stride;
-      for (int64_t c = 0; c < t.size; ++c) {
-        const int64_t bit = c * f.bits, at = bit / 8, shift = bit % 8;
-        uint32_t word = bytes[at];
-        if (shift + f.bits > 8) word |= static_cast<uint32_t>(bytes[at + 1]) << 8;
-        out[c * stride] = f.codebook[(word >> shift) & mask] * step;
-      }
+      for (int64_t c = 0; c < t.size; ++c) out[c * stride] = f.codebook[f.code(bytes, c)] * step;
       for (int64_t j = 0; j < t.sparse; ++j) {
         const int64_t channel = f.index[row * t.sparse + j];
         if (channel >= t.size) continue;  // only in bytes no write made: adds nothing
@@ -1022,6 +1019,11 @@ constexpr int kParts = 16 / kWidth;
 typedef float VF __attribute__((vector_size(4 * kWidth)));
 typedef int32_t VI __attribute__((vector_size(4 * kWidth)));
 
+// Rows scored at once and output columns weighed at once: 8 accumulators either way, half
+// the 16 vector registers of AVX2 and SSE.
+constexpr int kRows = 8 / kParts;
+constexpr int64_t kSpan = 8 * kWidth;
+
 inline VF load(const float* x) {
   VF v;
   std::memcpy(&v, x, sizeof v);
@@ -1058,7 +1060,10 @@ template <typename T>
 void decode_block(const Problem<T>& p, Ptr<T> head, const float* scales, int64_t kvh, const int64_t* slots,
                   int64_t n, float* dst, bool columns = false) {
   const int64_t D = p.D, stride = p.Hkv * D;
-  std::fill(dst, dst + kTile * D, 0.0f);
+  if (!columns)
+    std::fill(dst + n * D, dst + kTile * D, 0.0f);
+  else if (n < kTile)
+    std::fill(dst, dst + kTile * D, 0.0f);
   for (int64_t i = 0; i < n; ++i) {
     const float scale = kScaled<T> ? scales[slots[i] * p.Hkv + kvh] * kScaleUnit<T> : 1.0f;
     if (columns)
@@ -1076,7 +1081,7 @@ void decode_keys(const Problem<T>& p, Ptr<T> head, const float* scales, int64_t 
 // The scores of `ready` query rows (rows[x] of the tile, its query qs[x] [D]; ready <= kRows)
 // over a key block kt [D, 16] into w [R, 16], as tile_block writes them: kRows independent
 // sums (a short group repeats its first row), so the multiply-adds overlap.
-template <int kPer, int kRows>
+template <int kPer>
 void score_rows(const float** qs, const int64_t* rows, int ready, const float* kt, const uint32_t* seen, int64_t G,
                 float sm_scale, float cap, float* w) {
   for (int x = ready; x < kRows; ++x) qs[x] = qs[0];
@@ -1102,13 +1107,30 @@ void score_rows(const float** qs, const int64_t* rows, int ready, const float* k
   }
 }
 
+// out[kVecs * kWidth] = out * shrink + sum of w[j] v[j] over the lanes j set in m (v: rows of
+// `stride` floats), in kVecs registers: a run of lanes (every row but a draft-tree node's) as
+// a counted loop, others bit by bit.
+template <int kVecs>
+inline void weigh_columns(const float* w, uint32_t m, const float* v, int64_t stride, float shrink, float* out) {
+  VF o[kVecs];
+  for (int u = 0; u < kVecs; ++u) o[u] = load(out + u * kWidth) * shrink;
+  const int j0 = __builtin_ctz(m), j1 = 32 - __builtin_clz(m);
+  if (((m >> j0) & ((m >> j0) + 1)) == 0) {
+    for (int j = j0; j < j1; ++j)
+      for (int u = 0; u < kVecs; ++u) o[u] += w[j] * load(v + j * stride + u * kWidth);
+  } else {
+    for (uint32_t left = m; left; left &= left - 1)
+      for (int u = 0, j = __builtin_ctz(left); u < kVecs; ++u) o[u] += w[j] * load(v + j * stride + u * kWidth);
+  }
+  for (int u = 0; u < kVecs; ++u) save(out + u * kWidth, o[u]);
+}
+
 // tile_block's portable form (the same arguments; kt: the keys as columns [D, 16]).
 template <int kPer>
 void tile_block(const float* q, int64_t token_stride, int64_t G, int64_t c, const uint32_t* seen,
                 const float* kt, const float* vb, float sm_scale, float cap, float* top, float* total, float* acc,
                 float* w, float* shrink) {
   constexpr int64_t D = 16 * kPer;
-  constexpr int kRows = 4;
   const float* qs[kRows];
   int64_t rows[kRows];
   int ready = 0;
@@ -1117,11 +1139,11 @@ void tile_block(const float* q, int64_t token_stride, int64_t G, int64_t c, cons
     qs[ready] = q + r / G * token_stride + r % G * D;
     rows[ready++] = r;
     if (ready == kRows) {
-      score_rows<kPer, kRows>(qs, rows, ready, kt, seen, G, sm_scale, cap, w);
+      score_rows<kPer>(qs, rows, ready, kt, seen, G, sm_scale, cap, w);
       ready = 0;
     }
   }
-  if (ready) score_rows<kPer, kRows>(qs, rows, ready, kt, seen, G, sm_scale, cap, w);
+  if (ready) score_rows<kPer>(qs, rows, ready, kt, seen, G, sm_scale, cap, w);
   // each row's online softmax step
   for (int64_t r = 0; r < c * G; ++r) {
     if (!seen[r / G]) continue;
@@ -1140,28 +1162,15 @@ void tile_block(const float* q, int64_t token_stride, int64_t G, int64_t c, cons
     top[r] = most;
   }
   // the weighted values: only the lanes a row sees (another row's NaN value must not reach
-  // it), a run of them as a counted loop; columns 64 at a time, their sums in registers
-  constexpr int64_t kCols = std::min<int64_t>(D, 64);
+  // it), kSpan columns at a time (their sums in registers), then the rest
   for (int64_t r = 0; r < c * G; ++r) {
     const uint32_t m = seen[r / G];
     if (!m) continue;
-    const int j0 = __builtin_ctz(m), j1 = 32 - __builtin_clz(m);
-    const bool run = ((m >> j0) & ((m >> j0) + 1)) == 0;
-    const float* wr = w + r * 16;
-    for (int64_t c0 = 0; c0 < D; c0 += kCols) {
-      constexpr int kVecs = kCols / kWidth;
-      VF o[kVecs];
-      float* out = acc + r * D + c0;
-      for (int u = 0; u < kVecs; ++u) o[u] = load(out + u * kWidth) * shrink[r];
-      if (run) {
-        for (int j = j0; j < j1; ++j)
-          for (int u = 0; u < kVecs; ++u) o[u] += wr[j] * load(vb + j * D + c0 + u * kWidth);
-      } else {
-        for (uint32_t left = m; left; left &= left - 1)
-          for (int u = 0, j = __builtin_ctz(left); u < kVecs; ++u) o[u] += wr[j] * load(vb + j * D + c0 + u * kWidth);
-      }
-      for (int u = 0; u < kVecs; ++u) save(out + u * kWidth, o[u]);
-    }
+    int64_t c0 = 0;
+    for (; c0 + kSpan <= D; c0 += kSpan)
+      weigh_columns<kSpan / kWidth>(w + r * 16, m, vb + c0, D, shrink[r], acc + r * D + c0);
+    if constexpr (D % kSpan != 0)
+      weigh_columns<D % kSpan / kWidth>(w + r * 16, m, vb + c0, D, shrink[r], acc + r * D + c0);
   }
 }
 #endif
@@ -1453,7 +1462,7 @@ void run(ffi::ThreadPool pool, const ffi::Buffer<ffi::F32>& q, const float* k, c
   p.seq = shared->seq.data();
   p.pos = shared->pos.data();
   // A sequence's run of kTileMin query tokens or more in tiles (the last, the dearest, first),
-  // where the build and head_dim allow them.
+  // where head_dim allows them.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads()), last = p.W * p.ps - 1;
   std::vector<char> tiled(T_, 0);
   int64_t positions = 0;

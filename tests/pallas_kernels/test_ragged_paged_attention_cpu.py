@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import os
 import platform
 
@@ -155,9 +156,6 @@ TURBO = [turboquant(64, 3.5), turboquant(64, 2.5), TurboQuant(64, 4)]
 TURBO_IDS = ["tq3.5", "tq2.5", "tq4"]
 
 
-PORTABLE = "kvfold_decode_attention_portable"
-
-
 @dataclasses.dataclass(frozen=True)
 class Build:
     """A build of the kernel registered under its own FFI name: `target` (its TurboQuant
@@ -167,54 +165,44 @@ class Build:
     library: ctypes.CDLL
 
 
-@pytest.fixture(scope="module")
-def portable():
-    """The kernel built without AVX-512 (the plain loops, the tiles in the compiler's portable
-    vectors, E4M3 read at its own scale), registered under its own FFI name (an x86-64
-    build: skipped on other hosts)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the portable build targets x86-64-v2")
-    flags = cpu_ffi.flags_for("x86-64-v2")
-    library = cpu_ffi.register(cpu_ffi.build(cpu.SOURCE, "the portable CPU decode-attention kernel", flags=flags),
-                               PORTABLE, cpu.KERNEL.symbol)
+# The builds the tests run: this CPU's (-march=native), and two without AVX-512 whose tiles
+# take the compiler's portable vectors, 4 lanes wide (SSE) and 8 (AVX2).
+BUILDS = ["native", "x86-64-v2", "x86-64-v3"]
+V3_FLAGS = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}  # what x86-64-v3 code may use
+
+
+@functools.cache
+def _portable(march: str) -> Build:
+    target = f"kvfold_decode_attention_{march.replace('-', '_')}"
+    flags = cpu_ffi.flags_for(march)
+    library = cpu_ffi.register(cpu_ffi.build(cpu.SOURCE, f"the {march} CPU decode-attention kernel", flags=flags),
+                               target, cpu.KERNEL.symbol)
     (_, turbo_symbol), = cpu.KERNEL.others
-    cpu_ffi.register_handler(library, PORTABLE + "_turbo", turbo_symbol)
-    return Build(PORTABLE, library)
+    cpu_ffi.register_handler(library, target + "_turbo", turbo_symbol)
+    return Build(target, library)
+
+
+def _build(name: str) -> Build:
+    """One of BUILDS: the native kernel, or one built for an x86-64 level without AVX-512
+    (skipped on other hosts, and x86-64-v3 on a CPU that lacks what it may use)."""
+    if name == "native":
+        return Build(cpu.TARGET, cpu.KERNEL.library)
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the portable builds target x86-64 levels")
+    if name == "x86-64-v3":
+        line = next((x for x in open("/proc/cpuinfo") if x.startswith("flags")), "")
+        if not V3_FLAGS <= set(line.split()):
+            pytest.skip("this CPU cannot run x86-64-v3 code")
+    return _portable(name)
 
 
 @pytest.mark.parametrize("page_dtype", PAGES + [turboquant(32, 3.5), TurboQuant(32, 2)],
                          ids=PAGE_IDS + ["tq3.5", "tq2"])
-def test_portable_build_matches_the_float64_oracle(portable, page_dtype):
+@pytest.mark.parametrize("build", BUILDS[1:])
+def test_portable_builds_match_the_float64_oracle(build, page_dtype):
     """What a CPU without AVX-512 runs: every page format, a run split in two, sinks."""
     args, sinks = _decode_batch(13, [1, 9, 70], num_q_heads=6, num_kv_heads=2, head_dim=32)
-    _check_kernel(args, sinks, 32 ** -0.5, page_dtype=page_dtype, target=portable.target)
-
-
-@pytest.mark.parametrize("page_dtype", PAGES + TURBO[:2], ids=PAGE_IDS + TURBO_IDS[:2])
-def test_portable_tiles_match_the_float64_oracle(portable, page_dtype):
-    """A CPU without AVX-512 cuts chunks and verify rows into tiles too, in the compiler's
-    portable vectors (a block's keys as columns, four rows' scores at a time): a verify step
-    with tiles of plain tokens and draft-tree nodes, a run per node and a decode row, under
-    a sliding window of 3, a soft cap and sinks, over every page format; the build counts
-    its five tiles."""
-    args, sinks, tree = _tree_step(26, [61, 14, 12, 60], [40, 5, 1, 20], [21, 9, 12, 50])
-    before = _count("TileItems", portable.library)
-    _check_kernel(args, sinks, 0.125, 3, 2.0, page_dtype, target=portable.target, tree=tree)
-    assert _count("TileItems", portable.library) - before == 5
-
-
-@pytest.mark.parametrize("heads,head_dim", [((7, 1), 128), ((4, 2), 32), ((2, 1), 256)],
-                         ids=["gqa7-128", "gqa2-32", "mha-256"])
-def test_portable_tiles_of_every_head_dim_match_the_oracle(portable, heads, head_dim):
-    """The portable tiles at head_dim 128 and 256 (a row's output summed 64 columns at a time)
-    and 32, GQA groups of 7 (a short last group of scores) and 2 and plain multi-head, with
-    sinks; float32 and NVFP4 pages."""
-    args, sinks = _decode_batch(22, [40, 19], q_lens=[33, 19], num_q_heads=heads[0], num_kv_heads=heads[1],
-                                head_dim=head_dim)
-    before = _count("TileItems", portable.library)
-    for pages in (jnp.float32, "nvfp4"):
-        _check_kernel(args, sinks[:heads[0]], head_dim ** -0.5, page_dtype=pages, target=portable.target)
-    assert _count("TileItems", portable.library) - before == 2 * 5
+    _check_kernel(args, sinks, 32 ** -0.5, page_dtype=page_dtype, target=_build(build).target)
 
 
 def test_the_kernel_builds_here():
@@ -274,17 +262,21 @@ def test_prefill_chunks_cut_into_tiles_match_the_oracle(window, cap, with_sinks,
     assert _tile_items() - before == 4
 
 
-@pytest.mark.parametrize("heads,head_dim", [((7, 1), 128), ((4, 2), 32), ((2, 1), 256)],
-                         ids=["gqa7-128", "gqa2-32", "mha-256"])
-def test_tiles_of_every_head_dim_match_the_oracle(heads, head_dim):
-    """head_dim 128, 32 and 256 (a tile row's output in 8, 2 and 16 vectors), GQA groups of
-    7 and 2 and plain multi-head, with sinks; float32 and NVFP4 pages."""
+@pytest.mark.parametrize("heads,head_dim", [((7, 1), 128), ((4, 2), 32), ((2, 1), 256), ((5, 1), 80), ((3, 3), 48)],
+                         ids=["gqa7-128", "gqa2-32", "mha-256", "gqa5-80", "mha-48"])
+@pytest.mark.parametrize("build", BUILDS)
+def test_tiles_of_every_head_dim_match_the_oracle(build, heads, head_dim):
+    """head_dim 128, 32, 256, 80 and 48 (a tile row's output in 8, 2, 16, 5 and 3 AVX-512
+    vectors; in the portable builds' 32 or 64 columns at a time and what is left), GQA
+    groups of 7, 5 and 2 (scores of several rows at a time, a short last group) and plain
+    multi-head, with sinks; float32 and NVFP4 pages."""
+    build = _build(build)
     args, sinks = _decode_batch(22, [40, 19], q_lens=[33, 19], num_q_heads=heads[0], num_kv_heads=heads[1],
                                 head_dim=head_dim)
-    before = _tile_items()
+    before = _count("TileItems", build.library)
     for pages in (jnp.float32, "nvfp4"):
-        _check_kernel(args, sinks[:heads[0]], head_dim ** -0.5, page_dtype=pages)
-    assert _tile_items() - before == 2 * 5  # 16 + 16 + 1 and 16 + 3 tokens a call
+        _check_kernel(args, sinks[:heads[0]], head_dim ** -0.5, page_dtype=pages, target=build.target)
+    assert _count("TileItems", build.library) - before == 2 * 5  # 16 + 16 + 1 and 16 + 3 tokens a call
 
 
 def _tile_parts() -> int:
@@ -306,18 +298,20 @@ def test_a_short_chunk_over_a_long_context_splits_its_tile_over_the_threads(page
     assert _tile_parts() - before >= 2
 
 
-def test_a_nan_reaches_only_the_tile_tokens_that_see_it():
+@pytest.mark.parametrize("build", BUILDS)
+def test_a_nan_reaches_only_the_tile_tokens_that_see_it(build):
     """In a tile of 16 tokens from position 0 (one block of 16 positions), a NaN in the last
     token's new V row makes that channel of its KV head's query heads NaN, and a NaN in its
     K row all of the other KV head's: no earlier token's output, though its position is in
-    their block."""
+    their block; in every build."""
+    build = _build(build)
     args, _ = _decode_batch(23, [16], q_lens=[16], padding=0)
     q, k, v, *rest = args
     v = v.at[15, 0, 3].set(jnp.nan)
     k = k.at[15, 1, 7].set(jnp.nan)
-    before = _tile_items()
-    out, lse, *_ = cpu.decode_attention_cpu(q, k, v, *rest, sm_scale=0.125)
-    assert _tile_items() - before == 1
+    before = _count("TileItems", build.library)
+    out, lse, *_ = cpu.decode_attention_cpu(q, k, v, *rest, sm_scale=0.125, target=build.target)
+    assert _count("TileItems", build.library) - before == 1
     nan = np.zeros(out.shape, bool)
     nan[15, :3, 3] = True  # channel 3 of KV head 0's three query heads
     nan[15, 3:] = True  # every channel of KV head 1's: their scores are NaN
@@ -366,27 +360,30 @@ def _tree_step(seed, kv_lens, q_lens, starts, words=2, padding=1, **kw):
 
 
 @pytest.mark.parametrize("page_dtype", PAGES + TURBO[:1], ids=PAGE_IDS + TURBO_IDS[:1])
-@pytest.mark.parametrize("window,cap,with_sinks", [(None, None, False), (3, 2.0, True)])
-def test_draft_tree_nodes_see_the_prefix_their_ancestors_and_themselves(window, cap, with_sinks, page_dtype):
+@pytest.mark.parametrize("build,window,cap,with_sinks", [("native", None, None, False), ("native", 3, 2.0, True),
+                                                         *((b, 3, 2.0, True) for b in BUILDS[1:])])
+def test_draft_tree_nodes_see_the_prefix_their_ancestors_and_themselves(build, window, cap, with_sinks, page_dtype):
     """A verify step: 40 nodes after a 21-position prefix (two words of bits; tiles of 8,
     16 and 16), 5 after 9 (a run per node), a decode row with no tree and a chunk of 20
     whose last 10 are nodes (tiles of plain tokens and nodes together). Each node sees the
     prefix (on a sliding layer from its logical position start - 1 + depth, so a deep
     node of a window of 3 sees none of it), its ancestors and itself, as the oracle reads
-    tree_mask's rules; the kernel counts the five tiles."""
+    tree_mask's rules; the kernel counts the five tiles. The builds without AVX-512 run it
+    too, with the window, cap and sinks."""
+    build = _build(build)
     args, sinks, tree = _tree_step(26, [61, 14, 12, 60], [40, 5, 1, 20], [21, 9, 12, 50])
-    before = _tile_items()
-    _check_kernel(args, sinks if with_sinks else None, 0.125, window, cap, page_dtype, tree=tree)
-    assert _tile_items() - before == 5
+    before = _count("TileItems", build.library)
+    _check_kernel(args, sinks if with_sinks else None, 0.125, window, cap, page_dtype, target=build.target, tree=tree)
+    assert _count("TileItems", build.library) - before == 5
 
 
-@pytest.mark.parametrize("build", ["native", "portable"])
-def test_a_nan_value_reaches_only_the_nodes_below_it(build, request):
+@pytest.mark.parametrize("build", BUILDS)
+def test_a_nan_value_reaches_only_the_nodes_below_it(build):
     """A NaN in one node's new V row (channel 3 of KV head 0) reaches the nodes it is an
     ancestor of (itself included) and no sibling or other branch, in a tile (16 nodes) and
-    in runs (5 nodes), in both builds: a node's positions are filtered before its scores
+    in runs (5 nodes), in every build: a node's positions are filtered before its scores
     and weights."""
-    target = cpu.TARGET if build == "native" else request.getfixturevalue("portable").target
+    target = _build(build).target
     args, _, tree = _tree_step(27, [30, 12], [16, 5], [14, 7], words=1, padding=0)
     q, k, v, *rest = args
     bits = np.asarray(tree.bits)[:, 0]
