@@ -345,6 +345,18 @@ float dot(const float* a, P b, int64_t n) {
   return s;
 }
 
+// exp(r) for |r| <= ln 2 / 2 by Cephes' polynomial, on a float or a vector of them.
+template <typename X>
+inline X exp_reduced(X r) {
+  X p = X{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
 // exp(x) for x <= 0 within about 2 ulp (Cephes' expf: x = k ln 2 + r, |r| <= ln 2 / 2, a
 // degree-6 polynomial for exp(r), 2^k through the exponent bits), in plain float and integer
 // operations so that a loop of them vectorizes (libm's expf is a call per element: 12% of
@@ -354,14 +366,7 @@ inline float exp_nonpositive(float x) {
   const bool tiny = x < -87.0f;
   x = tiny ? -87.0f : x;
   const float k = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.0f;
+  const float e = exp_reduced(x - k * 0.693359375f + k * 2.12194440e-4f);
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -1045,14 +1050,7 @@ inline VF exp_nonpositive_lanes(VF x) {
   const VF y = x * 1.44269504088896341f + 0.5f;
   VF k = __builtin_convertvector(__builtin_convertvector(y, VI), VF);  // toward zero, then down: floor
   k += __builtin_convertvector(k > y, VF);                             // (true is -1)
-  const VF r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  VF c = splat(1.9875691500e-4f);
-  c = c * r + 1.3981999507e-3f;
-  c = c * r + 8.3334519073e-3f;
-  c = c * r + 4.1665795894e-2f;
-  c = c * r + 1.6666665459e-1f;
-  c = c * r + 5.0000001201e-1f;
-  const VF e = c * r * r + r + 1.0f;
+  const VF e = exp_reduced(x - k * 0.693359375f + k * 2.12194440e-4f);
   const VI bits = (__builtin_convertvector(k, VI) + 127) << 23;
   return pick(tiny, VF{}, e * reinterpret_cast<VF>(bits));
 }
