@@ -104,7 +104,7 @@ def _reads(kv_format, pages) -> bool:
             and isinstance(pages, NVFP4) and pages.tensor_scale is None)
 
 
-TILE_MAX_HEAD_DIM = 256  # a tile row's output stays in 16 vectors (AVX-512) or 64 columns at a time
+TILE_MAX_HEAD_DIM = 256  # a tile row's output in 16 AVX-512 vectors (the portable tiles: kPer <= 16 too)
 
 
 def supports(q, k_pages, v_pages, variant, kv_format, max_q_len) -> bool:

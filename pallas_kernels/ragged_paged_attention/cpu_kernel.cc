@@ -672,9 +672,11 @@ struct Part {
 
 // A thread's buffers: each position's row offset in the pages (the same in K and V; the row
 // holds every KV head, Hkv * D elements), the scores [Hq, n] and, for row-scaled codes, each
-// position's K and V scales [Hkv, n]; rows decoded to float32 in `tile`, a KV head's 16 for
-// scores16 (kTiledKeys) or a run's for weigh ([kRun, D], kDecoded), and the offsets weigh
-// reads those at (decoded_rows).
+// position's K and V scales [Hkv, n]; rows decoded to float32 in `tile`: a KV head's 16 for
+// scores16 (kTiledKeys), a run's for weigh ([kRun, D], kDecoded), one row [D] in the plain
+// loops (decode_row), or a tile's block (attend_tile: keys, then values [16, D], the keys as
+// columns [D, 16] in the portable tiles); and the offsets weigh reads its rows at
+// (decoded_rows).
 struct Scratch {
   std::vector<int64_t> rows, decoded_rows;
   std::vector<float> scores, kscale, vscale, tile;
@@ -684,9 +686,9 @@ struct Scratch {
 
 // One position's row of one KV head (r: the pages' pointer at it) decoded to float32 times
 // `scale`, element d at dst[d * stride], in plain loops (what a build without AVX-512, or a
-// head_dim not a multiple of 16, reads decoded rows with). NVFP4 rows a block of 16 at a time
-// (its scale decoded once), TurboQuant rows a channel group at a time (their row index found
-// once), the others element by element.
+// head_dim over 256, reads decoded rows with). NVFP4 rows a block of 16 at a time (its scale
+// decoded once; the format's head_dim is a multiple of 16), TurboQuant rows a channel group
+// at a time (their row index found once), the others element by element.
 template <typename T>
 void decode_row(Ptr<T> r, int64_t D, float scale, float* dst, int64_t stride) {
   if constexpr (std::is_same_v<T, Turbo>) {
@@ -717,6 +719,19 @@ void decode_row(Ptr<T> r, int64_t D, float scale, float* dst, int64_t stride) {
     }
   } else {
     for (int64_t d = 0; d < D; ++d) dst[d * stride] = to_float(r[d]) * scale;
+  }
+}
+
+// use(row) on one KV head's row at r as the plain loops read it: in the pages, or (NVFP4,
+// TurboQuant: kDecoded) decoded once into `tile` [D] for all of that head's query heads.
+template <typename T, typename Use>
+inline void with_row(Ptr<T> r, int64_t D, std::vector<float>& tile, Use&& use) {
+  if constexpr (kDecoded<T>) {
+    tile.resize(D);
+    decode_row<T>(r, D, 1.0f, tile.data(), 1);
+    use(static_cast<const float*>(tile.data()));
+  } else {
+    use(r);
   }
 }
 
@@ -783,15 +798,7 @@ void weigh(const float* w, Ptr<T> v, const int64_t* rows, int64_t n, int64_t i0,
       for (int64_t d = 0; d < D; ++d) acc[g * D + d] += wi * to_float(row[d]);
     }
   };
-  for (int64_t i = i0; i < i1; ++i) {
-    if constexpr (kDecoded<T>) {  // decoded once for the G heads
-      s.tile.resize(D);
-      decode_row<T>(v + rows[i], D, 1.0f, s.tile.data(), 1);
-      add(i, static_cast<const float*>(s.tile.data()));
-    } else {
-      add(i, v + rows[i]);
-    }
-  }
+  for (int64_t i = i0; i < i1; ++i) with_row<T>(v + rows[i], D, s.tile, [&](auto row) { add(i, row); });
 }
 
 // Positions a weighted pass covers before it moves to the next KV head: two pages' rows of
@@ -860,15 +867,8 @@ void attend_part(const Problem<T>& p, const Item& it, Part& part, Scratch& s) {
       }
     };
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
-        if constexpr (kDecoded<T>) {  // decoded once for the G heads
-          s.tile.resize(D);
-          decode_row<T>(p.k + s.rows[i] + kvh * D, D, 1.0f, s.tile.data(), 1);
-          score(i, kvh, static_cast<const float*>(s.tile.data()));
-        } else {
-          score(i, kvh, p.k + s.rows[i] + kvh * D);
-        }
-      }
+      for (int64_t kvh = 0; kvh < p.Hkv; ++kvh)
+        with_row<T>(p.k + s.rows[i] + kvh * D, D, s.tile, [&](auto row) { score(i, kvh, row); });
   }
   part.lse.resize(p.Hq);
   part.out.assign(p.Hq * D, 0.0f);

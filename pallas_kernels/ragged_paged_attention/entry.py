@@ -73,9 +73,10 @@ def ragged_paged_attention(
         tree), the Triton ragged kernel (kernel_gpu.py) for other steps over float, int8
         or fp8 pages with power-of-two page_size and head_dim >= 16, and the XLA path
         otherwise; on CPU the C++ kernel (cpu.py) for steps of float32 q (decode-only
-        ones, or any where its build has tiles; draft trees included) over float32 or bfloat16
-        pages, int8 / fp8 ones, NVFP4 ones without a tensor scale or TurboQuant ones of
-        at most 4 bits a code (kv_format), the XLA path (xla.py) for the rest.
+        ones, or any where head_dim is a multiple of 16 up to 256; draft trees included)
+        over float32 or bfloat16 pages, int8 / fp8 ones, NVFP4 ones without a tensor
+        scale or TurboQuant ones of at most 4 bits a code (kv_format), the XLA path
+        (xla.py) for the rest.
 
     Returns:
       out [total_q_tokens, num_q_heads, head_dim] in q.dtype, lse f32 [total_q_tokens,

@@ -10,7 +10,8 @@ prefill chunks; chunks get tiles of min(max_q_len, 16) tokens, at most
 ceil(tokens / 16) + max_chunks of them (a tile's work is paid even when it is spare, so
 the static bounds matter). Tested against ref.py. (On CPU the entry runs steps over
 float32, bfloat16, int8, fp8, NVFP4 and TurboQuant pages, draft trees included, on the C++
-kernel of cpu.py instead: decode-only ones, and with chunks where its build has tiles.)
+kernel of cpu.py instead: decode-only ones, and with chunks where head_dim is a multiple
+of 16 up to 256.)
 """
 
 from __future__ import annotations

@@ -53,28 +53,32 @@ def portable():
     return PORTABLE, cpu.register(cpu.build(flags=cpu_ffi.flags_for("x86-64-v2")), PORTABLE)
 
 
-def test_the_kernel_builds_here(portable):
+def test_the_kernel_builds_here():
     """CI installs a C++ compiler (Makefile setup), so the kernel must be available: a
     silent fallback to the XLA path would hide a broken build. It has the AVX-512 tiles
     exactly when this CPU has AVX-512 (-march=native), and takes steps as long as that
-    build is faster than XLA for (unless KVFOLD_CPU_MARCH picks another instruction set);
-    the portable build reports its own."""
+    build is faster than XLA for (unless KVFOLD_CPU_MARCH picks another instruction set)."""
     assert cpu.available()
     flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
     avx512 = "avx512f" in flags and "avx512bw" in flags
     if not os.environ.get("KVFOLD_CPU_MARCH"):
         assert cpu.max_tokens() == (cpu.MAX_TOKENS if avx512 else cpu.PORTABLE_MAX_TOKENS)
-    assert portable[1].KvfoldQuantMatmulAvx512() == 0
 
 
-def test_kvfold_cpu_march_sets_the_instruction_set_of_every_build(portable, monkeypatch):
-    """KVFOLD_CPU_MARCH stands for -march=native in a build's flags and cache key: with
-    x86-64-v2 the kernel built is the portable one (no AVX-512 tiles); a value that is not
+def test_kvfold_cpu_march_sets_the_instruction_set_of_the_builds(portable, monkeypatch):
+    """KVFOLD_CPU_MARCH stands for -march=native in a build's flags and cache key (the
+    quantized matmul's and the attention kernel's): with x86-64-v2 the matmul built is the
+    portable one (no AVX-512 tiles), as the fixture's own build reports; a value that is not
     one compiler word is a ValueError naming the variable."""
+    from pallas_kernels.ragged_paged_attention import cpu as attention
+
+    assert portable[1].KvfoldQuantMatmulAvx512() == 0
     monkeypatch.setenv("KVFOLD_CPU_MARCH", "x86-64-v2")
     assert cpu_ffi.default_flags() == cpu_ffi.flags_for("x86-64-v2") != cpu_ffi.FLAGS
     assert "-march=x86-64-v2" in cpu_ffi.default_flags() and "-march=native" not in cpu_ffi.default_flags()
-    assert cpu_ffi.library_path(cpu.SOURCE) != cpu_ffi.library_path(cpu.SOURCE, cpu_ffi.FLAGS)
+    for source in (cpu.SOURCE, attention.SOURCE):
+        assert cpu_ffi.library_path(source) == cpu_ffi.library_path(source, cpu_ffi.flags_for("x86-64-v2"))
+        assert cpu_ffi.library_path(source) != cpu_ffi.library_path(source, cpu_ffi.FLAGS)
     assert ctypes.CDLL(str(cpu.build())).KvfoldQuantMatmulAvx512() == 0
     monkeypatch.setenv("KVFOLD_CPU_MARCH", "x86-64-v3 -O0")
     with pytest.raises(ValueError, match="KVFOLD_CPU_MARCH.*'x86-64-v3 -O0'"):
