@@ -41,6 +41,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <thread>
 #include <type_traits>
@@ -106,8 +107,27 @@ struct Problem {
   }
 };
 
+// A float16's value from its bits, exactly (every float16 is a float32): in integer operations,
+// since GCC before 13 has no _Float16 in C++ on AArch64.
+inline float half_value(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  uint32_t bits;
+  if (exponent == 0x1F) {  // inf, NaN (payload kept)
+    bits = sign | 0x7F800000u | mantissa << 13;
+  } else if (exponent == 0) {  // zero, subnormal: mantissa * 2^-24
+    const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
+    std::memcpy(&bits, &magnitude, sizeof bits);
+    bits |= sign;
+  } else {
+    bits = sign | (exponent + 112) << 23 | mantissa << 13;
+  }
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
 inline float load(const void* p, bool f16, int64_t i) {
-  return f16 ? static_cast<float>(static_cast<const _Float16*>(p)[i]) : static_cast<const float*>(p)[i];
+  return f16 ? half_value(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
 }
 
 // Adds block b's rows to y[t0 : t0 + TW, n0 : n0 + 16 NV]. Within a block every weight
