@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	# A C++ compiler builds the CPU kernel of the packed-weight matmul (pallas_kernels/quant_matmul/cpu.py).
 	command -v g++ >/dev/null || $(SUDO) apt-get install -y -q g++ || \
 		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q g++)
+	# An AArch64 cross compiler: a test checks that the C++ kernels build for ARM too.
+	command -v aarch64-linux-gnu-g++ >/dev/null || $(SUDO) apt-get install -y -q g++-aarch64-linux-gnu || \
+		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q g++-aarch64-linux-gnu)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
