@@ -148,11 +148,6 @@ struct Nvfp4Ptr {
   const uint8_t *packed, *scales;
   int64_t e;
   Nvfp4Ptr operator+(int64_t offset) const { return {packed, scales, e + offset}; }
-  float operator[](int64_t i) const {  // element e + i, decoded
-    const int64_t at = e + i;
-    const uint8_t byte = packed[at / 2];
-    return kE2M1[at % 2 ? byte >> 4 : byte & 0xF] * e4m3_value(scales[at / 16]);
-  }
 };
 
 // TurboQuant pages (mse mode, quant.TurboCodes; kv_format a TurboQuant, or a TurboQuantSplit
@@ -199,18 +194,6 @@ struct TurboPtr {
   const TurboPages* pages;
   int64_t e;
   TurboPtr operator+(int64_t offset) const { return {pages, e + offset}; }
-  float operator[](int64_t i) const {  // element e + i, decoded
-    const TurboPages& t = *pages;
-    const int64_t row = (e + i) / t.D, d = (e + i) % t.D, g = d / t.size, c = d % t.size;
-    const TurboGroup& f = t.group[g];
-    float x = f.codebook[f.code(f.codes + row * f.bytes, c)] * f.scales[row];
-    for (int64_t j = 0; j < t.sparse; ++j) {
-      const int64_t channel = f.index[row * t.sparse + j];
-      if (channel < t.size)  // an index past the group (only in bytes no write made) adds nothing
-        x += from_bits(static_cast<uint32_t>(f.value[row * t.sparse + j]) << 16) * f.columns[channel * t.size + c];
-    }
-    return x;
-  }
 };
 
 // Formats whose rows are decoded to float32 once per use (a tile of rows for the scores, a
