@@ -92,7 +92,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;  // independent partial sums of the portable dot product
+constexpr int kLanes = 16;  // independent partial sums of the portable dot product (summed in halves)
 
 // A bfloat16 page element: the high half of a float32.
 struct Bf16 {
@@ -174,13 +174,6 @@ struct TurboGroup {
   // Code j of 16 starting at a multiple of 16 channels: stream bits from byte first[j] (and
   // first[j] + 1 when it straddles), shifted down by shift[j].
   int32_t first[16], shift[16];
-  // Channel c's code in a row's bytes: stream bits [c b, (c + 1) b).
-  uint32_t code(const uint8_t* row, int64_t c) const {
-    const int64_t bit = c * bits, at = bit / 8, shift = bit % 8;
-    uint32_t word = row[at];
-    if (shift + bits > 8) word |= static_cast<uint32_t>(row[at + 1]) << 8;
-    return (word >> shift) & ((1u << bits) - 1);
-  }
 };
 struct TurboPages {
   TurboGroup group[2];
@@ -324,8 +317,11 @@ float dot(const float* a, P b, int64_t n) {
     for (int l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * to_float(b[i + l]);
   float s = 0.0f;
   for (; i < n; ++i) s += a[i] * to_float(b[i]);
-  for (int l = 0; l < kLanes; ++l) s += lanes[l];
-  return s;
+  // pairwise, in halves: 4 dependent vector adds, not 16 scalar ones
+  for (int l = 0; l < 8; ++l) lanes[l] += lanes[l + 8];
+  for (int l = 0; l < 4; ++l) lanes[l] += lanes[l + 4];
+  for (int l = 0; l < 2; ++l) lanes[l] += lanes[l + 2];
+  return s + (lanes[0] + lanes[1]);
 }
 
 // exp(r) for |r| <= ln 2 / 2 by Cephes' polynomial, on a float or a vector of them.
@@ -667,11 +663,33 @@ struct Scratch {
   std::vector<uint32_t> seen;          // attend_tile's lanes seen: [blocks, count] (Sight::lanes)
 };
 
+// `size` codes (a multiple of 8) of kBits bits from a row's bytes (code c at stream bits
+// [c b, (c + 1) b), lowest first), looked up in the codebook times step, plus value times
+// `column` where one is given (a TurboQuant sparse channel's column of Pi), into
+// out[c * stride]: 8 codes at a time from the kBits bytes that hold them, gathered into one
+// word, so every shift is a constant. NVFP4's blocks are 4-bit codes in this order too.
+template <int kBits>
+inline void decode_codes(const uint8_t* bytes, int64_t size, const float* codebook, float step, float value,
+                         const float* column, float* out, int64_t stride) {
+  constexpr uint32_t mask = (1u << kBits) - 1;
+  for (int64_t c = 0; c < size; c += 8, bytes += kBits) {
+    uint32_t word = 0;  // byte by byte, not a memcpy of kBits bytes: 3 of them would stall the load on their stores
+    for (int i = 0; i < kBits; ++i) word |= static_cast<uint32_t>(bytes[i]) << (8 * i);
+    if (column)
+      for (int l = 0; l < 8; ++l)
+        out[(c + l) * stride] = codebook[(word >> (kBits * l)) & mask] * step + value * column[c + l];
+    else
+      for (int l = 0; l < 8; ++l) out[(c + l) * stride] = codebook[(word >> (kBits * l)) & mask] * step;
+  }
+}
+
 // One position's row of one KV head (r: the pages' pointer at it) decoded to float32 times
 // `scale`, element d at dst[d * stride], in plain loops (what a build without AVX-512, or a
 // head_dim over 256, reads decoded rows with). NVFP4 rows a block of 16 at a time (its scale
 // decoded once; the format's head_dim is a multiple of 16), TurboQuant rows a channel group
-// at a time (their row index found once), the others element by element.
+// at a time (their row index found once; the first sparse channel added as the codes are
+// decoded, so no pass reloads what the last one stored), both by decode_codes; the others
+// element by element.
 template <typename T>
 void decode_row(Ptr<T> r, int64_t D, float scale, float* dst, int64_t stride) {
   if constexpr (std::is_same_v<T, Turbo>) {
@@ -682,8 +700,21 @@ void decode_row(Ptr<T> r, int64_t D, float scale, float* dst, int64_t stride) {
       const uint8_t* bytes = f.codes + row * f.bytes;
       const float step = f.scales[row] * scale;
       float* out = dst + g * t.size * stride;
-      for (int64_t c = 0; c < t.size; ++c) out[c * stride] = f.codebook[f.code(bytes, c)] * step;
-      for (int64_t j = 0; j < t.sparse; ++j) {
+      // the first sparse channel joins the codes' pass, the others a pass each (an index past
+      // the group, only in bytes no write made, adds nothing)
+      const float* column = nullptr;
+      float value = 0.0f;
+      if (t.sparse && f.index[row * t.sparse] < t.size) {
+        column = f.columns + f.index[row * t.sparse] * t.size;
+        value = from_bits(static_cast<uint32_t>(f.value[row * t.sparse]) << 16) * scale;
+      }
+      switch (f.bits) {  // the kernel's groups have 1 to 4 bits a code (cpu.py's TURBO_MAX_BITS)
+        case 1: decode_codes<1>(bytes, t.size, f.codebook, step, value, column, out, stride); break;
+        case 2: decode_codes<2>(bytes, t.size, f.codebook, step, value, column, out, stride); break;
+        case 3: decode_codes<3>(bytes, t.size, f.codebook, step, value, column, out, stride); break;
+        default: decode_codes<4>(bytes, t.size, f.codebook, step, value, column, out, stride); break;
+      }
+      for (int64_t j = 1; j < t.sparse; ++j) {
         const int64_t channel = f.index[row * t.sparse + j];
         if (channel >= t.size) continue;  // only in bytes no write made: adds nothing
         const float value = from_bits(static_cast<uint32_t>(f.value[row * t.sparse + j]) << 16) * scale;
@@ -693,12 +724,7 @@ void decode_row(Ptr<T> r, int64_t D, float scale, float* dst, int64_t stride) {
   } else if constexpr (std::is_same_v<T, Nvfp4>) {  // r.e a multiple of 16: a whole row
     for (int64_t b = 0; b < D / 16; ++b) {
       const float step = e4m3_value(r.scales[r.e / 16 + b]) * scale;
-      const uint8_t* bytes = r.packed + r.e / 2 + 8 * b;
-      float* out = dst + 16 * b * stride;
-      for (int64_t j = 0; j < 8; ++j) {
-        out[2 * j * stride] = kE2M1[bytes[j] & 0xF] * step;
-        out[(2 * j + 1) * stride] = kE2M1[bytes[j] >> 4] * step;
-      }
+      decode_codes<4>(r.packed + r.e / 2 + 8 * b, 16, kE2M1, step, 0.0f, nullptr, dst + 16 * b * stride, stride);
     }
   } else {
     for (int64_t d = 0; d < D; ++d) dst[d * stride] = to_float(r[d]) * scale;

@@ -824,15 +824,18 @@ def test_turboquant_pages_of_head_dim_128_match_the_oracle(bits):
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
 
 
-def test_turboquant_codes_of_one_bit_and_many_sparse_channels_match_the_oracle():
-    """1-bit codes; six sparse channels a half (four added as the codes are decoded, the
-    others in a pass of their own); a sparse index past its half, which no write makes and
-    which adds nothing (as quant's dequantize and the XLA path read it); and
-    decode_attention_cpu, the handler for the other pages, refuses TurboQuant ones."""
+@pytest.mark.parametrize("build", BUILDS)
+def test_turboquant_codes_of_one_bit_and_many_sparse_channels_match_the_oracle(build):
+    """1-bit codes; six sparse channels a half (AVX-512: four added as the codes are decoded,
+    the others in a pass of their own; the portable decode: the first, then the others); a
+    sparse index past its half in the first sparse slot, which no write makes and which adds
+    nothing (as quant's dequantize and the XLA path read it); and decode_attention_cpu, the
+    handler for the other pages, refuses TurboQuant ones."""
+    target = _build(build).target
     args, sinks = _decode_batch(14, [1, 6, 40], num_q_heads=6, num_kv_heads=2, head_dim=64)
-    _check_kernel(args, sinks, 0.125, page_dtype=TurboQuant(64, 1))
+    _check_kernel(args, sinks, 0.125, page_dtype=TurboQuant(64, 1), target=target)
     many = TurboQuantSplit(64, 3.5, turboquant(64, 3.5).outliers, sparse=6, rescale=True)
-    _check_kernel(args, None, 0.125, page_dtype=many)
+    _check_kernel(args, None, 0.125, page_dtype=many, target=target)
     q, k, v, k_pages, v_pages, table, cu, kv_lens = args
     tq = turboquant(64, 3.5)
     pages = tq.quantize(k_pages)
@@ -840,7 +843,7 @@ def test_turboquant_codes_of_one_bit_and_many_sparse_channels_match_the_oracle()
     pages = dataclasses.replace(pages, outlier=dataclasses.replace(pages.outlier, sparse_idx=past))
     seq, pos = token_layout(cu, kv_lens, q.shape[0])
     out, lse, got_k, got_v = cpu.decode_attention_turbo_cpu(q, k, v, pages, tq.quantize(v_pages), table, cu, kv_lens,
-                                                            sm_scale=0.125, kv_format=tq)
+                                                            sm_scale=0.125, kv_format=tq, target=target + "_turbo")
     want_out, want_lse = _oracle(q, tq.dequantize(got_k), tq.dequantize(got_v), table, seq, pos, 0.125)
     np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
