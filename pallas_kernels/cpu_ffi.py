@@ -41,12 +41,18 @@ def default_flags() -> tuple[str, ...]:
         raise ValueError(f"KVFOLD_CPU_MARCH: {e}") from None
 
 
-def _cpu_signature() -> str:
+def cpu_flags() -> tuple[str, ...]:
+    """This CPU's feature flags as Linux's /proc/cpuinfo lists them (e.g. "avx512f"); empty
+    where it cannot be read (another OS)."""
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
     except (OSError, StopIteration):
-        flags = ""
-    return platform.machine() + flags
+        return ()
+    return tuple(line.partition(":")[2].split())
+
+
+def _cpu_signature() -> str:
+    return platform.machine() + " ".join(cpu_flags())
 
 
 def library_path(source: Path, flags: tuple[str, ...] | None = None) -> Path:

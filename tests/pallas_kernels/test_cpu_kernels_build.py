@@ -1,7 +1,8 @@
 """The C++ CPU kernels (pallas_kernels/*/cpu_kernel.cc) compile for AArch64 as well as for
 this host: ARM Linux machines build them with their own g++ at first use, and a kernel that
 does not compile there silently leaves every step to XLA. Checked with Debian's cross
-compiler (make setup installs g++-aarch64-linux-gnu), syntax and templates only."""
+compiler (make setup installs g++-aarch64-linux-gnu), syntax and templates only. Also
+cpu_ffi.cpu_flags, the CPU features a build's cache key (and the tests' skips) go by."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import jax
 import pytest
 
+from pallas_kernels import cpu_ffi
 from pallas_kernels.first_max import cpu as first_max
 from pallas_kernels.quant_matmul import cpu as quant_matmul
 from pallas_kernels.ragged_paged_attention import cpu as attention
@@ -28,3 +30,15 @@ def test_the_cpu_kernels_compile_for_aarch64(source):
            str(source)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, f"{' '.join(cmd)}:\n{done.stderr[-4000:]}"
+
+
+def test_cpu_flags_are_the_cpuinfo_flags_and_empty_where_it_cannot_be_read(monkeypatch, tmp_path):
+    """cpu_flags reads the flags line's words (what the builds' cache key and the tests'
+    skips go by); with no readable /proc/cpuinfo (another OS) it is empty, not an error."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f\nbogomips\t: 1\n")
+    real = cpu_ffi.Path
+    monkeypatch.setattr(cpu_ffi, "Path", lambda p: real(info) if p == "/proc/cpuinfo" else real(p))
+    assert cpu_ffi.cpu_flags() == ("fpu", "sse2", "avx2", "avx512f")
+    monkeypatch.setattr(cpu_ffi, "Path", lambda p: real(tmp_path / "absent"))
+    assert cpu_ffi.cpu_flags() == ()

@@ -189,13 +189,8 @@ def _build(name: str) -> Build:
         return Build(cpu.TARGET, cpu.KERNEL.library)
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the portable builds target x86-64 levels")
-    if name == "x86-64-v3":
-        try:
-            line = next((x for x in open("/proc/cpuinfo") if x.startswith("flags")), "")
-        except OSError:
-            line = ""
-        if not V3_FLAGS <= set(line.split()):
-            pytest.skip("this CPU cannot run x86-64-v3 code")
+    if name == "x86-64-v3" and not V3_FLAGS <= set(cpu_ffi.cpu_flags()):
+        pytest.skip("this CPU cannot run x86-64-v3 code")
     return _portable(name)
 
 
