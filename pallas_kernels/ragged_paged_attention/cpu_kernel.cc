@@ -82,7 +82,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -93,6 +93,49 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kLanes = 16;  // independent partial sums of the portable dot product (summed in halves)
+
+// Vectors in the compiler's vector extension (GCC, clang) of the target's width: 8 float32 /
+// int32 lanes with AVX, else 4 (SSE, NEON). What a build without AVX-512 computes its tiles
+// and decodes low-bit rows in.
+#if defined(__AVX__)
+constexpr int kWidth = 8;
+#else
+constexpr int kWidth = 4;
+#endif
+typedef float VF __attribute__((vector_size(4 * kWidth)));
+typedef int32_t VI __attribute__((vector_size(4 * kWidth)));
+
+inline VF load(const float* x) {
+  VF v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+inline void save(float* x, VF v) { std::memcpy(x, &v, sizeof v); }
+inline VF splat(float x) { return VF{} + x; }
+inline VF pick(VI where, VF a, VF b) {  // a where `where` is -1, else b
+  return reinterpret_cast<VF>((reinterpret_cast<VI>(a) & where) | (reinterpret_cast<VI>(b) & ~where));
+}
+
+// table[idx[l]] in each lane, idx < kEntries <= 16: AVX2's permutes (one for 8 entries, two
+// and a select for 16), else lane by lane.
+template <int kEntries>
+inline VF lookup(const float* table, VI idx) {
+#if defined(__AVX2__)
+  const VF low = reinterpret_cast<VF>(_mm256_permutevar8x32_ps(reinterpret_cast<__m256>(load(table)),
+                                                                reinterpret_cast<__m256i>(idx)));
+  if constexpr (kEntries <= 8) {
+    return low;
+  } else {
+    const VF high = reinterpret_cast<VF>(_mm256_permutevar8x32_ps(reinterpret_cast<__m256>(load(table + 8)),
+                                                                   reinterpret_cast<__m256i>(idx)));
+    return pick((idx & 8) != 0, high, low);
+  }
+#else
+  VF out;
+  for (int l = 0; l < kWidth; ++l) out[l] = table[idx[l]];
+  return out;
+#endif
+}
 
 // A bfloat16 page element: the high half of a float32.
 struct Bf16 {
@@ -664,28 +707,35 @@ struct Scratch {
 };
 
 // `size` codes (a multiple of 8) of kBits bits from a row's bytes (code c at stream bits
-// [c b, (c + 1) b), lowest first), looked up in the codebook times step, plus value times
-// `column` where one is given (a TurboQuant sparse channel's column of Pi), into
+// [c b, (c + 1) b), lowest first), looked up in the codebook (2^kBits entries) times step, plus
+// value times `column` where one is given (a TurboQuant sparse channel's column of Pi), into
 // out[c * stride]: 8 codes at a time from the kBits bytes that hold them, gathered into one
-// word, so every shift is a constant. NVFP4's blocks are 4-bit codes in this order too.
+// word and shifted apart in vector lanes. NVFP4's blocks are 4-bit codes in this order too.
 template <int kBits>
 inline void decode_codes(const uint8_t* bytes, int64_t size, const float* codebook, float step, float value,
                          const float* column, float* out, int64_t stride) {
-  constexpr uint32_t mask = (1u << kBits) - 1;
+  VI shifts;  // lane l: code l's bits in a word of kWidth codes
+  for (int l = 0; l < kWidth; ++l) shifts[l] = kBits * l;
   for (int64_t c = 0; c < size; c += 8, bytes += kBits) {
     uint32_t word = 0;  // byte by byte, not a memcpy of kBits bytes: 3 of them would stall the load on their stores
     for (int i = 0; i < kBits; ++i) word |= static_cast<uint32_t>(bytes[i]) << (8 * i);
-    if (column)
-      for (int l = 0; l < 8; ++l)
-        out[(c + l) * stride] = codebook[(word >> (kBits * l)) & mask] * step + value * column[c + l];
-    else
-      for (int l = 0; l < 8; ++l) out[(c + l) * stride] = codebook[(word >> (kBits * l)) & mask] * step;
+    for (int h = 0; h < 8; h += kWidth) {
+      // the shifted word's sign bits reach no code: a code's top bit is at most bit 31
+      const VI codes = ((VI{} + static_cast<int32_t>(word >> (kBits * h))) >> shifts) & ((1 << kBits) - 1);
+      VF x = lookup<(1 << kBits)>(codebook, codes) * step;
+      if (column) x += value * load(column + c + h);
+      if (stride == 1) {
+        save(out + c + h, x);
+      } else {
+        for (int l = 0; l < kWidth; ++l) out[(c + h + l) * stride] = x[l];
+      }
+    }
   }
 }
 
 // One position's row of one KV head (r: the pages' pointer at it) decoded to float32 times
-// `scale`, element d at dst[d * stride], in plain loops (what a build without AVX-512, or a
-// head_dim over 256, reads decoded rows with). NVFP4 rows a block of 16 at a time (its scale
+// `scale`, element d at dst[d * stride] (what a build without AVX-512, or a head_dim over
+// 256, reads decoded rows with). NVFP4 rows a block of 16 at a time (its scale
 // decoded once; the format's head_dim is a multiple of 16), TurboQuant rows a channel group
 // at a time (their row index found once; the first sparse channel added as the codes are
 // decoded, so no pass reloads what the last one stored), both by decode_codes; the others
@@ -1023,34 +1073,15 @@ void decode_keys(const Problem<T>& p, Ptr<T> head, const float* scales, int64_t 
 
 #else
 
-// Tiles without AVX-512 compute in the compiler's vector extension (GCC, clang), in vectors
-// of the target's width (AVX: 8 float32 lanes, else 4: SSE, NEON), kParts of them for a
-// block's 16 positions. A key block is kept as columns [D, 16] (kt[d * 16 + j]: element d of
-// position j), so a row's 16 scores are D broadcast multiply-adds, with no sum across lanes.
-#if defined(__AVX__)
-constexpr int kWidth = 8;
-#else
-constexpr int kWidth = 4;
-#endif
+// Tiles without AVX-512 compute in VF / VI vectors, kParts of them for a block's 16
+// positions. A key block is kept as columns [D, 16] (kt[d * 16 + j]: element d of position
+// j), so a row's 16 scores are D broadcast multiply-adds, with no sum across lanes.
 constexpr int kParts = 16 / kWidth;
-typedef float VF __attribute__((vector_size(4 * kWidth)));
-typedef int32_t VI __attribute__((vector_size(4 * kWidth)));
 
 // Rows scored at once and output columns weighed at once: 8 accumulators either way, half
 // the 16 vector registers of AVX2 and SSE.
 constexpr int kRows = 8 / kParts;
 constexpr int64_t kSpan = 8 * kWidth;
-
-inline VF load(const float* x) {
-  VF v;
-  std::memcpy(&v, x, sizeof v);
-  return v;
-}
-inline void save(float* x, VF v) { std::memcpy(x, &v, sizeof v); }
-inline VF splat(float x) { return VF{} + x; }
-inline VF pick(VI where, VF a, VF b) {  // a where `where` is -1, else b
-  return reinterpret_cast<VF>((reinterpret_cast<VI>(a) & where) | (reinterpret_cast<VI>(b) & ~where));
-}
 
 // exp_nonpositive on a vector's lanes (the same steps), a NaN staying NaN.
 inline VF exp_nonpositive_lanes(VF x) {
