@@ -116,11 +116,11 @@ inline VF pick(VI where, VF a, VF b) {  // a where `where` is -1, else b
   return reinterpret_cast<VF>((reinterpret_cast<VI>(a) & where) | (reinterpret_cast<VI>(b) & ~where));
 }
 
-// table[idx[l]] in each lane, idx < kEntries <= 16: AVX2's permutes (one for 8 entries, two
-// and a select for 16), else lane by lane.
+#if defined(__AVX2__)
+// table[idx[l]] in each of 8 lanes, idx < kEntries <= 16: one vpermps for 8 entries, two
+// and a select for 16.
 template <int kEntries>
 inline VF lookup(const float* table, VI idx) {
-#if defined(__AVX2__)
   const VF low = reinterpret_cast<VF>(_mm256_permutevar8x32_ps(reinterpret_cast<__m256>(load(table)),
                                                                 reinterpret_cast<__m256i>(idx)));
   if constexpr (kEntries <= 8) {
@@ -130,12 +130,8 @@ inline VF lookup(const float* table, VI idx) {
                                                                    reinterpret_cast<__m256i>(idx)));
     return pick((idx & 8) != 0, high, low);
   }
-#else
-  VF out;
-  for (int l = 0; l < kWidth; ++l) out[l] = table[idx[l]];
-  return out;
-#endif
 }
+#endif
 
 // A bfloat16 page element: the high half of a float32.
 struct Bf16 {
@@ -707,29 +703,39 @@ struct Scratch {
 };
 
 // `size` codes (a multiple of 8) of kBits bits from a row's bytes (code c at stream bits
-// [c b, (c + 1) b), lowest first), looked up in the codebook (2^kBits entries) times step, plus
-// value times `column` where one is given (a TurboQuant sparse channel's column of Pi), into
-// out[c * stride]: 8 codes at a time from the kBits bytes that hold them, gathered into one
-// word and shifted apart in vector lanes. NVFP4's blocks are 4-bit codes in this order too.
+// [c b, (c + 1) b), lowest first), looked up in the codebook (2^kBits entries) times step,
+// plus value times `column` where one is given (a TurboQuant sparse channel's column of Pi),
+// into out[c * stride]: 8 codes at a time from the kBits bytes that hold them, gathered into
+// one word; with AVX2 shifted apart in a vector's lanes and looked up by permutes, else one
+// by one (shifts by constants: on SSE, which has no per-lane shifts or permutes, a vector
+// form measured slower). NVFP4's blocks are 4-bit codes in this order too.
 template <int kBits>
 inline void decode_codes(const uint8_t* bytes, int64_t size, const float* codebook, float step, float value,
                          const float* column, float* out, int64_t stride) {
-  VI shifts;  // lane l: code l's bits in a word of kWidth codes
-  for (int l = 0; l < kWidth; ++l) shifts[l] = kBits * l;
+  constexpr int32_t mask = (1 << kBits) - 1;
+#if defined(__AVX2__)
+  VI shifts;  // lane l: code l's bits in the word
+  for (int l = 0; l < 8; ++l) shifts[l] = kBits * l;
+#endif
   for (int64_t c = 0; c < size; c += 8, bytes += kBits) {
     uint32_t word = 0;  // byte by byte, not a memcpy of kBits bytes: 3 of them would stall the load on their stores
     for (int i = 0; i < kBits; ++i) word |= static_cast<uint32_t>(bytes[i]) << (8 * i);
-    for (int h = 0; h < 8; h += kWidth) {
-      // the shifted word's sign bits reach no code: a code's top bit is at most bit 31
-      const VI codes = ((VI{} + static_cast<int32_t>(word >> (kBits * h))) >> shifts) & ((1 << kBits) - 1);
-      VF x = lookup<(1 << kBits)>(codebook, codes) * step;
-      if (column) x += value * load(column + c + h);
-      if (stride == 1) {
-        save(out + c + h, x);
-      } else {
-        for (int l = 0; l < kWidth; ++l) out[(c + h + l) * stride] = x[l];
-      }
+#if defined(__AVX2__)
+    // the word's top bit, as a sign, reaches no code: a code's top bit is at most bit 31
+    VF x = lookup<(1 << kBits)>(codebook, ((VI{} + static_cast<int32_t>(word)) >> shifts) & mask) * step;
+    if (column) x += value * load(column + c);
+    if (stride == 1) {
+      save(out + c, x);
+    } else {
+      for (int l = 0; l < 8; ++l) out[(c + l) * stride] = x[l];
     }
+#else
+    if (column)
+      for (int l = 0; l < 8; ++l)
+        out[(c + l) * stride] = codebook[(word >> (kBits * l)) & mask] * step + value * column[c + l];
+    else
+      for (int l = 0; l < 8; ++l) out[(c + l) * stride] = codebook[(word >> (kBits * l)) & mask] * step;
+#endif
   }
 }
 
