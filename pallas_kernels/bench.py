@@ -218,15 +218,16 @@ def main(argv=None) -> int:
 def _print_table(rows, copy, peak) -> int:
     """The table; returns 1 if any row failed. "vs jax": GB/s over the bundled kernel's."""
     bundled = {op: t for op, impl, t, _, _ in rows if impl.startswith("jax ops.") and t}
+    w = max([24] + [len(op) for op, *_ in rows])  # the op column
     print(
-        f"{'op':<24} {'implementation':<40} {'time_ms':>10} {'GB/s':>9} {'of copy':>8} "
+        f"{'op':<{w}} {'implementation':<40} {'time_ms':>10} {'GB/s':>9} {'of copy':>8} "
         f"{'of peak':>8} {'vs jax':>7}"
     )
     failed = []
     for op, impl, seconds, moved, err in rows:
         if seconds is None:
             status = NOT_AVAILABLE if err.startswith(NOT_AVAILABLE) else "FAILED"
-            print(f"{op:<24} {impl:<40} {status:>10}\n    {err}")
+            print(f"{op:<{w}} {impl:<40} {status:>10}\n    {err}")
             failed += [f"{op} / {impl}"] if status == "FAILED" else []
             continue
         rate = moved / seconds
@@ -234,7 +235,7 @@ def _print_table(rows, copy, peak) -> int:
         of_peak = "n/a" if peak is None else f"{rate / peak:.1%}"
         vs = f"{bundled[op] / seconds:.2f}x" if op in bundled else "n/a"
         print(
-            f"{op:<24} {impl:<40} {seconds * 1e3:>10.3f} {gbps:>9.{1 if gbps >= 10 else 3}f} "
+            f"{op:<{w}} {impl:<40} {seconds * 1e3:>10.3f} {gbps:>9.{1 if gbps >= 10 else 3}f} "
             f"{rate / copy:>8.1%} "
             f"{of_peak:>8} {vs:>7}"
         )
@@ -321,13 +322,15 @@ def _ragged_rows(on_cpu, platform, dtype, iters):
     Pallas kernel runs interpreted on a tiny step, and the entry's CPU path, the C++ kernel
     (ragged_paged_attention/cpu.py), is timed against the XLA path (xla.py) it replaces at a
     real size: SmolLM2's heads, 4 decode rows at 2,048 positions and a 512-token chunk after
-    2,048, over float32 and NVFP4 pages (bytes: the pages' as stored), and a speculative
+    2,048, over float32 and NVFP4 pages (bytes: the pages' as stored), a decode step of 16
+    rows at 2,048 positions over float32, NVFP4 and turboquant-3.5 pages, and a speculative
     verify step (4 draft trees of 16 nodes after 512 positions, float32 pages)."""
     op = "ragged_paged_attention"
     if not on_cpu:
         args, nbytes = _ragged_problem(np.random.default_rng(2), (32, 8, 128, 16), (64, 2048, 512), dtype)
         run = lambda interp: jax.jit(functools.partial(ragged_paged_attention, interpret=interp))
         return _both(on_cpu, platform, op, run, args, nbytes, iters)
+    from model.kv_formats import turboquant
     from pallas_kernels.paged_attention import kv_formats
     from pallas_kernels.ragged_paged_attention import cpu
     from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
@@ -335,30 +338,33 @@ def _ragged_rows(on_cpu, platform, dtype, iters):
     args, nbytes = _ragged_problem(np.random.default_rng(2), (8, 2, 128, 16), (3, 40, 16), dtype)
     kernel = jax.jit(functools.partial(ragged_paged_attention, interpret=True))
     rows = [_row(op, "kvfold Pallas (interpret)", kernel, args, nbytes, iters)]
-    heads, step = (9, 3, 64, 16), (4, 2048, 512)
-    for name in (None, "nvfp4"):
-        args, nbytes = _ragged_problem(np.random.default_rng(3), heads, step, jnp.float32)
-        fmt = None if name is None else kv_formats.resolve(name)
-        if fmt is not None:  # the live positions' bytes as the format stores them
-            live = 2 * (step[0] * step[1] + step[1] + step[2])  # K and V rows of every sequence
-            page = jnp.zeros((1, heads[3], heads[1], heads[2]), jnp.float32)
-            stored = sum(x.nbytes for x in fmt.leaves(fmt.quantize(page))) // heads[3]
-            nbytes += live * (stored - heads[1] * heads[2] * 4)
-            args = args[:3] + tuple(fmt.quantize(a) for a in args[3:5]) + args[5:]
-        options = dict(sm_scale=heads[2] ** -0.5, kv_format=fmt, max_q_len=step[2], max_chunks=1)
-        label = f"ragged CPU {name or 'float32'}"
+    heads = (9, 3, 64, 16)
+    impl = "kvfold C++ (cpu_kernel.cc)" if cpu.available() else "entry (no kernel here: XLA path)"
+
+    def pair(label, args, nbytes, **options):
+        options = dict(sm_scale=heads[2] ** -0.5, **options)
         xla = functools.partial(ragged_paged_attention_xla, sliding_window=None, **options)
         rows.append(_row(label, "XLA path (xla.py)", jax.jit(xla), args, nbytes, max(iters, 5)))
-        entry = functools.partial(ragged_paged_attention, **options)
-        impl = "kvfold C++ (cpu_kernel.cc)" if cpu.available() else "entry (no kernel here: XLA path)"
-        rows.append(_row(label, impl, jax.jit(entry), args, nbytes, max(iters, 5)))
+        rows.append(_row(label, impl, jax.jit(functools.partial(ragged_paged_attention, **options)), args, nbytes,
+                         max(iters, 5)))
+
+    for what, step, sequences, formats in (("", (4, 2048, 512), 1, (None, "nvfp4")),
+                                           ("decode ", (16, 2048, 1), 0, (None, "nvfp4", "turboquant-3.5"))):
+        for name in formats:
+            args, nbytes = _ragged_problem(np.random.default_rng(3), heads, step, jnp.float32, sequences=sequences)
+            fmt = None
+            if name is not None:  # the live positions' bytes as the format stores them
+                fmt = kv_formats.resolve(turboquant(heads[2], 3.5) if name == "turboquant-3.5" else name)
+                live = 2 * int(args[7].sum())  # K and V rows of every sequence
+                page = jnp.zeros((1, heads[3], heads[1], heads[2]), jnp.float32)
+                stored = sum(x.nbytes for x in fmt.leaves(fmt.quantize(page))) // heads[3]
+                nbytes += live * (stored - heads[1] * heads[2] * 4)
+                args = args[:3] + tuple(fmt.quantize(a) for a in args[3:5]) + args[5:]
+            pair(f"ragged CPU {what}{name or 'float32'}", args, nbytes, kv_format=fmt, max_q_len=step[2],
+                 max_chunks=max(sequences, 1))
     # a speculative verify step: 4 sequences of 16 draft-tree nodes each after 512 positions
     args, nbytes = _ragged_problem(np.random.default_rng(4), heads, (0, 512, 16), jnp.float32, sequences=4)
-    options = dict(sm_scale=heads[2] ** -0.5, kv_format=None, max_q_len=16, max_chunks=4, tree=_verify_tree(4, 16, 512))
-    xla = functools.partial(ragged_paged_attention_xla, sliding_window=None, **options)
-    rows.append(_row("ragged CPU tree", "XLA path (xla.py)", jax.jit(xla), args, nbytes, max(iters, 5)))
-    rows.append(_row("ragged CPU tree", impl, jax.jit(functools.partial(ragged_paged_attention, **options)), args,
-                     nbytes, max(iters, 5)))
+    pair("ragged CPU tree", args, nbytes, kv_format=None, max_q_len=16, max_chunks=4, tree=_verify_tree(4, 16, 512))
     return rows
 
 
