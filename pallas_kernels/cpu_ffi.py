@@ -42,17 +42,18 @@ def default_flags() -> tuple[str, ...]:
 
 
 def cpu_flags() -> tuple[str, ...]:
-    """This CPU's feature flags as Linux's /proc/cpuinfo lists them (e.g. "avx512f"); empty
-    where it cannot be read (another OS)."""
+    """This CPU's feature flags as Linux's /proc/cpuinfo lists them (x86's "flags" line, e.g.
+    "avx512f"; ARM's "Features", e.g. "asimd"); empty where it cannot be read (another OS)."""
     try:
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines()
+                    if x.partition(":")[0].strip() in ("flags", "Features"))
     except (OSError, StopIteration):
         return ()
     return tuple(line.partition(":")[2].split())
 
 
 def _cpu_signature() -> str:
-    return platform.machine() + " ".join(cpu_flags())
+    return " ".join((platform.machine(), *cpu_flags()))
 
 
 def library_path(source: Path, flags: tuple[str, ...] | None = None) -> Path:

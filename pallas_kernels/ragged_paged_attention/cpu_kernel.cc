@@ -54,10 +54,13 @@
 // merged per token as a token's runs are: a 12- or 16-token chunk after 2,000 positions went
 // from 1.14 / 1.70 ms on one thread to 0.77 / 0.83 ms on two. A build without AVX-512 runs
 // the same tiles in the compiler's portable vectors (AVX2, SSE, NEON: tile_block's portable
-// form) and decodes NVFP4 and TurboQuant rows once per KV head in plain loops (decode_row):
-// built as x86-64-v3 (AVX2) on that machine, the 512-token chunk after 2,048 positions (and 4
-// decode rows) took 35-37 ms over float32 pages and 34-40 over NVFP4 ones, where XLA's path,
-// limited to AVX2 too, took 55-78 and 71-88.
+// form) and decodes NVFP4 and TurboQuant rows once per KV head (decode_row), 8 codes a word
+// (decode_codes: with AVX2 in vector lanes looked up by permutes, else one by one): built as
+// x86-64-v3 (AVX2) on that machine, the 512-token chunk after 2,048 positions (and 4 decode
+// rows) took 35-37 ms over float32 pages and 34-40 over NVFP4 ones, where XLA's path, limited
+// to AVX2 too, took 55-78 and 71-88; 16 decode rows over 2,048 positions took 5.2-6.2 ms over
+// NVFP4 pages and 6.3-6.7 over turboquant-3.5 ones (8.9-9.3 and 21.0-21.4 with the codes
+// read one at a time and the sparse channel in a pass of its own).
 //
 // A draft tree's nodes (speculative decoding's verify rows, pallas_kernels/tree_mask.py: a
 // token at or past its sequence's tree start) see the prefix before the tree's region (on a
@@ -96,7 +99,8 @@ constexpr int kLanes = 16;  // independent partial sums of the portable dot prod
 
 // Vectors in the compiler's vector extension (GCC, clang) of the target's width: 8 float32 /
 // int32 lanes with AVX, else 4 (SSE, NEON). What a build without AVX-512 computes its tiles
-// and decodes low-bit rows in.
+// in, and what decode_codes looks codes up in where the target has AVX2 (an AVX-512 build
+// too, for the rows it reads through decode_row).
 #if defined(__AVX__)
 constexpr int kWidth = 8;
 #else
@@ -350,6 +354,7 @@ Sight sight(const Problem<E>& p, int64_t t) {
 
 template <typename P>
 float dot(const float* a, P b, int64_t n) {
+  static_assert(kLanes == 16, "the sums below halve 16 lanes");
   float lanes[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
@@ -708,17 +713,19 @@ struct Scratch {
 // into out[c * stride]: 8 codes at a time from the kBits bytes that hold them, gathered into
 // one word; with AVX2 shifted apart in a vector's lanes and looked up by permutes, else one
 // by one (shifts by constants: on SSE, which has no per-lane shifts or permutes, a vector
-// form measured slower). NVFP4's blocks are 4-bit codes in this order too.
+// form measured slower; NEON has both, but a form of its own was not written or measured).
+// NVFP4's blocks are 4-bit codes in this order too.
 template <int kBits>
 inline void decode_codes(const uint8_t* bytes, int64_t size, const float* codebook, float step, float value,
                          const float* column, float* out, int64_t stride) {
   constexpr int32_t mask = (1 << kBits) - 1;
 #if defined(__AVX2__)
-  VI shifts;  // lane l: code l's bits in the word
-  for (int l = 0; l < 8; ++l) shifts[l] = kBits * l;
+  const VI shifts = {0, kBits, 2 * kBits, 3 * kBits, 4 * kBits, 5 * kBits, 6 * kBits, 7 * kBits};  // code l's bits
 #endif
   for (int64_t c = 0; c < size; c += 8, bytes += kBits) {
-    uint32_t word = 0;  // byte by byte, not a memcpy of kBits bytes: 3 of them would stall the load on their stores
+    // byte by byte: a memcpy of 3 bytes into the word is two stores the word's 4-byte load
+    // cannot be forwarded from, so it waits for them to reach the cache
+    uint32_t word = 0;
     for (int i = 0; i < kBits; ++i) word |= static_cast<uint32_t>(bytes[i]) << (8 * i);
 #if defined(__AVX2__)
     // the word's top bit, as a sign, reaches no code: a code's top bit is at most bit 31

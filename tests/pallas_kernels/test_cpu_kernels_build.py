@@ -33,12 +33,17 @@ def test_the_cpu_kernels_compile_for_aarch64(source):
 
 
 def test_cpu_flags_are_the_cpuinfo_flags_and_empty_where_it_cannot_be_read(monkeypatch, tmp_path):
-    """cpu_flags reads the flags line's words (what the builds' cache key and the tests'
-    skips go by); with no readable /proc/cpuinfo (another OS) it is empty, not an error."""
+    """cpu_flags reads the flags line's words (x86's "flags", ARM's "Features": what the
+    builds' cache key and the tests' skips go by); with no such line or no readable
+    /proc/cpuinfo (another OS) it is empty, not an error."""
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f\nbogomips\t: 1\n")
     real = cpu_ffi.Path
     monkeypatch.setattr(cpu_ffi, "Path", lambda p: real(info) if p == "/proc/cpuinfo" else real(p))
     assert cpu_ffi.cpu_flags() == ("fpu", "sse2", "avx2", "avx512f")
+    info.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd aes sha2\nCPU part\t: 0xd0c\n")  # ARM
+    assert cpu_ffi.cpu_flags() == ("fp", "asimd", "aes", "sha2")
+    info.write_text("processor\t: 0\nmodel name\t: a CPU without a flags line\n")
+    assert cpu_ffi.cpu_flags() == ()
     monkeypatch.setattr(cpu_ffi, "Path", lambda p: real(tmp_path / "absent"))
     assert cpu_ffi.cpu_flags() == ()

@@ -211,7 +211,8 @@ def test_the_kernel_builds_here():
 
 @pytest.mark.parametrize("heads,head_dim,page_dtype", [
     *(pytest.param((6, 2), 64, p, id=f"gqa-64-{i}") for p, i in zip(PAGES + TURBO, PAGE_IDS + TURBO_IDS)),
-    *(pytest.param((3, 3), 40, p, id=f"mha-40-{i}") for p, i in zip(PAGES, PAGE_IDS) if p != "nvfp4")])
+    *(pytest.param((3, 3), 40, p, id=f"mha-40-{i}") for p, i in zip(PAGES, PAGE_IDS) if p != "nvfp4"),
+    pytest.param((4, 2), 272, "nvfp4", id="gqa-272-nvfp4")])
 @pytest.mark.parametrize("window,cap,with_sinks", [(None, None, False), (5, None, True), (None, 2.0, False)])
 def test_kernel_matches_the_float64_oracle(window, cap, with_sinks, heads, head_dim, page_dtype):
     """Contexts of one position, a partial page, whole pages and several pages; GQA groups
@@ -219,7 +220,8 @@ def test_kernel_matches_the_float64_oracle(window, cap, with_sinks, heads, head_
     sliding window, soft cap, sinks; a padding token; float32 and bfloat16 pages, and int8
     and fp8 codes with a scale per position and head, NVFP4 codes with a scale per 16, and
     TurboQuant codes (whose head_dim must be a multiple of 16, so they have no mha-40
-    case)."""
+    case); NVFP4 rows of head_dim 272, past what the AVX-512 paths read, which every build
+    decodes through decode_row."""
     args, sinks = _decode_batch(1, [1, 6, 8, 13], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim)
     _check_kernel(args, sinks if with_sinks else None, head_dim ** -0.5, window, cap, page_dtype)
 
@@ -832,15 +834,16 @@ def test_turboquant_codes_of_one_bit_and_many_sparse_channels_match_the_oracle(b
     many = TurboQuantSplit(64, 3.5, turboquant(64, 3.5).outliers, sparse=6, rescale=True)
     _check_kernel(args, None, 0.125, page_dtype=many, target=target)
     q, k, v, k_pages, v_pages, table, cu, kv_lens = args
-    tq = turboquant(64, 3.5)
-    pages = tq.quantize(k_pages)
-    past = pages.outlier.sparse_idx.at[int(table[2, 1]), 1, 0, 0].set(200)  # a live row of sequence 2
-    pages = dataclasses.replace(pages, outlier=dataclasses.replace(pages.outlier, sparse_idx=past))
     seq, pos = token_layout(cu, kv_lens, q.shape[0])
-    out, lse, got_k, got_v = cpu.decode_attention_turbo_cpu(q, k, v, pages, tq.quantize(v_pages), table, cu, kv_lens,
-                                                            sm_scale=0.125, kv_format=tq, target=target + "_turbo")
-    want_out, want_lse = _oracle(q, tq.dequantize(got_k), tq.dequantize(got_v), table, seq, pos, 0.125)
-    np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
+    for tq in (turboquant(64, 3.5), many):  # one sparse channel a half; six, the first past its half
+        pages = tq.quantize(k_pages)
+        past = pages.outlier.sparse_idx.at[int(table[2, 1]), 1, 0, 0].set(200)  # a live row of sequence 2
+        pages = dataclasses.replace(pages, outlier=dataclasses.replace(pages.outlier, sparse_idx=past))
+        out, lse, got_k, got_v = cpu.decode_attention_turbo_cpu(q, k, v, pages, tq.quantize(v_pages), table, cu,
+                                                                kv_lens, sm_scale=0.125, kv_format=tq,
+                                                                target=target + "_turbo")
+        want_out, want_lse = _oracle(q, tq.dequantize(got_k), tq.dequantize(got_v), table, seq, pos, 0.125)
+        np.testing.assert_allclose(np.asarray(out), want_out, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match="decode_attention_turbo_cpu TurboQuant ones"):
         cpu.decode_attention_cpu(*args[:3], pages, pages, *args[5:], sm_scale=0.1, kv_format=tq)
